@@ -1,0 +1,1 @@
+"""relaunch: keeps distributed RL post-training running through failures."""

@@ -1,0 +1,126 @@
+"""The `relaunch` command line (also `python -m supervisor`).
+
+Exit codes: 0 success, 1 the job failed, 2 bad usage or bad input (one line naming the key or file).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from supervisor.config import ConfigError, load_config
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"relaunch: error: {message}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _config_and_overrides(args: tuple[str, ...]):
+    """`[CONFIG] [KEY=VALUE ...]`: the first argument without '=' is the config file."""
+    path, overrides = None, []
+    for a in args:
+        if "=" not in a and path is None and not overrides:
+            path = a
+        else:
+            overrides.append(a)
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _address(address: str | None) -> str | None:
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """relaunch: run RL post-training on Ray and keep it running through failures."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local embedded Ray)")
+def run(args, address):
+    """Run CONFIG (default configs/tiny_grpo.yaml) with KEY=VALUE overrides to completion."""
+    config = _config_and_overrides(args)
+    from supervisor.launch import run_job
+    from workers.rewards import UserCodeError, load_reward_fn
+
+    try:
+        load_reward_fn(config.reward.fn)
+    except UserCodeError as e:
+        _fail(str(e))
+    sys.exit(run_job(config, _address(address)))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@click.option("--address", help="Ray cluster address, to ask the live Supervisor")
+def status(args, as_json, address):
+    """Last valid step, restarts and recent events of CONFIG's trial."""
+    config = _config_and_overrides(args)
+    from supervisor.status import format_status, live_progress, trial_status
+
+    st = trial_status(config)
+    st["live"] = live_progress(config, _address(address))
+    click.echo(json.dumps(st, default=str) if as_json else format_status(st))
+
+
+@main.command("clean-restart", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+@click.option("--dry-run", is_flag=True, help="only list what would be removed")
+def clean_restart(args, yes, dry_run):
+    """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept."""
+    config = _config_and_overrides(args)
+    from supervisor.layout import TrialLayout
+
+    layout = TrialLayout.from_config(config)
+    root = layout.checkpoint_root.resolve()
+    targets = [p for p in layout.recover_state_paths() if p.exists() or p.is_symlink()]
+    for p in targets:
+        real = p.resolve()
+        if p.is_symlink() or root not in real.parents:
+            _fail(f"{p}: refusing to delete a path outside the trial root {root}")
+    if not targets:
+        click.echo(f"nothing to remove: no recover state under {root}")
+        return
+    for p in targets:
+        click.echo(f"{'would remove' if dry_run else 'removing'} {p}")
+    if dry_run:
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            _fail("clean-restart deletes recover state: pass --yes to confirm")
+        click.confirm("delete these?", abort=True)
+    for p in targets:
+        shutil.rmtree(p)
+    click.echo("done: the next run starts at step 0")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="output directory (default ./hf-<checkpoint name>)")
+def export(checkpoint, out):
+    """Turn a recover checkpoint directory into a HuggingFace model directory (safetensors)."""
+    from supervisor.export import ExportError, export_recover_checkpoint
+
+    out = out or Path.cwd() / f"hf-{checkpoint.name}"
+    try:
+        export_recover_checkpoint(checkpoint, out)
+    except ExportError as e:
+        _fail(str(e))
+    click.echo(f"exported {checkpoint} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The run's configuration: typed pydantic models, loaded from YAML plus dotted command-line overrides.
+
+Every field is validated before anything starts; errors name the key path (`saver.freq_steps`) so a user
+can fix the exact line. Environment variables are not read here: the entry point resolves them.
+"""
+from __future__ import annotations
+
+import enum
+import getpass
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_grpo.yaml"
+
+
+class ConfigError(ValueError):
+    """Bad config file, key or value; the message is one line naming the key path or file."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Backend(str, enum.Enum):
+    FSDP = "fsdp"
+
+
+class SaveMode(str, enum.Enum):
+    AUTO = "auto"
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class RecoverMode(str, enum.Enum):
+    ON = "on"
+    AUTO = "auto"
+    OFF = "off"
+    DISABLED = "disabled"
+
+    @property
+    def enabled(self) -> bool:
+        return self in (RecoverMode.ON, RecoverMode.AUTO)
+
+
+def _yaml_bool_to_mode(value: Any) -> Any:
+    # YAML 1.1 reads a bare `on`/`off` as a boolean; the user meant the mode name.
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
+class Frequency(_Strict):
+    """Fire when any condition is met: every N epochs, every N steps, or every N seconds. None disables."""
+
+    freq_epochs: Optional[int] = Field(None, gt=0, description="every N completed epochs")
+    freq_steps: Optional[int] = Field(None, gt=0, description="every N completed steps")
+    freq_secs: Optional[float] = Field(None, gt=0, description="every N seconds of wall time")
+
+    @property
+    def any_set(self) -> bool:
+        return any(v is not None for v in (self.freq_epochs, self.freq_steps, self.freq_secs))
+
+
+class ClusterConfig(_Strict):
+    fileroot: Path = Field(Path("./runs"), description="root of checkpoints/ and logs/")
+    user: str = Field(default_factory=getpass.getuser, description="the {user} part of every path")
+    n_train_workers: int = Field(2, ge=1, description="TrainWorker actors (ranks) in the TrainGroup")
+    n_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (inference engines)")
+    cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs reserved by each worker actor")
+    gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per TrainWorker; >0 selects nccl")
+
+
+class ModelConfig(_Strict):
+    """A HuggingFace model directory, or (path null) a tiny Qwen2 built from these sizes, random init."""
+
+    path: Optional[Path] = Field(None, description="HF model directory; null builds a tiny model")
+    vocab: list[str] = Field(
+        default_factory=lambda: ["<pad>", "<s>", "</s>", "="] + [str(d) for d in range(10)],
+        description="word-level vocabulary of the tiny model's tokenizer",
+    )
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+
+
+class ActorConfig(_Strict):
+    backend: Backend = Field(Backend.FSDP, description="training engine")
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="linear LR warm-up steps")
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+
+
+class DataConfig(_Strict):
+    path: Path = Field(Path("examples/max_digit/data.jsonl"), description="JSONL with prompt and answer")
+    batch_size: int = Field(16, gt=0, description="prompts per step")
+    group_size: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
+    max_new_tokens: int = Field(1, gt=0)
+    shuffle: bool = True
+
+
+class RolloutConfig(_Strict):
+    temperature: float = Field(1.0, gt=0)
+
+
+class RewardConfig(_Strict):
+    fn: str = Field("examples.max_digit.reward:reward", description="import path module:function")
+    retry_user_errors: bool = Field(False, description="treat user-code exceptions as restartable faults")
+
+
+class SaverConfig(Frequency):
+    mode: SaveMode = SaveMode.AUTO
+    keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
+
+
+class RecoverConfig(Frequency):
+    mode: RecoverMode = RecoverMode.DISABLED
+    retries: int = Field(3, ge=0, description="restarts allowed in one job")
+    keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
+    backoff_secs: float = Field(1.0, ge=0, description="first restart delay; doubles each restart")
+    max_backoff_secs: float = Field(30.0, ge=0)
+    step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
+    capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
+
+    _bool_mode = field_validator("mode", mode="before")(_yaml_bool_to_mode)
+
+
+class EvaluatorConfig(Frequency):
+    pass
+
+
+class Config(_Strict):
+    experiment_name: str = Field("tiny-grpo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    trial_name: str = Field("trial0", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    seed: int = 1
+    total_train_epochs: int = Field(2, gt=0)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    saver: SaverConfig = Field(default_factory=SaverConfig)
+    recover: RecoverConfig = Field(default_factory=RecoverConfig)
+    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Config":
+        samples = self.data.batch_size * self.data.group_size
+        if samples % self.cluster.n_train_workers:
+            raise ValueError(
+                f"data.batch_size x data.group_size = {samples} must divide evenly among "
+                f"cluster.n_train_workers = {self.cluster.n_train_workers}"
+            )
+        if self.recover.mode.enabled and not self.recover.any_set:
+            raise ValueError("recover.mode is on but none of recover.freq_epochs/freq_steps/freq_secs is set")
+        if self.cluster.user in ("", ".", "..") or "/" in self.cluster.user:
+            raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
+        return self
+
+    def resume_hash(self) -> str:
+        """Hash of what must not change across a resume (model, data, optimisation, seed)."""
+        keep = self.model_dump(mode="json", include={"seed", "model", "actor", "data", "rollout", "reward"})
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_path(path: Path) -> Path:
+    """A relative path means the current directory, else the relaunch checkout (for shipped files)."""
+    if path.is_absolute() or path.exists():
+        return path.resolve()
+    shipped = REPO_ROOT / path
+    return shipped if shipped.exists() else path.resolve()
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` to a raw config dict; the value is parsed as YAML."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {assignment!r} is not KEY=VALUE")
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text else None
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Config:
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {_one_line(e)}") from e
+    config.cluster.fileroot = config.cluster.fileroot.expanduser().resolve()
+    config.data.path = resolve_path(config.data.path)
+    if not config.data.path.is_file():
+        raise ConfigError(f"data.path: no such file {config.data.path}")
+    if config.model.path is not None:
+        config.model.path = resolve_path(config.model.path)
+        if not (config.model.path / "config.json").is_file():
+            raise ConfigError(f"model.path: {config.model.path} has no config.json")
+    return config

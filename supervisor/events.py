@@ -1,0 +1,64 @@
+"""The run's two logs: stats.jsonl (one object per completed step) and events.jsonl (one per event).
+
+Only the Supervisor writes them. events.jsonl is the history of every attempt and only grows;
+stats.jsonl is cut back to the checkpoint's step on resume, so it ends with exactly one line per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from supervisor.durable import write_atomic
+
+
+def _append(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete line; a torn last line (a crash mid-write) is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class EventLog:
+    def __init__(self, path: Path, attempt: int = 0):
+        self.path = path
+        self.attempt = attempt
+
+    def emit(self, event: str, **fields) -> dict:
+        row = {"event": event, "time": time.time(), "attempt": self.attempt, **fields}
+        _append(self.path, row)
+        return row
+
+
+class StatsLog:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def append(self, row: dict) -> None:
+        _append(self.path, row)
+
+    def truncate_after(self, global_step: int) -> int:
+        """Drop rows of steps after `global_step` (they will be trained again); returns how many."""
+        rows = read_jsonl(self.path)
+        keep = [r for r in rows if r.get("global_step", -1) <= global_step]
+        if len(keep) != len(rows) or (self.path.exists() and len(rows) != self._line_count()):
+            write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
+        return len(rows) - len(keep)
+
+    def _line_count(self) -> int:
+        return len(self.path.read_text().splitlines())

@@ -1,0 +1,48 @@
+"""Frequency control for the Saver, the RecoverHandler and the Evaluator: pure, no clocks of its own.
+
+Fires when any of its epoch/step/time conditions is met. Its saved state holds only counters and the
+time since it last fired, never the frequencies: the config in force wins over a checkpoint's (AReaL
+stored the frequencies, so changing freq_steps before a resume had no effect).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class FreqCtl:
+    freq_epochs: Optional[int] = None
+    freq_steps: Optional[int] = None
+    freq_secs: Optional[float] = None
+    epochs_since: int = 0
+    steps_since: int = 0
+    secs_since: float = 0.0
+
+    @classmethod
+    def from_config(cls, freq) -> "FreqCtl":
+        return cls(freq.freq_epochs, freq.freq_steps, freq.freq_secs)
+
+    def check(self, epoch_end: bool, elapsed_secs: float) -> bool:
+        """Account one completed step (that took `elapsed_secs`); True when a condition fires."""
+        self.steps_since += 1
+        self.epochs_since += int(epoch_end)
+        self.secs_since += elapsed_secs
+        fired = (
+            (self.freq_steps is not None and self.steps_since >= self.freq_steps)
+            or (self.freq_epochs is not None and epoch_end and self.epochs_since >= self.freq_epochs)
+            or (self.freq_secs is not None and self.secs_since >= self.freq_secs)
+        )
+        if fired:
+            self.epochs_since = self.steps_since = 0
+            self.secs_since = 0.0
+        return fired
+
+    def state_dict(self) -> dict:
+        return {"epochs_since": self.epochs_since, "steps_since": self.steps_since, "secs_since": self.secs_since}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Missing keys (an older checkpoint) count as "just fired": a sensible default, never a KeyError.
+        self.epochs_since = int(state.get("epochs_since", 0))
+        self.steps_since = int(state.get("steps_since", 0))
+        self.secs_since = float(state.get("secs_since", 0.0))

@@ -1,0 +1,104 @@
+"""The driver: connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
+
+The driver holds no state of the run; it shows a progress bar from the Supervisor's answers and turns
+the result into an exit code. The Supervisor is a named actor (`relaunch/{experiment}/{trial}`), so
+one trial can never have two controllers on a cluster, and `relaunch status` can find it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tqdm import tqdm
+
+from supervisor.config import REPO_ROOT, Config
+from supervisor.faults import ENV_VARS as FAULT_ENV_VARS
+from supervisor.supervisor import EXIT_BAD_INPUT, EXIT_FAILED, Supervisor
+
+NAMESPACE = "relaunch"
+
+
+def supervisor_name(config: Config) -> str:
+    return f"{config.experiment_name}/{config.trial_name}"
+
+
+def _runtime_env() -> dict:
+    """What every actor inherits from the driver: import paths, and armed fault points (tests only)."""
+    paths = [os.getcwd(), str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    env.update({k: os.environ[k] for k in FAULT_ENV_VARS if k in os.environ})
+    return {"env_vars": env}
+
+
+def connect(config: Config, address: str | None) -> None:
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, runtime_env=_runtime_env(), log_to_driver=True)
+        return
+    cluster = config.cluster
+    needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker
+    ray.init(num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=NAMESPACE,
+             include_dashboard=False, runtime_env=_runtime_env(), object_store_memory=512 * 1024**2)
+
+
+def run_job(config: Config, address: str | None) -> int:
+    connect(config, address)
+    try:
+        name = supervisor_name(config)
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+            print(f"relaunch: error: trial {name} is already running on this cluster", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except ValueError:
+            pass
+        retries = config.recover.retries if config.recover.mode.enabled else 0
+        supervisor = Supervisor.options(
+            name=name, namespace=NAMESPACE, max_restarts=retries, max_task_retries=retries,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(config, uuid.uuid4().hex[:12])
+        try:
+            result = _follow(supervisor, supervisor.run.remote())
+        except KeyboardInterrupt:
+            ray.kill(supervisor, no_restart=True)
+            print("relaunch: interrupted; the last valid checkpoint is kept", file=sys.stderr)
+            return 130
+    finally:
+        ray.shutdown()
+    if result["details"]:
+        print(result["details"], file=sys.stderr, end="")
+    code = result["exit_code"]
+    if code == 0:
+        reward = f", last mean reward {result['reward']:.3f}" if result["reward"] is not None else ""
+        print(f"relaunch: {result['message']} (global step {result['global_step']}{reward})")
+    else:
+        print(f"relaunch: failed: {result['message']}", file=sys.stderr)
+    return code
+
+
+def _follow(supervisor, run_ref) -> dict:
+    """Wait for the run, drawing a progress bar from the Supervisor's progress answers."""
+    bar = tqdm(desc="relaunch", unit="step", mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
+    try:
+        while True:
+            done, _ = ray.wait([run_ref], timeout=1.0)
+            if done:
+                break
+            try:
+                p = ray.get(supervisor.progress.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - the Supervisor may be restarting; the run ref will tell
+                continue
+            bar.total = p["total_steps"]
+            bar.n = p["global_step"] + 1
+            reward = f"{p['reward']:.3f}" if p["reward"] is not None else "-"
+            bar.set_postfix(phase=p["phase"], reward=reward, restarts=p["restarts"], refresh=False)
+            bar.refresh()
+        try:
+            return ray.get(run_ref)
+        except ray.exceptions.RayError as e:
+            return {"exit_code": EXIT_FAILED, "message": f"the Supervisor was lost: {str(e).splitlines()[0]}",
+                    "global_step": -1, "reward": None, "details": ""}
+    finally:
+        bar.close()

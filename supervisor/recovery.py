@@ -1,0 +1,256 @@
+"""Recover checkpoints: publish, validate, select the last valid one, prune. The only writer of recover_info/.
+
+One directory per step, `recover_checkpoint/globalstep{G}/`, self-contained: DCP shards of model,
+optimizer and scheduler, every rank's RNG file, the six recover_info files of that same step in `meta/`,
+and `manifest.json` (written last) with the size and sha256 of every file. A step directory is built under
+a temporary name and renamed when complete. The commit point is the atomic replace of
+`recover_info/checkpoint_info.json`, which lists the published steps; recover_info/ mirrors the newest.
+
+Loading reads everything from the selected step directory, never from the mirror, so a crash between the
+two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.durable import (
+    file_digest, fsync_dir, load_plain_pickle, publish_dir, tmp_name, write_atomic, write_json_atomic,
+)
+from supervisor.faults import fault_point
+from supervisor.layout import RECOVER_INFO_FILES, STEP_DIR, TMP_PREFIX, TrialLayout
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+META = "meta"
+
+
+class CheckpointError(RuntimeError):
+    """No valid checkpoint can be loaded although one was committed; never a silent fresh start."""
+
+
+@dataclass
+class Checkpoint:
+    """A validated, published recover checkpoint and the metadata of its step."""
+
+    global_step: int
+    path: Path
+    manifest: dict
+    infos: dict  # file name in RECOVER_INFO_FILES -> its content
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+
+@dataclass
+class LoadResult:
+    checkpoint: Checkpoint | None
+    fallbacks: list[str] = field(default_factory=list)   # why newer checkpoints were skipped
+
+
+def _encode_info(name: str, content) -> bytes:
+    if name.endswith(".pkl"):
+        return pickle.dumps(content, protocol=4)
+    return (json.dumps(content, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _decode_info(name: str, data: bytes):
+    return load_plain_pickle(data) if name.endswith(".pkl") else json.loads(data)
+
+
+def step_of(path: Path) -> int | None:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+class RecoverStore:
+    def __init__(self, layout: TrialLayout, keep_last: int):
+        self.layout = layout
+        self.keep_last = keep_last
+        self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prune")
+
+    # ---- writing -------------------------------------------------------------------------------
+    def staging_dir(self, global_step: int) -> Path:
+        """A fresh temporary directory where the TrainWorkers write this step's shards."""
+        self.layout.recover_checkpoint.mkdir(parents=True, exist_ok=True)
+        path = tmp_name(self.layout.step_dir(global_step))
+        path.mkdir()
+        return path
+
+    def commit(self, staging: Path, global_step: int, world_size: int, config_hash: str,
+               shard_files: dict[str, dict], infos: dict) -> Path:
+        """Publish a fully written staging directory as the last valid checkpoint of `global_step`.
+
+        `shard_files` maps each file the ranks wrote to its {size, sha256}; `infos` holds the contents
+        of every recover_info file; checkpoint_info.json's is completed here with the commit record.
+        """
+        final = self.layout.step_dir(global_step)
+        rel_path = str(final.relative_to(self.layout.checkpoint_root))
+        previous = self.published_steps()
+        infos = dict(infos)
+        infos["checkpoint_info.json"] = {
+            **infos.get("checkpoint_info.json", {}), "schema_version": SCHEMA_VERSION, "global_step": global_step, "path": rel_path,
+            "world_size": world_size, "config_hash": config_hash,
+            "published": sorted(set(previous) | {global_step}),
+        }
+        files = dict(shard_files)
+        (staging / META).mkdir(exist_ok=True)
+        for name in RECOVER_INFO_FILES:
+            data = _encode_info(name, infos[name])
+            (staging / META / name).write_bytes(data)
+            files[f"{META}/{name}"] = {"size": len(data), "sha256": file_digest(staging / META / name)}
+        missing = [n for n in files if not (staging / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{staging}: ranks reported files that are not there: {missing[:3]}")
+        fault_point("before_manifest", step=global_step)
+        (staging / MANIFEST).write_text(json.dumps({
+            "schema_version": SCHEMA_VERSION, "global_step": global_step, "world_size": world_size,
+            "config_hash": config_hash, "files": files,
+        }, indent=1, sort_keys=True))
+        fault_point("before_publish", step=global_step)
+        publish_dir(staging, final)
+        fault_point("after_publish", step=global_step)
+        self._write_recover_info(infos, global_step)
+        fault_point("after_commit", step=global_step)
+        self._pruner.submit(self.prune, global_step)
+        return final
+
+    def _write_recover_info(self, infos: dict, global_step: int) -> None:
+        info_dir = self.layout.recover_info
+        if not info_dir.exists():
+            # First commit: the directory appears complete, in one rename.
+            tmp = tmp_name(info_dir)
+            tmp.mkdir(parents=True)
+            for name in RECOVER_INFO_FILES:
+                (tmp / name).write_bytes(_encode_info(name, infos[name]))
+            publish_dir(tmp, info_dir)
+            return
+        # Later commits: the mirror files first, the commit pointer last.
+        for name in RECOVER_INFO_FILES:
+            if name != "checkpoint_info.json":
+                write_atomic(info_dir / name, _encode_info(name, infos[name]))
+                fault_point(f"after_{name}", step=global_step)
+        write_atomic(info_dir / "checkpoint_info.json", _encode_info("checkpoint_info.json",
+                                                                      infos["checkpoint_info.json"]))
+
+    def prune(self, newest: int) -> list[int]:
+        """Delete published steps beyond `keep_last`, oldest first; only ever after a newer one is published."""
+        steps = [s for s in self.published_steps() if s <= newest]
+        doomed = steps[: max(0, len(steps) - self.keep_last)]
+        for step in doomed:
+            fault_point("during_prune", step=step)
+            shutil.rmtree(self.layout.step_dir(step), ignore_errors=True)
+        return doomed
+
+    def wait_for_pruning(self) -> None:
+        self._pruner.submit(lambda: None).result()
+
+    # ---- reading -------------------------------------------------------------------------------
+    def published_steps(self) -> list[int]:
+        root = self.layout.recover_checkpoint
+        if not root.is_dir():
+            return []
+        return sorted(s for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None)
+
+    def has_recover_state(self) -> bool:
+        return self.layout.recover_info.exists()
+
+    def committed_step(self) -> int | None:
+        """The step recover_info/checkpoint_info.json points at, or None when unreadable."""
+        try:
+            data = json.loads((self.layout.recover_info / "checkpoint_info.json").read_bytes())
+            return int(data["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def validate(self, step: int) -> Checkpoint:
+        """Check every file of a step directory against its manifest; raise naming the first bad file."""
+        path = self.layout.step_dir(step)
+        manifest_path = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_bytes())
+            files = manifest["files"]
+            if int(manifest["global_step"]) != step:
+                raise ValueError(f"says step {manifest['global_step']}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
+        for name, expect in sorted(files.items()):
+            f = path / name
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing")
+            if f.stat().st_size != expect["size"]:
+                raise CheckpointError(f"{f}: size {f.stat().st_size}, expected {expect['size']}")
+            if file_digest(f) != expect["sha256"]:
+                raise CheckpointError(f"{f}: checksum mismatch")
+        infos = {}
+        for name in RECOVER_INFO_FILES:
+            try:
+                infos[name] = _decode_info(name, (path / META / name).read_bytes())
+            except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
+                raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
+        return Checkpoint(step, path, manifest, infos)
+
+    def load_latest(self) -> LoadResult:
+        """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""
+        if not self.has_recover_state():
+            return LoadResult(None)
+        committed = self.committed_step()
+        steps = self.published_steps()
+        if committed is not None:
+            steps = [s for s in steps if s <= committed]  # newer directories were never committed
+        fallbacks = []
+        if committed is not None and committed not in steps:
+            fallbacks.append(f"{self.layout.step_dir(committed)}: committed checkpoint is missing")
+        for step in reversed(steps):
+            try:
+                return LoadResult(self.validate(step), fallbacks)
+            except CheckpointError as e:
+                fallbacks.append(str(e))
+        if not steps and committed is None and not fallbacks:
+            fallbacks.append(f"{self.layout.recover_info / 'checkpoint_info.json'}: unreadable")
+        raise CheckpointError(
+            f"no valid recover checkpoint: {fallbacks[0] if fallbacks else 'none found'}; "
+            f"run `relaunch clean-restart CONFIG` to start fresh"
+        )
+
+    # ---- housekeeping --------------------------------------------------------------------------
+    def leftovers(self, keep_step: int | None) -> list[Path]:
+        """Temporary directories of interrupted saves, and step directories that were never committed."""
+        found = []
+        for root in (self.layout.recover_checkpoint, self.layout.checkpoint_root):
+            if root.is_dir():
+                found += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
+        if self.layout.recover_info.is_dir():
+            found += [p for p in self.layout.recover_info.iterdir() if p.name.startswith(TMP_PREFIX)]
+        for step in self.published_steps():
+            if keep_step is None or step > keep_step:
+                found.append(self.layout.step_dir(step))
+        return found
+
+    def remove_leftovers(self, keep_step: int | None) -> list[Path]:
+        """Clean up before training on from `keep_step`. A damaged committed step directory newer than it
+        is moved aside as `damaged.globalstep{G}` for inspection, not deleted; the rest is removed."""
+        committed = self.committed_step()
+        removed = self.leftovers(keep_step)
+        for p in removed:
+            step = step_of(p)
+            if step is not None and committed is not None and step <= committed:
+                p.rename(p.with_name(f"damaged.{p.name}.{tmp_name(p).name[-8:]}"))
+            elif p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        return removed
+
+    def restore_mirror(self, checkpoint: Checkpoint) -> None:
+        """Rewrite recover_info/ from a loaded step directory (after a crash or a fallback)."""
+        for name in RECOVER_INFO_FILES:
+            current = self.layout.recover_info / name
+            data = _encode_info(name, checkpoint.infos[name])
+            if not current.is_file() or current.read_bytes() != data:
+                write_atomic(current, data)

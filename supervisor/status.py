@@ -1,0 +1,75 @@
+"""What `relaunch status` reports, read from disk (and from the live Supervisor when reachable)."""
+from __future__ import annotations
+
+from supervisor.events import read_jsonl
+from supervisor.layout import TrialLayout
+from supervisor.recovery import CheckpointError, RecoverStore
+
+
+def trial_status(config, n_events: int = 10) -> dict:
+    layout = TrialLayout.from_config(config)
+    store = RecoverStore(layout, config.recover.keep_last)
+    last_valid, error = None, None
+    try:
+        ckpt = store.load_latest().checkpoint
+        if ckpt is not None:
+            s = ckpt.infos["step_info.json"]
+            last_valid = {"global_step": ckpt.global_step, "epoch": s["epoch"], "epoch_step": s["epoch_step"],
+                          "path": str(ckpt.path)}
+    except CheckpointError as e:
+        error = str(e)
+    events = read_jsonl(layout.events_log)
+    job = next((e.get("job") for e in reversed(events) if e["event"] == "start"), None)
+    this_job = [e for e in events if e.get("job") == job] if job else []
+    stats = read_jsonl(layout.stats_log)
+    ended = next((e["event"] for e in reversed(this_job) if e["event"] in ("done", "gave_up", "failed")), None)
+    return {
+        "experiment_name": config.experiment_name,
+        "trial_name": config.trial_name,
+        "checkpoint_root": str(layout.checkpoint_root),
+        "last_valid": last_valid,
+        "checkpoint_error": error,
+        "restarts": sum(e["event"] == "restart" for e in this_job),
+        "job": job,
+        "state": ended or ("unknown" if job else "never run"),
+        "last_step": stats[-1] if stats else None,
+        "events": events[-n_events:],
+        "live": None,
+    }
+
+
+def format_status(st: dict) -> str:
+    lines = [f"trial      {st['experiment_name']}/{st['trial_name']}  ({st['checkpoint_root']})",
+             f"state      {st['state']}" + (f", live: {st['live']['phase']} at step {st['live']['global_step']}"
+                                            if st["live"] else "")]
+    lv = st["last_valid"]
+    lines.append("last valid " + (f"global step {lv['global_step']} (epoch {lv['epoch']} step {lv['epoch_step']}) "
+                                  f"{lv['path']}" if lv else "none") +
+                 (f"  [{st['checkpoint_error']}]" if st["checkpoint_error"] else ""))
+    lines.append(f"restarts   {st['restarts']}")
+    if st["last_step"]:
+        ls = st["last_step"]
+        lines.append(f"last step  {ls['global_step']}: reward {ls['reward']:.3f} loss {ls['loss']:.4f}")
+    lines.append("events:")
+    for e in st["events"]:
+        extra = {k: v for k, v in e.items() if k not in ("event", "time", "job", "attempt")}
+        lines.append(f"  {e['event']:<18} {extra}")
+    return "\n".join(lines)
+
+
+def live_progress(config, address: str | None) -> dict | None:
+    """The running Supervisor's own answer, when a cluster address is known and it is there."""
+    if not address:
+        return None
+    import ray
+
+    from supervisor.launch import NAMESPACE, supervisor_name
+
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        actor = ray.get_actor(supervisor_name(config), namespace=NAMESPACE)
+        return ray.get(actor.progress.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - unreachable cluster or no live run: fall back to disk
+        return None
+    finally:
+        ray.shutdown()

@@ -1,0 +1,370 @@
+"""The Supervisor actor: the single controller of a run and the only writer of its recovery state.
+
+It drives every step (batch -> rollouts -> rewards -> advantages -> update -> weight push -> saves ->
+stats), turns worker failures into faults, asks the restart policy what to do, and applies the answer:
+restart the whole TrainGroup from the last valid checkpoint (rolling its own state back to the same
+step), or only the dead inference engines. No rollout runs until every engine has passed the resync gate.
+"""
+from __future__ import annotations
+
+import enum
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from ray.exceptions import RayTaskError
+
+from supervisor.events import EventLog, StatsLog, read_jsonl
+from supervisor.freq import FreqCtl
+from supervisor.groups import CapacityError, RolloutGroup, TrainGroup, WorkerFault
+from supervisor.layout import TMP_PREFIX, TrialLayout
+from supervisor.policy import Action, Fault, FaultKind, RestartPolicy
+from supervisor.recovery import Checkpoint, CheckpointError, RecoverStore, SCHEMA_VERSION
+from supervisor.step_info import StepInfo
+from supervisor.durable import publish_dir, tmp_name
+from workers.data import PromptLoader, read_prompts
+from workers.grpo import group_advantages
+from workers.model import build_tokenizer
+from workers.rewards import UserCodeError, load_reward_fn, score
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class Phase(str, enum.Enum):
+    STARTING = "starting"
+    ROLLOUT = "rollout"
+    TRAIN = "train"
+    SYNC = "sync"
+    SAVING = "saving"
+    RESTARTING = "restarting"
+    RESYNCING = "resyncing"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class RunState:
+    """What a recover checkpoint restores on the Supervisor's side, all of one step."""
+
+    step: StepInfo
+    saver: FreqCtl
+    recover: FreqCtl
+    evaluator: FreqCtl
+
+
+@dataclass
+class Weights:
+    ref: ray.ObjectRef
+    version: int
+    checksum: str
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    message: str
+    global_step: int = -1
+    reward: float | None = None
+    details: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _dcp_bytes(checkpoint_files: dict) -> int:
+    return sum(f["size"] for f in checkpoint_files.values())
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class Supervisor:
+    def __init__(self, config, job_id: str):
+        self.config, self.job_id = config, job_id
+        self.layout = TrialLayout.from_config(config)
+        prior = [e for e in read_jsonl(self.layout.events_log) if e.get("job") == job_id]
+        self.attempt = sum(e["event"] == "start" for e in prior)
+        self.events = EventLog(self.layout.events_log, attempt=self.attempt)
+        self.stats = StatsLog(self.layout.stats_log)
+        self.recover_on = config.recover.mode.enabled
+        self.store = RecoverStore(self.layout, config.recover.keep_last) if self.recover_on else None
+        self.policy = RestartPolicy.from_config(config)
+        self.policy.restarts = sum(e["event"] == "restart" for e in prior)
+        self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
+                                   config.data.shuffle)
+        self.tokenizer = build_tokenizer(config.model)
+        self.total_steps = self.loader.steps_per_epoch * config.total_train_epochs
+        self.timeout = config.recover.step_timeout_secs
+        self.phase = Phase.STARTING
+        self.state = self._fresh_state()
+        self.train_group: TrainGroup | None = None
+        self.rollout_group: RolloutGroup | None = None
+        self.weights: Weights | None = None
+        self.last_reward: float | None = None
+
+    # ---- queries (served concurrently with run) -------------------------------------------------
+    def progress(self) -> dict:
+        return {
+            "phase": self.phase.value, "global_step": self.state.step.global_step, "total_steps": self.total_steps,
+            "reward": self.last_reward, "restarts": self.policy.restarts, "attempt": self.attempt,
+            "weights_version": self.weights.version if self.weights else None,
+            "train_nodes": self.train_group.nodes if self.train_group else [],
+            "rollout_nodes": self.rollout_group.nodes if self.rollout_group else [],
+        }
+
+    # ---- the run --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        try:
+            result = self._run()
+        except Exception as e:  # noqa: BLE001 - a bug in relaunch itself: report it, never hang the driver
+            result = JobResult(EXIT_FAILED, f"relaunch internal error: {type(e).__name__}: {e}",
+                               details=traceback.format_exc())
+            self.events.emit("failed", job=self.job_id, reason=result.message)
+        finally:
+            self._shutdown()
+        self.phase = Phase.FINISHED if result.exit_code == EXIT_OK else Phase.FAILED
+        return result.__dict__
+
+    def _run(self) -> JobResult:
+        self.events.emit("start", job=self.job_id, experiment=self.config.experiment_name,
+                         trial=self.config.trial_name, total_steps=self.total_steps,
+                         n_train_workers=self.config.cluster.n_train_workers,
+                         n_rollout_workers=self.config.cluster.n_rollout_workers)
+        if self.attempt > 0:
+            self._on_fault(Fault(FaultKind.WORKER_DIED, "the Supervisor actor died and was restarted by Ray",
+                                 actor="Supervisor"), count_only=True)
+        try:
+            checkpoint = self._load_checkpoint()
+        except CheckpointError as e:
+            self.events.emit("failed", job=self.job_id, reason=str(e))
+            return JobResult(EXIT_BAD_INPUT, str(e))
+        if checkpoint is not None and checkpoint.global_step + 1 >= self.total_steps:
+            self._restore(checkpoint)
+            msg = f"already complete at global step {checkpoint.global_step}; nothing to train"
+            self.events.emit("done", job=self.job_id, global_step=checkpoint.global_step, message=msg)
+            return JobResult(EXIT_OK, msg, checkpoint.global_step)
+        try:
+            reward_fn = load_reward_fn(self.config.reward.fn)
+        except UserCodeError as e:
+            return JobResult(EXIT_BAD_INPUT, str(e))
+        action = Action.RESTART_TRAIN_GROUP  # the first start is a (re)start from the last checkpoint
+        while True:
+            details = ""
+            try:
+                if self.rollout_group is None:
+                    self.rollout_group = RolloutGroup(self.config, self.timeout)
+                if action is Action.RESTART_TRAIN_GROUP:
+                    self._start_train_group()
+                elif action is Action.RESTART_ENGINES:
+                    self._restart_engines()
+                while self.state.step.global_step + 1 < self.total_steps:
+                    self._step(self.state.step.next(), reward_fn)
+                break
+            except WorkerFault as e:
+                fault = e.fault
+            except UserCodeError as e:
+                fault = Fault(FaultKind.USER_ERROR, str(e))
+                details = "".join(traceback.format_exception(e.__cause__ or e))
+            except CapacityError as e:
+                self.events.emit("gave_up", job=self.job_id, reason=str(e))
+                return JobResult(EXIT_FAILED, str(e), self.state.step.global_step)
+            decision = self._on_fault(fault)
+            if decision.action is Action.FAIL:
+                kind = "failed" if fault.kind is FaultKind.USER_ERROR else "gave_up"
+                self.events.emit(kind, job=self.job_id, reason=decision.reason)
+                return JobResult(EXIT_FAILED, decision.reason, self.state.step.global_step, details=details)
+            time.sleep(decision.delay_secs)
+            action = decision.action
+        if self.recover_on and self.store.committed_step() != self.state.step.global_step:
+            self._save_recover(self.state.step)
+        self.events.emit("done", job=self.job_id, global_step=self.state.step.global_step, reward=self.last_reward)
+        return JobResult(EXIT_OK, f"finished {self.total_steps} steps", self.state.step.global_step, self.last_reward)
+
+    def _on_fault(self, fault: Fault, count_only: bool = False):
+        self.events.emit("failure", job=self.job_id, cause=fault.kind.value, message=fault.message,
+                         actor=fault.actor, node=fault.node, detect_secs=fault.detect_secs,
+                         global_step=self.state.step.global_step + 1)
+        if count_only:
+            self.policy.restarts += 1
+            self.events.emit("restart", job=self.job_id, n=self.policy.restarts, limit=self.policy.retries,
+                             what="supervisor")
+            return None
+        decision = self.policy.decide(fault)
+        print(f"[relaunch] {fault.kind.value}: {fault.message} -> {decision.reason}", flush=True)
+        if decision.action is not Action.FAIL:
+            self.phase = Phase.RESTARTING
+            self.events.emit("restart", job=self.job_id, n=self.policy.restarts, limit=self.policy.retries,
+                             what=decision.action.value, delay_secs=decision.delay_secs)
+        return decision
+
+    # ---- recovery -------------------------------------------------------------------------------
+    def _fresh_state(self) -> RunState:
+        cfg = self.config
+        return RunState(StepInfo.before_start(self.loader.steps_per_epoch), FreqCtl.from_config(cfg.saver),
+                        FreqCtl.from_config(cfg.recover), FreqCtl.from_config(cfg.evaluator))
+
+    def _load_checkpoint(self) -> Checkpoint | None:
+        """The last valid checkpoint (falling back past damaged ones), after cleaning up interrupted saves."""
+        if not self.recover_on:
+            return None
+        self.store.wait_for_pruning()
+        result = self.store.load_latest()
+        for reason in result.fallbacks:
+            self.events.emit("fallback", job=self.job_id, reason=reason)
+        ckpt = result.checkpoint
+        removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
+        if removed:
+            self.events.emit("cleanup", job=self.job_id, removed=[str(p) for p in removed])
+        if ckpt is not None:
+            self.store.restore_mirror(ckpt)
+            if ckpt.manifest.get("config_hash") != self.config.resume_hash():
+                self.events.emit("warning", job=self.job_id,
+                                 message="the config that matters for resume changed since this checkpoint")
+        return ckpt
+
+    def _restore(self, ckpt: Checkpoint | None) -> None:
+        """Roll the Supervisor's own state back to the checkpoint's step (or to the start)."""
+        state = self._fresh_state()
+        if ckpt is not None:
+            infos = ckpt.infos
+            state.step = StepInfo.from_dict(infos["step_info.json"])
+            if state.step.steps_per_epoch != self.loader.steps_per_epoch:
+                raise CheckpointError(
+                    f"{ckpt.path}: saved with {state.step.steps_per_epoch} steps per epoch, the data now gives "
+                    f"{self.loader.steps_per_epoch}; run `relaunch clean-restart CONFIG` to start fresh")
+            for ctl, name in ((state.saver, "saver_info.json"), (state.evaluator, "evaluator_info.json")):
+                ctl.load_state_dict(infos[name].get("freq", {}))
+            state.recover.load_state_dict(infos["checkpoint_info.json"].get("freq", {}))
+        self.state = state
+        self.stats.truncate_after(state.step.global_step)
+
+    def _start_train_group(self) -> None:
+        self.phase = Phase.RESTARTING
+        if self.train_group is not None:
+            self.train_group.shutdown()  # survivors may be stuck in a collective with the dead rank
+            self.train_group = None
+        ckpt = self._load_checkpoint()
+        started = time.monotonic()
+        self.train_group = TrainGroup(self.config, self.config.cluster.n_train_workers, self.timeout)
+        missing = []
+        if ckpt is not None:
+            missing = self.train_group.load_recover(str(ckpt.path), ckpt.world_size)
+        self._restore(ckpt)
+        self.events.emit("loaded", job=self.job_id, global_step=self.state.step.global_step,
+                         path=str(ckpt.path) if ckpt else None, nodes=self.train_group.nodes,
+                         missing_state=missing, secs=round(time.monotonic() - started, 3))
+        self._sync_weights(pull=True)
+
+    def _restart_engines(self) -> None:
+        self.phase = Phase.RESTARTING
+        replaced = self.rollout_group.restart_dead()
+        self.events.emit("engines_restarted", job=self.job_id, replaced=replaced)
+        self._sync_weights(pull=False)
+
+    def _sync_weights(self, pull: bool) -> None:
+        """Push the trainer's weights to every engine, then the resync gate: versions and checksums agree."""
+        self.phase = Phase.RESYNCING
+        if pull or self.weights is None:
+            ref, checksum = self.train_group.weights()
+            self.weights = Weights(ref, self.state.step.global_step + 1, checksum)
+        for _ in range(2):
+            self.rollout_group.push(self.weights.ref, self.weights.version)
+            status = self.rollout_group.weight_status()
+            if all(s == (self.weights.version, self.weights.checksum) for s in status):
+                self.events.emit("resync", job=self.job_id, version=self.weights.version,
+                                 checksum=self.weights.checksum, engines=len(status))
+                return
+        raise WorkerFault(Fault(FaultKind.ENGINE_DIED, f"engines disagree with the trainer after resync: {status} "
+                                                      f"!= {(self.weights.version, self.weights.checksum)}"))
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _step(self, s: StepInfo, reward_fn) -> None:
+        cfg, t0 = self.config, time.monotonic()
+        self.phase = Phase.ROLLOUT
+        rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
+        rollout = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step,
+                                              self.tokenizer.pad_token_id)
+        rewards = torch.tensor(score(reward_fn, rows, rollout["completions"]))
+        advantages = group_advantages(rewards, cfg.data.group_size)
+        t_rollout = time.monotonic()
+        self.phase = Phase.TRAIN
+        n = cfg.cluster.n_train_workers
+        keys = ("input_ids", "attention_mask", "response_mask")
+        shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
+                  for r in range(n)]
+        metrics = self.train_group.train(shards, s.global_step)[0]
+        t_train = time.monotonic()
+        self.phase = Phase.SYNC
+        ref, checksum = self.train_group.weights()
+        self.weights = Weights(ref, s.global_step + 1, checksum)
+        self.rollout_group.push(ref, self.weights.version)
+        self.state.step = s
+        self.last_reward = float(rewards.mean())
+        row = {"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
+               "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+               "lr": metrics["lr"], "weights_version": self.weights.version,
+               "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout}
+        self.phase = Phase.SAVING
+        elapsed = time.monotonic() - t0
+        t_save = time.monotonic()
+        if self.state.saver.check(s.is_epoch_end, elapsed):
+            self._export_hf(s)
+        if self.state.evaluator.check(s.is_epoch_end, elapsed):
+            row["eval/reward"] = self._evaluate(s)
+        row["time/saving"] = time.monotonic() - t_save
+        row["time/step"] = time.monotonic() - t0
+        self.stats.append(row)
+        if self.recover_on and self.state.recover.check(s.is_epoch_end, elapsed):
+            self._save_recover(s)
+
+    def _evaluate(self, s: StepInfo) -> float:
+        rows = self.loader.rows
+        out = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step, self.tokenizer.pad_token_id,
+                                          greedy=True)
+        reward_fn = load_reward_fn(self.config.reward.fn)
+        return float(torch.tensor(score(reward_fn, rows, out["completions"])).mean())
+
+    def _export_hf(self, s: StepInfo) -> None:
+        """A HuggingFace directory for this step, appearing complete or not at all."""
+        final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
+        if final.exists():
+            return  # the same step trained again after a rollback: identical weights, already exported
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_name(final)
+        self.train_group.export_hf(str(tmp), s.global_step)
+        publish_dir(tmp, final)
+        self.events.emit("export", job=self.job_id, global_step=s.global_step, path=str(final))
+        keep = self.config.saver.keep_last
+        if keep:
+            exports = sorted((p for p in final.parent.iterdir()
+                              if p.is_dir() and p.name.startswith("epoch") and not p.name.startswith(TMP_PREFIX)),
+                             key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
+            for old in exports[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _save_recover(self, s: StepInfo) -> None:
+        started = time.monotonic()
+        staging = self.store.staging_dir(s.global_step)
+        files = self.train_group.save_recover(str(staging), s.global_step)
+        nxt = s.next()
+        infos = {
+            "step_info.json": {"schema_version": SCHEMA_VERSION, **s.to_dict()},
+            "saver_info.json": {"schema_version": SCHEMA_VERSION, "freq": self.state.saver.state_dict()},
+            "evaluator_info.json": {"schema_version": SCHEMA_VERSION, "freq": self.state.evaluator.state_dict()},
+            "stats_logger_info.json": {"schema_version": SCHEMA_VERSION, "commit_step": s.global_step},
+            "dataloader_info.pkl": self.loader.state_dict(nxt.epoch, nxt.epoch_step),
+            "checkpoint_info.json": {"freq": self.state.recover.state_dict()},
+        }
+        path = self.store.commit(staging, s.global_step, self.config.cluster.n_train_workers,
+                                 self.config.resume_hash(), files, infos)
+        secs = time.monotonic() - started
+        self.events.emit("commit", job=self.job_id, global_step=s.global_step, path=str(path),
+                         bytes=_dcp_bytes(files), secs=round(secs, 3))
+
+    def _shutdown(self) -> None:
+        for group in (self.train_group, self.rollout_group):
+            if group is not None:
+                try:
+                    group.shutdown()
+                except Exception:  # noqa: BLE001 - best effort at the end of the run
+                    pass
+        self.train_group = self.rollout_group = None

@@ -1,0 +1,59 @@
+"""The policy model and its tokenizer: a HuggingFace directory, or a tiny Qwen2 built from the config.
+
+The tiny model needs no download: its tokenizer is a word-level `tokenizers` model over the config's
+vocabulary, wrapped as a HuggingFace fast tokenizer so exports load with AutoTokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+
+def build_tokenizer(model_cfg) -> PreTrainedTokenizerFast:
+    if model_cfg.path is not None:
+        return AutoTokenizer.from_pretrained(model_cfg.path)
+    vocab = {tok: i for i, tok in enumerate(model_cfg.vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def model_config(model_cfg, tokenizer):
+    if model_cfg.path is not None:
+        return AutoConfig.from_pretrained(model_cfg.path)
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.intermediate_size, num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
+        max_position_embeddings=64, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def build_model(model_cfg, tokenizer, seed: int) -> torch.nn.Module:
+    """Identical on every rank: loaded weights, or a random init seeded by `seed`."""
+    if model_cfg.path is not None:
+        return AutoModelForCausalLM.from_pretrained(model_cfg.path, torch_dtype=torch.float32)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(model_config(model_cfg, tokenizer), torch_dtype=torch.float32)
+
+
+def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
+    """A bitwise fingerprint of a full state dict, to prove an engine holds the trainer's weights."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logits for left-padded sequences; positions count real tokens only, as in generation."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False).logits
