@@ -19,6 +19,9 @@ from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
 
 
+SETUP_TIMEOUT_SECS = 180.0
+
+
 class WorkerFault(Exception):
     def __init__(self, fault: Fault):
         super().__init__(fault.message)
@@ -89,10 +92,14 @@ class TrainGroup:
             ).remote(config, r, world_size), f"TrainWorker[rank {r}]")
             for r in range(world_size)
         ]
-        where = self._all(lambda m: m.handle.where.remote())
+        # Start-up (imports, model build, rendezvous) is not a step: it gets a longer bound than a step.
+        setup_timeout = max(timeout, SETUP_TIMEOUT_SECS)
+        where = gather(self.members, [m.handle.where.remote() for m in self.members], setup_timeout,
+                       FaultKind.WORKER_DIED)
         for m, w in zip(self.members, where):
             m.node_id = w["node_id"]
-        self._all(lambda m: m.handle.setup.remote(where[0]["ip"], where[0]["port"]))
+        gather(self.members, [m.handle.setup.remote(where[0]["ip"], where[0]["port"]) for m in self.members],
+               setup_timeout, FaultKind.WORKER_DIED)
 
     def _all(self, call) -> list:
         return gather(self.members, [call(m) for m in self.members], self.timeout, FaultKind.WORKER_DIED)
@@ -139,7 +146,8 @@ class RolloutGroup:
     def _spawn(self, i: int) -> Member:
         handle = RolloutWorker.options(num_cpus=self.config.cluster.cpus_per_worker, max_restarts=0).remote(self.config)
         member = Member(handle, f"RolloutWorker[{i}]")
-        member.node_id = gather([member], [handle.node_id.remote()], self.timeout, FaultKind.ENGINE_DIED)[0]
+        member.node_id = gather([member], [handle.node_id.remote()], max(self.timeout, SETUP_TIMEOUT_SECS),
+                                FaultKind.ENGINE_DIED)[0]
         return member
 
     def _all(self, call) -> list:

@@ -26,6 +26,7 @@ from supervisor.layout import RECOVER_INFO_FILES, STEP_DIR, TMP_PREFIX, TrialLay
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+RUN_CONFIG = "run_config.json"  # the full config of the run, so `relaunch export` can rebuild the model
 META = "meta"
 
 
@@ -66,6 +67,34 @@ def _decode_info(name: str, data: bytes):
 def step_of(path: Path) -> int | None:
     m = STEP_DIR.match(path.name)
     return int(m.group(1)) if m else None
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Check every file of a step directory against its manifest; raise naming the first bad file."""
+    step = step_of(path)
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        files = manifest["files"]
+        if int(manifest["global_step"]) != step:
+            raise ValueError(f"says step {manifest['global_step']}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
+    for name, expect in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing")
+        if f.stat().st_size != expect["size"]:
+            raise CheckpointError(f"{f}: size {f.stat().st_size}, expected {expect['size']}")
+        if file_digest(f) != expect["sha256"]:
+            raise CheckpointError(f"{f}: checksum mismatch")
+    infos = {}
+    for name in RECOVER_INFO_FILES:
+        try:
+            infos[name] = _decode_info(name, (path / META / name).read_bytes())
+        except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
+            raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
+    return Checkpoint(step, path, manifest, infos)
 
 
 class RecoverStore:
@@ -169,31 +198,7 @@ class RecoverStore:
             return None
 
     def validate(self, step: int) -> Checkpoint:
-        """Check every file of a step directory against its manifest; raise naming the first bad file."""
-        path = self.layout.step_dir(step)
-        manifest_path = path / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_bytes())
-            files = manifest["files"]
-            if int(manifest["global_step"]) != step:
-                raise ValueError(f"says step {manifest['global_step']}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
-        for name, expect in sorted(files.items()):
-            f = path / name
-            if not f.is_file():
-                raise CheckpointError(f"{f}: missing")
-            if f.stat().st_size != expect["size"]:
-                raise CheckpointError(f"{f}: size {f.stat().st_size}, expected {expect['size']}")
-            if file_digest(f) != expect["sha256"]:
-                raise CheckpointError(f"{f}: checksum mismatch")
-        infos = {}
-        for name in RECOVER_INFO_FILES:
-            try:
-                infos[name] = _decode_info(name, (path / META / name).read_bytes())
-            except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
-                raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
-        return Checkpoint(step, path, manifest, infos)
+        return read_checkpoint(self.layout.step_dir(step))
 
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""

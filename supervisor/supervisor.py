@@ -22,9 +22,9 @@ from supervisor.freq import FreqCtl
 from supervisor.groups import CapacityError, RolloutGroup, TrainGroup, WorkerFault
 from supervisor.layout import TMP_PREFIX, TrialLayout
 from supervisor.policy import Action, Fault, FaultKind, RestartPolicy
-from supervisor.recovery import Checkpoint, CheckpointError, RecoverStore, SCHEMA_VERSION
+from supervisor.recovery import RUN_CONFIG, SCHEMA_VERSION, Checkpoint, CheckpointError, RecoverStore
 from supervisor.step_info import StepInfo
-from supervisor.durable import publish_dir, tmp_name
+from supervisor.durable import file_digest, publish_dir, tmp_name
 from workers.data import PromptLoader, read_prompts
 from workers.grpo import group_advantages
 from workers.model import build_tokenizer
@@ -345,6 +345,8 @@ class Supervisor:
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
         files = self.train_group.save_recover(str(staging), s.global_step)
+        (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
+        files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         nxt = s.next()
         infos = {
             "step_info.json": {"schema_version": SCHEMA_VERSION, **s.to_dict()},

@@ -10,6 +10,7 @@ import numpy as np
 import ray
 import torch
 
+from supervisor.faults import fault_point
 from workers.model import build_model, build_tokenizer, forward_logits, weights_checksum
 
 
@@ -48,6 +49,7 @@ class RolloutWorker:
     @torch.no_grad()
     def generate(self, prompts: list[str], sample_ids: list[int], step: int, greedy: bool = False) -> dict:
         """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks."""
+        fault_point("generate", step=step)
         tok = self.tokenizer
         encoded = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in prompts]
         width = max(map(len, encoded))

@@ -1,0 +1,72 @@
+import subprocess
+import sys
+
+import pytest
+
+from supervisor.config import DEFAULT_CONFIG, ConfigError, RecoverMode, load_config
+
+
+def test_default_config_loads_and_resolves_shipped_paths():
+    c = load_config()
+    assert c.experiment_name == "tiny-grpo"
+    assert c.data.path.is_file() and c.data.path.is_absolute()
+    assert c.cluster.fileroot.is_absolute()
+
+
+@pytest.mark.parametrize("override, check", [
+    ("saver.freq_steps=5", lambda c: c.saver.freq_steps == 5),
+    ("recover.mode=off", lambda c: c.recover.mode is RecoverMode.OFF),
+    ("recover.mode=on", lambda c: c.recover.mode is RecoverMode.ON),
+    ("recover.freq_secs=null", lambda c: c.recover.freq_secs is None),
+    ("cluster.n_train_workers=4", lambda c: c.cluster.n_train_workers == 4),
+    ("actor.lr=1e-4", lambda c: c.actor.lr == 1e-4),
+])
+def test_dotted_overrides(override, check):
+    assert check(load_config(DEFAULT_CONFIG, [override]))
+
+
+@pytest.mark.parametrize("override, names", [
+    ("saver.freq_stepz=5", "saver.freq_stepz"),
+    ("saver.freq_steps=-1", "saver.freq_steps"),
+    ("saver.freq_steps=abc", "saver.freq_steps"),
+    ("recover.mode=sometimes", "recover.mode"),
+    ("actor.backend=megatron", "actor.backend"),
+    ("cluster.n_train_workers=3", "cluster.n_train_workers"),
+    ("experiment_name=../escape", "experiment_name"),
+    ("data.path=/nonexistent.jsonl", "data.path"),
+    ("seed", "seed"),
+])
+def test_bad_values_name_the_key(override, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT_CONFIG, [override])
+    assert names in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_recover_on_without_any_frequency_is_rejected():
+    with pytest.raises(ConfigError, match="recover.freq_epochs"):
+        load_config(DEFAULT_CONFIG, ["recover.freq_steps=null"])
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_resume_hash_ignores_frequencies_but_not_the_model():
+    base = load_config().resume_hash()
+    assert load_config(DEFAULT_CONFIG, ["saver.freq_steps=3"]).resume_hash() == base
+    assert load_config(DEFAULT_CONFIG, ["model.hidden_size=32"]).resume_hash() != base
+
+
+def test_cli_bad_key_exits_2_with_one_line_and_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), "saver.freq_stepz=5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "saver.freq_stepz" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

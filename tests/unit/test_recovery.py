@@ -1,0 +1,194 @@
+"""The recover store on its own: publish protocol, validation, fallback, retention, crash points."""
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from supervisor.durable import UnsafePickleError, file_digest, load_plain_pickle
+from supervisor.layout import RECOVER_INFO_FILES, TrialLayout
+from supervisor.recovery import CheckpointError, RecoverStore
+
+
+def infos(step: int) -> dict:
+    return {
+        "step_info.json": {"epoch": 0, "epoch_step": step, "global_step": step, "steps_per_epoch": 100},
+        "saver_info.json": {"freq": {}}, "evaluator_info.json": {"freq": {}},
+        "stats_logger_info.json": {"commit_step": step},
+        "dataloader_info.pkl": {"epoch": 0, "epoch_step": step + 1},
+    }
+
+
+def commit(store: RecoverStore, step: int) -> Path:
+    staging = store.staging_dir(step)
+    files = {}
+    for rank in range(2):
+        f = staging / f"__{rank}_0.distcp"
+        f.write_bytes(f"shard {rank} of step {step}".encode() * 10)
+        files[f.name] = {"size": f.stat().st_size, "sha256": file_digest(f)}
+    path = store.commit(staging, step, 2, "hash", files, infos(step))
+    store.wait_for_pruning()
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    return RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=2)
+
+
+def test_nothing_committed_means_fresh_start(store):
+    assert store.load_latest().checkpoint is None
+
+
+def test_commit_publishes_step_dir_and_recover_info(store):
+    commit(store, 4)
+    lay = store.layout
+    assert sorted(p.name for p in lay.recover_info.iterdir()) == sorted(RECOVER_INFO_FILES)
+    ck = store.load_latest().checkpoint
+    assert ck.global_step == 4 and ck.infos["step_info.json"]["global_step"] == 4
+    assert ck.infos["dataloader_info.pkl"] == {"epoch": 0, "epoch_step": 5}
+
+
+def test_retention_keeps_last_two_and_prunes_only_after_publish(store):
+    for step in (4, 9, 14):
+        commit(store, step)
+    assert store.published_steps() == [9, 14]
+    assert store.load_latest().checkpoint.global_step == 14
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_damaged_newest_falls_back_to_previous(store, damage):
+    commit(store, 4)
+    newest = commit(store, 9)
+    target = newest / ("manifest.json" if damage == "manifest" else "__1_0.distcp")
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        target.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target.write_text("{not json")
+    result = store.load_latest()
+    assert result.checkpoint.global_step == 4
+    assert str(target) in result.fallbacks[0]
+    store.remove_leftovers(4)
+    assert store.published_steps() == [4]  # the damaged one is moved aside, not deleted
+    assert any(p.name.startswith("damaged.globalstep9") for p in store.layout.recover_checkpoint.iterdir())
+
+
+def test_damaged_metadata_file_falls_back(store):
+    commit(store, 4)
+    newest = commit(store, 9)
+    (newest / "meta" / "dataloader_info.pkl").write_bytes(b"garbage")
+    assert store.load_latest().checkpoint.global_step == 4
+
+
+def test_none_valid_stops_naming_the_file_and_clean_restart(store):
+    only = commit(store, 4)
+    (only / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError) as e:
+        store.load_latest()
+    assert "__0_0.distcp" in str(e.value) and "clean-restart" in str(e.value)
+
+
+def test_damaged_pointer_still_finds_the_newest_valid(store):
+    commit(store, 4)
+    commit(store, 9)
+    (store.layout.recover_info / "checkpoint_info.json").write_text("{")
+    assert store.load_latest().checkpoint.global_step == 9
+
+
+def test_uncommitted_and_temporary_dirs_are_leftovers(store):
+    commit(store, 4)
+    staging = store.staging_dir(9)  # an interrupted save
+    (store.layout.recover_checkpoint / "globalstep9").mkdir()  # published dir but no commit pointer
+    assert store.load_latest().checkpoint.global_step == 4
+    removed = store.remove_leftovers(4)
+    assert staging in removed and not staging.exists()
+    assert store.published_steps() == [4]
+
+
+def test_restricted_unpickler_refuses_code(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(UnsafePickleError):
+        load_plain_pickle(pickle.dumps({"state": Evil()}))
+    assert not marker.exists()
+    assert load_plain_pickle(pickle.dumps({"a": [1, 2.0, "x", (3,)]})) == {"a": [1, 2.0, "x", (3,)]}
+
+
+def test_evil_dataloader_pickle_in_a_checkpoint_is_damage_not_execution(store, tmp_path):
+    commit(store, 4)
+    newest = commit(store, 9)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (newest / "meta" / "dataloader_info.pkl").write_bytes(pickle.dumps(Evil()))
+    # even with the manifest updated to match, the pickle is refused
+    import json
+    m = json.loads((newest / "manifest.json").read_text())
+    f = newest / "meta" / "dataloader_info.pkl"
+    m["files"]["meta/dataloader_info.pkl"] = {"size": f.stat().st_size, "sha256": file_digest(f)}
+    (newest / "manifest.json").write_text(json.dumps(m))
+    assert store.load_latest().checkpoint.global_step == 4
+    assert not marker.exists()
+
+
+CRASH_POINTS = ["before_manifest", "before_publish", "after_publish"] + \
+    [f"after_{n}" for n in RECOVER_INFO_FILES if n != "checkpoint_info.json"] + ["after_commit"]
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_sigkill_at_every_write_leaves_old_or_new_never_a_mix(tmp_path, point):
+    script = textwrap.dedent(f"""
+        import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[2])!r}]
+        from pathlib import Path
+        from test_recovery import commit
+        from supervisor.layout import TrialLayout
+        from supervisor.recovery import RecoverStore
+        store = RecoverStore(TrialLayout(Path({str(tmp_path)!r}), "u", "exp", "t0"), keep_last=2)
+        commit(store, 4)
+        commit(store, 9)
+    """)
+    env = dict(os.environ, RELAUNCH_FAULT=f"{point}:kill:step=9", RELAUNCH_FAULT_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    store = RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=2)
+    ck = store.load_latest().checkpoint
+    expected = 9 if point == "after_commit" else 4
+    assert ck.global_step == expected
+    assert {ck.infos[n]["global_step"] for n in ("step_info.json", "checkpoint_info.json")} == {expected}
+    assert ck.infos["dataloader_info.pkl"]["epoch_step"] == expected + 1
+    store.remove_leftovers(ck.global_step)
+    assert store.published_steps()[-1] == expected
+    assert not [p for p in store.layout.recover_checkpoint.iterdir() if p.name.startswith(".tmp.")]
+
+
+def test_sigkill_during_prune_keeps_the_new_checkpoint(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[2])!r}]
+        from pathlib import Path
+        from test_recovery import commit
+        from supervisor.layout import TrialLayout
+        from supervisor.recovery import RecoverStore
+        store = RecoverStore(TrialLayout(Path({str(tmp_path)!r}), "u", "exp", "t0"), keep_last=1)
+        commit(store, 4)
+        commit(store, 9)
+    """)
+    env = dict(os.environ, RELAUNCH_FAULT="during_prune:kill:step=4", RELAUNCH_FAULT_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    store = RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=1)
+    assert store.load_latest().checkpoint.global_step == 9
