@@ -17,6 +17,7 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
+from supervisor.faults import fault_point
 from supervisor.events import EventLog, StatsLog, read_jsonl
 from supervisor.freq import FreqCtl
 from supervisor.groups import CapacityError, RolloutGroup, TrainGroup, WorkerFault
@@ -279,6 +280,7 @@ class Supervisor:
     # ---- one step -------------------------------------------------------------------------------
     def _step(self, s: StepInfo, reward_fn) -> None:
         cfg, t0 = self.config, time.monotonic()
+        fault_point("supervisor_step", step=s.global_step)
         self.phase = Phase.ROLLOUT
         rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
         rollout = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step,

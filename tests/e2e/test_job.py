@@ -1,0 +1,102 @@
+"""The walking skeleton, end to end, with the embedded local Ray a user gets from `relaunch run`."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import CONFIG, SHORT, Trial, curve, job_env, kill_session, relaunch, short_tmp, start_relaunch, status_json
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def local_env() -> dict:
+    return job_env({"RAY_TMPDIR": str(short_tmp("rlr"))})
+
+
+def test_default_job_learns_and_exports_loadable_models(trial: Trial):
+    r = relaunch("run", str(CONFIG), *trial.overrides, env=local_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    stats = trial.stats()
+    assert [s["global_step"] for s in stats] == list(range(60))
+    first = sum(s["reward"] for s in stats[:10]) / 10
+    last = sum(s["reward"] for s in stats[-10:]) / 10
+    assert first < 0.25 and last > 0.5, (first, last)
+
+    newest = trial.exports()[-1]
+    assert newest.name == "epoch4epochstep11globalstep59"
+    model = AutoModelForCausalLM.from_pretrained(newest)
+    tok = AutoTokenizer.from_pretrained(newest)
+    ids = tok("<s> 3 8 =", return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=1, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1]:]).strip() in [str(d) for d in range(10)]
+
+    st = status_json(trial)
+    assert st["last_valid"]["global_step"] == 59 and st["restarts"] == 0
+    assert st["experiment_name"] == "tiny-grpo" and st["trial_name"] == "trial0"
+    assert [e["event"] for e in st["events"]][-1] == "done"
+
+
+def test_killed_job_rerun_resumes_at_the_next_step_and_ends_identical(trial: Trial, tmp_path, reference_local):
+    env = local_env()
+    proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, env=env, log=tmp_path / "first.log")
+    try:
+        trial.wait_for_step(12, proc)
+    finally:
+        kill_session(proc.pid)  # the driver and the whole embedded Ray cluster, at once
+        proc.wait()
+    committed = trial.events("commit")[-1]["global_step"]
+    assert committed in (9, 14)
+
+    r = relaunch("run", str(CONFIG), *SHORT, *trial.overrides, env=local_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    loaded = trial.events("loaded")[-1]
+    assert loaded["global_step"] == committed
+    stats = trial.stats()
+    assert [s["global_step"] for s in stats] == list(range(24))
+    assert curve(stats) == curve(reference_local.stats())
+    assert trial.final_weights() == reference_local.final_weights()
+
+
+def test_clean_restart_starts_fresh_and_keeps_exports(trial: Trial):
+    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
+    assert r.returncode == 0, r.stderr
+    exports = trial.exports()
+    dry = relaunch("clean-restart", str(CONFIG), *trial.overrides, "--dry-run")
+    assert dry.returncode == 0 and "recover_info" in dry.stdout and (trial.root / "recover_info").exists()
+    no_yes = relaunch("clean-restart", str(CONFIG), *trial.overrides)
+    assert no_yes.returncode == 2 and (trial.root / "recover_info").exists()
+    r = relaunch("clean-restart", str(CONFIG), *trial.overrides, "--yes")
+    assert r.returncode == 0, r.stderr
+    assert not (trial.root / "recover_info").exists()
+    assert not (trial.root / "default" / "recover_checkpoint").exists()
+    assert trial.exports() == exports and (trial.logs / "stats.jsonl").exists()
+    assert status_json(trial)["last_valid"] is None
+
+    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
+    assert r.returncode == 0, r.stderr
+    assert trial.events("loaded")[-1]["global_step"] == -1  # started at step 0
+    assert [s["global_step"] for s in trial.stats()] == list(range(12))
+
+
+def test_export_turns_a_recover_checkpoint_into_the_same_safetensors(trial: Trial, tmp_path):
+    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
+    assert r.returncode == 0, r.stderr
+    step_dir = trial.root / "default" / "recover_checkpoint" / "globalstep11"
+    out = tmp_path / "hf"
+    r = relaunch("export", str(step_dir), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    mine, saver = load_file(out / "model.safetensors"), load_file(trial.exports()[-1] / "model.safetensors")
+    assert mine.keys() == saver.keys() and all(torch.equal(mine[k], saver[k]) for k in mine)
+    assert relaunch("export", str(tmp_path), "--out", str(tmp_path / "x")).returncode == 2
+
+
+@pytest.fixture(scope="module")
+def reference_local(tmp_path_factory) -> Trial:
+    t = Trial(tmp_path_factory.mktemp("reference_local") / "runs")
+    r = relaunch("run", str(CONFIG), *SHORT, *t.overrides, env=local_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    return t
