@@ -123,8 +123,14 @@ class SaverConfig(Frequency):
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
 
 
+class SaveErrorAction(str, enum.Enum):
+    SKIP = "skip"  # report the failed save and train on; the last valid checkpoint is untouched
+    STOP = "stop"  # report it and stop the job cleanly (exit 1)
+
+
 class RecoverConfig(Frequency):
     mode: RecoverMode = RecoverMode.DISABLED
+    on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
     backoff_secs: float = Field(1.0, ge=0, description="first restart delay; doubles each restart")

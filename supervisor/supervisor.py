@@ -19,6 +19,7 @@ from ray.exceptions import RayTaskError
 
 from supervisor.faults import fault_point
 from supervisor.events import EventLog, StatsLog, read_jsonl
+from supervisor.config import SaveErrorAction
 from supervisor.freq import FreqCtl
 from supervisor.groups import CapacityError, RolloutGroup, TrainGroup, WorkerFault
 from supervisor.layout import TMP_PREFIX, TrialLayout
@@ -32,6 +33,10 @@ from workers.model import build_tokenizer
 from workers.rewards import UserCodeError, load_reward_fn, score
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class StorageError(RuntimeError):
+    """A save failed on storage and recover.on_save_error is `stop`."""
 
 
 class Phase(str, enum.Enum):
@@ -165,7 +170,7 @@ class Supervisor:
             except UserCodeError as e:
                 fault = Fault(FaultKind.USER_ERROR, str(e))
                 details = "".join(traceback.format_exception(e.__cause__ or e))
-            except CapacityError as e:
+            except (CapacityError, StorageError) as e:
                 self.events.emit("gave_up", job=self.job_id, reason=str(e))
                 return JobResult(EXIT_FAILED, str(e), self.state.step.global_step)
             decision = self._on_fault(fault)
@@ -176,7 +181,7 @@ class Supervisor:
             time.sleep(decision.delay_secs)
             action = decision.action
         if self.recover_on and self.store.committed_step() != self.state.step.global_step:
-            self._save_recover(self.state.step)
+            self._save_recover_or_report(self.state.step)
         self.events.emit("done", job=self.job_id, global_step=self.state.step.global_step, reward=self.last_reward)
         return JobResult(EXIT_OK, f"finished {self.total_steps} steps", self.state.step.global_step, self.last_reward)
 
@@ -316,7 +321,7 @@ class Supervisor:
         row["time/step"] = time.monotonic() - t0
         self.stats.append(row)
         if self.recover_on and self.state.recover.check(s.is_epoch_end, elapsed):
-            self._save_recover(s)
+            self._save_recover_or_report(s)
 
     def _evaluate(self, s: StepInfo) -> float:
         rows = self.loader.rows
@@ -342,6 +347,23 @@ class Supervisor:
                              key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
             for old in exports[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _save_recover_or_report(self, s: StepInfo) -> None:
+        """A storage fault (disk full, permissions) never touches the last valid checkpoint: report it, then
+        skip this save or stop, as recover.on_save_error says."""
+        try:
+            self._save_recover(s)
+        except (OSError, RayTaskError) as e:
+            cause = e.cause if isinstance(e, RayTaskError) else e
+            if not isinstance(cause, OSError):
+                raise
+            self.store.remove_leftovers(self.store.committed_step())
+            action = self.config.recover.on_save_error
+            self.events.emit("save_failed", job=self.job_id, global_step=s.global_step, error=str(cause),
+                             action=action.value)
+            print(f"[relaunch] recover checkpoint of step {s.global_step} failed: {cause} ({action.value})", flush=True)
+            if action is SaveErrorAction.STOP:
+                raise StorageError(f"recover checkpoint of step {s.global_step} failed: {cause}") from e
 
     def _save_recover(self, s: StepInfo) -> None:
         started = time.monotonic()

@@ -158,7 +158,7 @@ class MultiNodeCluster:
         self.temp_dir = short_tmp("rlc")
         self.cluster = Cluster()
         self.head = self.cluster.add_node(
-            num_cpus=1, object_store_memory=150 * 1024**2, port=free_port(), temp_dir=str(self.temp_dir),
+            num_cpus=1, object_store_memory=150 * 1024**2, gcs_server_port=free_port(), temp_dir=str(self.temp_dir),
             include_dashboard=False, _system_config={
                 "health_check_period_ms": 500, "health_check_failure_threshold": 3,
                 "health_check_timeout_ms": 500, "health_check_initial_delay_ms": 0,

@@ -98,3 +98,29 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
     assert status_json(trial)["restarts"] >= 1
+
+
+def test_kill_between_shards_and_publish_reloads_the_previous_checkpoint(cluster, reference, trial, tmp_path):
+    r = run_with_fault(cluster, trial, tmp_path, "after_shards:kill:step=9:rank=1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]
+    assert any(".tmp.globalstep9" in p for e in trial.events("cleanup") for p in e["removed"])
+    assert_recovered_exactly(trial, reference)
+
+
+def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
+    r = run_with_fault(cluster, trial, tmp_path, "after_shards:enospc:step=9:rank=1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    failed = trial.events("save_failed")
+    assert len(failed) == 1 and "No space left" in failed[0]["error"] and failed[0]["global_step"] == 9
+    assert 9 not in [e["global_step"] for e in trial.events("commit")]
+    assert_recovered_exactly(trial, reference, restarts=0)
+
+
+def test_disk_full_with_stop_ends_cleanly_keeping_the_last_valid_checkpoint(cluster, trial, tmp_path):
+    r = run_with_fault(cluster, trial, tmp_path, "after_shards:enospc:step=9:rank=1", "recover.on_save_error=stop")
+    assert r.returncode == 1
+    assert "No space left" in r.stderr.strip().splitlines()[-1]
+    st = status_json(trial)
+    assert st["last_valid"]["global_step"] == 4 and st["checkpoint_error"] is None
+    assert not [p for p in (trial.root / "default" / "recover_checkpoint").iterdir() if p.name.startswith(".tmp")]

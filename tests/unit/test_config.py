@@ -70,3 +70,17 @@ def test_cli_bad_key_exits_2_with_one_line_and_no_traceback():
     assert "saver.freq_stepz" in r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_clean_restart_refuses_a_recover_path_that_leads_outside_the_trial(tmp_path):
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    root = tmp_path / "runs" / "checkpoints" / "u" / "tiny-grpo" / "trial0"
+    root.mkdir(parents=True)
+    (root / "recover_info").symlink_to(outside)
+    r = subprocess.run([sys.executable, "-m", "supervisor", "clean-restart", str(DEFAULT_CONFIG),
+                        f"cluster.fileroot={tmp_path / 'runs'}", "cluster.user=u", "--yes"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "refusing" in r.stderr
+    assert (outside / "keep.txt").read_text() == "mine"

@@ -25,9 +25,9 @@ def infos(step: int) -> dict:
 def commit(store: RecoverStore, step: int) -> Path:
     staging = store.staging_dir(step)
     files = {}
-    for rank in range(2):
-        f = staging / f"__{rank}_0.distcp"
-        f.write_bytes(f"shard {rank} of step {step}".encode() * 10)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank0.pt", "rng_rank1.pt"):
+        f = staging / name
+        f.write_bytes(f"{name} of step {step}".encode() * 10)
         files[f.name] = {"size": f.stat().st_size, "sha256": file_digest(f)}
     path = store.commit(staging, step, 2, "hash", files, infos(step))
     store.wait_for_pruning()
@@ -59,11 +59,16 @@ def test_retention_keeps_last_two_and_prunes_only_after_publish(store):
     assert store.load_latest().checkpoint.global_step == 14
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
-def test_damaged_newest_falls_back_to_previous(store, damage):
+FILES = ["__1_0.distcp", ".metadata", "rng_rank0.pt", "meta/step_info.json", "meta/dataloader_info.pkl",
+         "meta/checkpoint_info.json", "manifest.json"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "garbage"])
+@pytest.mark.parametrize("name", FILES)
+def test_damaged_newest_falls_back_to_previous(store, damage, name):
     commit(store, 4)
     newest = commit(store, 9)
-    target = newest / ("manifest.json" if damage == "manifest" else "__1_0.distcp")
+    target = newest / name
     data = target.read_bytes()
     if damage == "truncate":
         target.write_bytes(data[: len(data) // 2])
@@ -72,7 +77,7 @@ def test_damaged_newest_falls_back_to_previous(store, damage):
     elif damage == "delete":
         target.unlink()
     else:
-        target.write_text("{not json")
+        target.write_text("{not json")  # a rewrite of the wrong size and content
     result = store.load_latest()
     assert result.checkpoint.global_step == 4
     assert str(target) in result.fallbacks[0]
