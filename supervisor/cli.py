@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from supervisor.config import ConfigError, load_config
+from supervisor.config import DEFAULT_CONFIG, ConfigError, load_config
 
 EXIT_BAD_INPUT = 2
 
@@ -22,16 +22,20 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_BAD_INPUT)
 
 
-def _config_and_overrides(args: tuple[str, ...]):
+def _split_args(args: tuple[str, ...]) -> tuple[Path, list[str]]:
     """`[CONFIG] [KEY=VALUE ...]`: the first argument without '=' is the config file."""
     path, overrides = None, []
     for a in args:
         if "=" not in a and path is None and not overrides:
-            path = a
+            path = Path(a)
         else:
             overrides.append(a)
+    return path or DEFAULT_CONFIG, overrides
+
+
+def _config_and_overrides(args: tuple[str, ...]):
     try:
-        return load_config(path, overrides)
+        return load_config(*_split_args(args))
     except ConfigError as e:
         _fail(str(e))
 
@@ -59,6 +63,58 @@ def run(args, address):
     except UserCodeError as e:
         _fail(str(e))
     sys.exit(run_job(config, _address(address)))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--address", help="Ray Jobs address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
+@click.option("--wait", is_flag=True, help="follow the job's logs to its end and exit with its result")
+def submit(args, address, wait):
+    """Submit CONFIG through Ray Jobs: the current directory is the job's working dir."""
+    config = _config_and_overrides(args)
+    address = _address(address)
+    if not address:
+        _fail("submit needs --address (or RAY_ADDRESS): the Ray dashboard URL, e.g. http://127.0.0.1:8265")
+    from supervisor.submit import SubmitError, submit as submit_job
+
+    path, overrides = _split_args(args)
+    try:
+        sys.exit(submit_job(path, overrides, config, address, wait))
+    except SubmitError as e:
+        _fail(str(e))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--kill-at-step", default=8, show_default=True, help="kill the TrainGroup's node after this step")
+def demo(args, kill_at_step):
+    """The default job on a local 3-node Ray cluster, with a worker node killed mid-run."""
+    import time
+
+    path, overrides = _split_args(args)
+    try:
+        config = load_config(path, ["trial_name=demo-" + time.strftime("%Y%m%d-%H%M%S"), *overrides])
+    except ConfigError as e:
+        _fail(str(e))
+    from supervisor.demo import run_demo
+
+    sys.exit(run_demo(config, kill_at_step))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="PNG file to write")
+def plot(args, out):
+    """Reward and loss per step of CONFIG's trial, with failures, restarts and checkpoints marked."""
+    config = _config_and_overrides(args)
+    from supervisor.layout import TrialLayout
+    from supervisor.plot import plot_trial
+
+    try:
+        plot_trial(TrialLayout.from_config(config), out)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    click.echo(f"wrote {out}")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -36,7 +36,9 @@ def _runtime_env() -> dict:
 
 def connect(config: Config, address: str | None) -> None:
     if address:
-        ray.init(address=address, namespace=NAMESPACE, runtime_env=_runtime_env(), log_to_driver=True)
+        # Inside a submitted Ray job the job's runtime env (working dir, env vars) already reaches every actor.
+        in_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+        ray.init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
         return
     cluster = config.cluster
     needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker

@@ -38,9 +38,9 @@ def model_config(model_cfg, tokenizer):
 def build_model(model_cfg, tokenizer, seed: int) -> torch.nn.Module:
     """Identical on every rank: loaded weights, or a random init seeded by `seed`."""
     if model_cfg.path is not None:
-        return AutoModelForCausalLM.from_pretrained(model_cfg.path, torch_dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(model_config(model_cfg, tokenizer), torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(model_config(model_cfg, tokenizer), dtype=torch.float32)
 
 
 def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:

@@ -1,65 +1,27 @@
 """Real Ray clusters on this machine for the end-to-end tests, and helpers to run and break jobs.
 
-One multi-node cluster is shared by the module that asks for it (head + two 3-CPU worker nodes, so a
-TrainGroup fits on one node and the other is a spare). Every cluster gets its own temp dir and ports;
-nodes are killed only through the process ids this suite started (the raylet and all its descendants).
+One multi-node LocalCluster is shared by the module that asks for it (head + two 3-CPU worker nodes, so
+a TrainGroup fits on one node and the other is a spare), with its own temp dir and ports. Processes are
+killed only through ids this suite started.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from supervisor.local_cluster import LocalCluster, short_tmp
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_grpo.yaml"
 # The job the fault tests break: two epochs (24 steps), a recover checkpoint every 5 steps.
 SHORT = ["total_train_epochs=2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def short_tmp(prefix: str) -> Path:
-    # Ray's unix sockets live under the temp dir; pytest's own paths are too long for them.
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything under it at once (a node's raylet and all its workers)."""
-    pids = descendants(pid)
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def session_pids(sid: int) -> list[int]:
@@ -151,42 +113,9 @@ def status_json(trial: Trial, *extra: str) -> dict:
     return json.loads(r.stdout)
 
 
-class MultiNodeCluster:
-    def __init__(self):
-        from ray.cluster_utils import Cluster
-
-        self.temp_dir = short_tmp("rlc")
-        self.cluster = Cluster()
-        self.head = self.cluster.add_node(
-            num_cpus=1, object_store_memory=150 * 1024**2, gcs_server_port=free_port(), temp_dir=str(self.temp_dir),
-            include_dashboard=False, _system_config={
-                "health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                "health_check_timeout_ms": 500, "health_check_initial_delay_ms": 0,
-            })
-        self.workers = [self.cluster.add_node(num_cpus=3, object_store_memory=150 * 1024**2) for _ in range(2)]
-        self.address = self.cluster.address
-
-    def node_of(self, node_id: str):
-        return next(n for n in self.workers if n.node_id == node_id)
-
-    def kill_node(self, node) -> None:
-        """End the node's raylet and every process under it at once, then forget it."""
-        kill_tree(node.all_processes["raylet"][0].process.pid)
-        self.cluster.remove_node(node, allow_graceful=False)
-        self.workers.remove(node)
-
-    def add_spare(self):
-        node = self.cluster.add_node(num_cpus=3, object_store_memory=150 * 1024**2)
-        self.workers.append(node)
-        return node
-
-    def shutdown(self) -> None:
-        self.cluster.shutdown()
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    c = MultiNodeCluster()
+    c = LocalCluster()
     try:
         yield c
     finally:
@@ -205,3 +134,63 @@ def reference(cluster, tmp_path_factory) -> Trial:
     r = relaunch("run", str(CONFIG), *SHORT, *t.overrides, "--address", cluster.address)
     assert r.returncode == 0, r.stdout + r.stderr
     return t
+
+
+class RayStartCluster:
+    """A cluster made the way users make one: `ray start --head` and `ray start --address`, each started
+    with --block so that the process we own is the parent of the node's raylet and workers."""
+
+    def __init__(self):
+        from supervisor.local_cluster import free_port
+
+        self.temp_dir = short_tmp("rls")
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.env = dict(job_env(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        self.procs: list[subprocess.Popen] = []
+        self._start("--head", f"--port={self.port}", "--num-cpus=1", f"--temp-dir={self.temp_dir}",
+                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                    f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+                    f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                    "--object-store-memory=150000000",
+                    '--system-config={"health_check_period_ms":500,"health_check_failure_threshold":3,'
+                    '"health_check_timeout_ms":500}')
+        self.gcs_address = f"127.0.0.1:{self.port}"
+        self.jobs_address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.wait_for_jobs_api()
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--block", *args],
+                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def add_worker(self) -> subprocess.Popen:
+        from supervisor.local_cluster import free_port
+
+        return self._start(f"--address={self.gcs_address}", "--num-cpus=3", "--object-store-memory=150000000",
+                           f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+                           f"--runtime-env-agent-port={free_port()}")
+
+    def wait_for_jobs_api(self, timeout: float = 120) -> None:
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.jobs_address}/api/version", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("the Ray dashboard did not come up")
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        from supervisor.local_cluster import kill_tree
+
+        kill_tree(proc.pid)
+        proc.wait()
+
+    def shutdown(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                self.kill(proc)

@@ -20,8 +20,8 @@ def assert_recovered_exactly(trial: Trial, reference: Trial, restarts: int = 1):
     assert trial.final_weights() == reference.final_weights()
     st = status_json(trial)
     assert st["restarts"] == restarts and st["state"] == "done"
-    resync = trial.events("resync")[-1]
-    assert resync["version"] >= 1
+    if restarts:
+        assert trial.events("resync")[-1]["version"] >= 1  # engines were resynced after the restart
 
 
 def test_killed_train_worker_restarts_the_group_from_the_last_checkpoint(cluster, reference, trial, tmp_path):
@@ -90,7 +90,7 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
-        cluster.add_spare()
+        cluster.add_node()
     failure = trial.events("failure")[0]
     assert failure["node"] == train_node
     assert trial.events("loaded")[-1]["nodes"][0] != train_node

@@ -137,7 +137,7 @@ class FSDPEngine:
         cfg = model_config(self.config.model, self.tokenizer)
         with torch.device("meta"):
             from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(full_state, strict=False, assign=True)
         model.tie_weights()
         model.save_pretrained(directory, safe_serialization=True)

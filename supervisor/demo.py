@@ -1,0 +1,82 @@
+"""`relaunch demo`: the default job on a local multi-node Ray cluster, with a worker node killed mid-run.
+
+It starts a head and two worker nodes (own temp dir and ports), runs the job, kills the node that hosts
+the TrainGroup once training passes `kill_at_step` (its raylet and every process under it), and prints
+what happened from events.jsonl. The cluster is torn down at the end, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from supervisor.events import read_jsonl
+from supervisor.launch import run_job
+from supervisor.layout import TrialLayout
+from supervisor.local_cluster import LocalCluster
+
+
+class NodeKiller(threading.Thread):
+    """Waits for the job to pass a step, then kills the node its TrainGroup runs on."""
+
+    def __init__(self, cluster: LocalCluster, layout: TrialLayout, kill_at_step: int):
+        super().__init__(daemon=True)
+        self.cluster, self.layout, self.kill_at_step = cluster, layout, kill_at_step
+        self.killed_at: float | None = None
+        self.node_id: str | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            stats = read_jsonl(self.layout.stats_log)
+            loaded = [e for e in read_jsonl(self.layout.events_log) if e["event"] == "loaded"]
+            if stats and loaded and stats[-1]["global_step"] >= self.kill_at_step:
+                self.node_id = loaded[-1]["nodes"][0]
+                print(f"\n[demo] killing worker node {self.node_id[:8]} (raylet and all its processes) "
+                      f"after step {stats[-1]['global_step']}", flush=True)
+                self.killed_at = time.time()
+                self.cluster.kill_node(self.cluster.node_of(self.node_id))
+                return
+
+
+def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
+    events = read_jsonl(layout.events_log)
+    out = []
+    failure = next((e for e in events if e["event"] == "failure"), None)
+    if failure:
+        after = f"{failure['time'] - killed_at:.1f} s after the kill" if killed_at else "detected"
+        out.append(f"fault detected {after}: {failure['cause']} of {failure['actor']} "
+                   f"on node {str(failure['node'])[:8]}")
+        later = [e for e in events if e["time"] >= failure["time"]]
+        loaded = next((e for e in later if e["event"] == "loaded"), None)
+        if loaded:
+            out.append(f"TrainGroup restarted on node {loaded['nodes'][0][:8]} from step {loaded['global_step']} "
+                       f"({loaded['path']})")
+        resync = next((e for e in later if e["event"] == "resync"), None)
+        if resync:
+            out.append(f"engines resynced to weights version {resync['version']} (checksum {resync['checksum']})")
+    done = next((e for e in reversed(events) if e["event"] in ("done", "gave_up", "failed")), None)
+    if done and done["event"] == "done":
+        out.append(f"job finished at step {done['global_step']} with mean reward {done.get('reward') or 0:.3f}")
+    elif done:
+        out.append(f"job {done['event']}: {done.get('reason')}")
+    return out
+
+
+def run_demo(config, kill_at_step: int) -> int:
+    layout = TrialLayout.from_config(config)
+    print("[demo] starting a local Ray cluster: a head node and 2 worker nodes of 3 CPUs", flush=True)
+    cluster = LocalCluster()
+    killer = NodeKiller(cluster, layout, kill_at_step)
+    try:
+        print(f"[demo] cluster at {cluster.address} (temp dir {cluster.temp_dir}); running {config.experiment_name}/"
+              f"{config.trial_name}, outputs under {layout.checkpoint_root}", flush=True)
+        killer.start()
+        code = run_job(config, cluster.address)
+    finally:
+        killer.stop.set()
+        cluster.shutdown()
+        print("[demo] cluster shut down", flush=True)
+    print("\n[demo] timeline:")
+    for line in timeline(layout, killer.killed_at):
+        print(f"  - {line}")
+    return code

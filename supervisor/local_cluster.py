@@ -1,0 +1,93 @@
+"""A multi-node Ray cluster on this one machine, for `relaunch demo` and the end-to-end tests.
+
+A head node (the Supervisor and one inference engine) and worker nodes with a few CPUs each, so a
+TrainGroup fits on one node and another is a spare. The cluster has its own temp dir and ports, small
+object stores and short health checks (a dead node is noticed in about two seconds). A node is killed the
+way a machine dies: its raylet and every process under it at once, found through the process ids this
+cluster started, never by name.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+OBJECT_STORE = 150 * 1024**2
+HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                 "health_check_timeout_ms": 500, "health_check_initial_delay_ms": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def short_tmp(prefix: str) -> Path:
+    """A fresh directory with a short path: Ray's unix sockets live under its temp dir (107-byte limit)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything under it, all at once."""
+    for p in process_tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class LocalCluster:
+    def __init__(self, n_workers: int = 2, cpus_per_worker: int = 3, head_cpus: int = 1):
+        from ray.cluster_utils import Cluster
+
+        self.temp_dir = short_tmp("rlc")
+        self.cpus_per_worker = cpus_per_worker
+        self.cluster = Cluster()
+        try:
+            self.cluster.add_node(num_cpus=head_cpus, object_store_memory=OBJECT_STORE, gcs_server_port=free_port(),
+                                  temp_dir=str(self.temp_dir), include_dashboard=False,
+                                  _system_config=HEALTH_CHECKS)
+            self.workers = [self.add_node() for _ in range(n_workers)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.address = self.cluster.address
+
+    def add_node(self):
+        node = self.cluster.add_node(num_cpus=self.cpus_per_worker, object_store_memory=OBJECT_STORE)
+        if hasattr(self, "workers"):
+            self.workers.append(node)
+        return node
+
+    def node_of(self, node_id: str):
+        return next(n for n in self.workers if n.node_id == node_id)
+
+    def kill_node(self, node) -> None:
+        """End the node's raylet and every process under it at once, then forget the node."""
+        kill_tree(node.all_processes["raylet"][0].process.pid)
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.workers.remove(node)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()

@@ -1,0 +1,57 @@
+"""`relaunch submit`: the same job through Ray's Job Submission SDK (working dir + runtime env).
+
+The entrypoint is `python -m supervisor run CONFIG KEY=VALUE ...` on the cluster's head node, with the
+current directory uploaded as the job's working dir (files ignored by git are left out). A relative
+`cluster.fileroot` is made absolute here, so checkpoints land where the user expects, not inside Ray's
+copy of the working dir.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from supervisor.config import Config
+from supervisor.faults import ENV_VARS as FAULT_ENV_VARS
+
+
+class SubmitError(ValueError):
+    pass
+
+
+def entrypoint(config_path: Path, overrides: list[str], config: Config) -> str:
+    cwd = Path.cwd().resolve()
+    path = config_path.resolve()
+    if cwd not in path.parents:
+        raise SubmitError(f"{config_path}: the config must be inside the working directory {cwd}")
+    args = [str(path.relative_to(cwd)), *[o for o in overrides if not o.startswith("cluster.fileroot=")],
+            f"cluster.fileroot={config.cluster.fileroot}"]
+    return "python -m supervisor run " + " ".join(shlex.quote(a) for a in args)
+
+
+def submit(config_path: Path, overrides: list[str], config: Config, address: str, wait: bool) -> int:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    env = {k: os.environ[k] for k in FAULT_ENV_VARS if k in os.environ}
+    job_id = client.submit_job(
+        entrypoint=entrypoint(config_path, overrides, config),
+        runtime_env={"working_dir": str(Path.cwd()), **({"env_vars": env} if env else {})},
+        metadata={"relaunch": f"{config.experiment_name}/{config.trial_name}"},
+    )
+    print(f"submitted {job_id}")
+    print(f"  logs:   ray job logs --follow {job_id} --address {address}")
+    print(f"  status: relaunch status {config_path} {' '.join(overrides)}".rstrip())
+    if not wait:
+        return 0
+
+    async def follow() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            print(chunk, end="", flush=True)
+
+    asyncio.run(follow())
+    status = client.get_job_status(job_id)
+    print(f"job {job_id}: {status.value}")
+    return 0 if status == JobStatus.SUCCEEDED else 1

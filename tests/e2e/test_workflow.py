@@ -1,0 +1,91 @@
+"""How users meet the product: Ray Jobs against a `ray start` cluster, live status, demo and plots."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import CONFIG, REPO, SHORT, RayStartCluster, Trial, job_env, relaunch, status_json
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def ray_start_cluster():
+    c = RayStartCluster()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    c = ray_start_cluster
+    node_a = c.add_worker()  # the only place the TrainGroup fits until the spare joins
+    r = relaunch("submit", str(CONFIG.relative_to(REPO)), *SHORT, *trial.overrides, "--address", c.jobs_address)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[1]
+    assert "ray job logs --follow" in r.stdout
+
+    client = JobSubmissionClient(c.jobs_address)
+    deadline = time.time() + 300
+    while not (trial.stats() and trial.stats()[-1]["global_step"] >= 6):
+        assert time.time() < deadline and client.get_job_status(job_id) == JobStatus.RUNNING, \
+            client.get_job_logs(job_id)[-3000:]
+        time.sleep(0.3)
+    live = status_json(trial, "--address", c.gcs_address)["live"]
+    assert live and live["phase"] and live["global_step"] >= 6 and len(live["train_nodes"]) == 2
+
+    c.add_worker()  # the spare
+    c.kill(node_a)
+    while client.get_job_status(job_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        assert time.time() < deadline + 300
+        time.sleep(0.5)
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, client.get_job_logs(job_id)[-3000:]
+    st = status_json(trial)
+    assert st["restarts"] == 1 and st["state"] == "done" and st["last_valid"]["global_step"] == 23
+    assert trial.events("failure")[0]["cause"] in ("worker_died", "engine_died")
+
+
+def test_demo_runs_to_its_end_and_plots(tmp_path):
+    fileroot = tmp_path / "runs"
+    r = relaunch("demo", f"cluster.fileroot={fileroot}", env=job_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[demo] timeline:" in r.stdout
+    assert "fault detected" in r.stdout and "TrainGroup restarted on node" in r.stdout
+    assert "engines resynced to weights version" in r.stdout and "job finished at step 59" in r.stdout
+    assert "cluster shut down" in r.stdout
+
+    trial_name = next((fileroot / "logs").glob("*/tiny-grpo/demo-*")).name
+    out = tmp_path / "curves.png"
+    r = relaunch("plot", str(CONFIG), f"cluster.fileroot={fileroot}", f"trial_name={trial_name}", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    with Image.open(out) as img:
+        assert img.format == "PNG" and img.size[0] > 500 and img.size[1] > 300
+
+
+def test_plot_without_a_run_is_a_clear_error(tmp_path):
+    r = relaunch("plot", str(CONFIG), f"cluster.fileroot={tmp_path}", "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and "stats.jsonl" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gpu_example_config_passes_validation(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from supervisor.config import Backend, load_config
+    from workers.model import build_tokenizer
+
+    # Stand-in for the real model directory the example names: any HF directory with config.json.
+    model_dir = tmp_path / "model"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(model_dir)
+    cfg = load_config(REPO / "examples" / "gpu" / "qwen2.5-0.5b-grpo.yaml", [f"model.path={model_dir}"])
+    assert cfg.cluster.gpus_per_worker >= 1 and cfg.cluster.n_train_workers >= 8
+    assert cfg.actor.backend is Backend.FSDP and cfg.recover.mode.enabled
+    r = relaunch("run", str(REPO / "examples" / "gpu" / "qwen2.5-0.5b-grpo.yaml"))
+    assert r.returncode == 2 and "model.path" in r.stderr  # the example's model is not on this machine
