@@ -127,7 +127,7 @@ def status(args, as_json, address):
     from supervisor.status import format_status, live_progress, trial_status
 
     st = trial_status(config)
-    st["live"] = live_progress(config, _address(address))
+    st["live"], st["live_error"] = live_progress(config, _address(address))
     click.echo(json.dumps(st, default=str) if as_json else format_status(st))
 
 

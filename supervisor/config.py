@@ -137,6 +137,9 @@ class RecoverConfig(Frequency):
     max_backoff_secs: float = Field(30.0, ge=0)
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
+    min_train_workers: Optional[int] = Field(
+        None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
+                                "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
 
     _bool_mode = field_validator("mode", mode="before")(_yaml_bool_to_mode)
 
@@ -168,6 +171,9 @@ class Config(_Strict):
                 f"data.batch_size x data.group_size = {samples} must divide evenly among "
                 f"cluster.n_train_workers = {self.cluster.n_train_workers}"
             )
+        if (self.recover.min_train_workers or 0) > self.cluster.n_train_workers:
+            raise ValueError(f"recover.min_train_workers = {self.recover.min_train_workers} exceeds "
+                             f"cluster.n_train_workers = {self.cluster.n_train_workers}")
         if self.recover.mode.enabled and not self.recover.any_set:
             raise ValueError("recover.mode is on but none of recover.freq_epochs/freq_steps/freq_secs is set")
         if self.cluster.user in ("", ".", "..") or "/" in self.cluster.user:

@@ -1,7 +1,9 @@
 """Named fault points, so crash tests hit exact moments instead of lucky timings.
 
 `RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points; actions are `kill` (SIGKILL this
-process), `hang` (sleep forever) and `enospc` (raise a disk-full OSError). Each armed fault fires once:
+process), `killjob` (SIGKILL every process of this session: a local job's driver and its whole embedded
+Ray cluster), `hang` (sleep forever) and `enospc` (raise a disk-full OSError); the Supervisor's own points
+also know `kill_trainer` (it SIGKILLs the last TrainWorker). Each armed fault fires once:
 a marker file in `RELAUNCH_FAULT_DIR` remembers it across restarts, so a restarted process goes on.
 Nothing is armed unless both variables are set; the driver forwards them to every actor.
 """
@@ -16,7 +18,8 @@ from pathlib import Path
 ENV_VARS = ("RELAUNCH_FAULT", "RELAUNCH_FAULT_DIR")
 
 
-def _armed(point: str, step: int | None, rank: int | None):
+def armed(point: str, step: int | None = None, rank: int | None = None) -> str | None:
+    """The action armed at this point for this step and rank, marked as fired; None when nothing is."""
     spec, marker_dir = os.environ.get("RELAUNCH_FAULT"), os.environ.get("RELAUNCH_FAULT_DIR")
     if not spec or not marker_dir:
         return None
@@ -27,7 +30,7 @@ def _armed(point: str, step: int | None, rank: int | None):
             continue
         if "step" in where and int(where["step"]) != step:
             continue
-        if "rank" in where and int(where["rank"]) != rank:
+        if "rank" in where and rank is not None and int(where["rank"]) != rank:
             continue
         marker = Path(marker_dir) / f"fired-{i}-{name}"
         try:
@@ -38,10 +41,30 @@ def _armed(point: str, step: int | None, rank: int | None):
     return None
 
 
+def _kill_session() -> None:
+    sid = os.getsid(0)
+    leader = Path(f"/proc/{sid}/cmdline").read_bytes().split(b"\0") if Path(f"/proc/{sid}").exists() else []
+    if b"supervisor" not in leader and not any(arg.endswith(b"relaunch") for arg in leader):
+        raise RuntimeError("fault action killjob needs a relaunch driver that leads its own session")
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def fault_point(point: str, step: int | None = None, rank: int | None = None) -> None:
-    action = _armed(point, step, rank)
+    apply(armed(point, step, rank), point)
+
+
+def apply(action: str | None, point: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "killjob":
+        _kill_session()
     elif action == "hang":
         while True:
             time.sleep(3600)

@@ -37,6 +37,7 @@ class Member:
     handle: ray.actor.ActorHandle
     name: str
     node_id: str | None = None
+    pid: int | None = None
 
 
 def gather(members: list[Member], refs: list[ray.ObjectRef], timeout: float, dead_kind: FaultKind) -> list:
@@ -97,7 +98,7 @@ class TrainGroup:
         where = gather(self.members, [m.handle.where.remote() for m in self.members], setup_timeout,
                        FaultKind.WORKER_DIED)
         for m, w in zip(self.members, where):
-            m.node_id = w["node_id"]
+            m.node_id, m.pid = w["node_id"], w["pid"]
         gather(self.members, [m.handle.setup.remote(where[0]["ip"], where[0]["port"]) for m in self.members],
                setup_timeout, FaultKind.WORKER_DIED)
 

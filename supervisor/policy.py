@@ -66,3 +66,10 @@ class RestartPolicy:
         self.restarts += 1
         action = Action.RESTART_ENGINES if fault.kind is FaultKind.ENGINE_DIED else Action.RESTART_TRAIN_GROUP
         return Decision(action, f"restart {self.restarts}/{self.retries} after {fault.kind.value}", delay)
+
+
+def train_group_sizes(wanted: int, minimum: int | None, samples: int) -> list[int]:
+    """World sizes to try for a TrainGroup, largest first: `wanted`, then, if shrinking is allowed, every
+    smaller size down to `minimum` that splits the step's samples evenly."""
+    floor = minimum if minimum is not None else wanted
+    return [n for n in range(wanted, floor - 1, -1) if samples % n == 0]

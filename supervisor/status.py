@@ -1,6 +1,9 @@
 """What `relaunch status` reports, read from disk (and from the live Supervisor when reachable)."""
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 from supervisor.events import read_jsonl
 from supervisor.layout import TrialLayout
 from supervisor.recovery import CheckpointError, RecoverStore
@@ -39,9 +42,17 @@ def trial_status(config, n_events: int = 10) -> dict:
 
 
 def format_status(st: dict) -> str:
-    lines = [f"trial      {st['experiment_name']}/{st['trial_name']}  ({st['checkpoint_root']})",
-             f"state      {st['state']}" + (f", live: {st['live']['phase']} at step {st['live']['global_step']}"
-                                            if st["live"] else "")]
+    lines = [f"trial      {st['experiment_name']}/{st['trial_name']}  ({st['checkpoint_root']})"]
+    live = st["live"]
+    if live:
+        lines.append(f"live       {live['phase']}, step {live['global_step'] + 1}/{live['total_steps']}, "
+                     f"weights version {live['weights_version']}, restarts {live['restarts']}")
+        for role in ("train", "rollout"):
+            per_node = Counter(live[f"{role}_nodes"])
+            lines.append(f"  {role:<8} " + ", ".join(f"{n} on node {node[:8]}" for node, n in per_node.items()))
+    else:
+        why = f"; not live: {st['live_error']}" if st.get("live_error") else ""
+        lines.append(f"state      {st['state']} (from disk{why})")
     lv = st["last_valid"]
     lines.append("last valid " + (f"global step {lv['global_step']} (epoch {lv['epoch']} step {lv['epoch_step']}) "
                                   f"{lv['path']}" if lv else "none") +
@@ -52,15 +63,26 @@ def format_status(st: dict) -> str:
         lines.append(f"last step  {ls['global_step']}: reward {ls['reward']:.3f} loss {ls['loss']:.4f}")
     lines.append("events:")
     for e in st["events"]:
-        extra = {k: v for k, v in e.items() if k not in ("event", "time", "job", "attempt")}
-        lines.append(f"  {e['event']:<18} {extra}")
+        extra = " ".join(f"{k}={_brief(v)}" for k, v in e.items() if k not in ("event", "time", "job", "attempt"))
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']:<17} {extra}")
     return "\n".join(lines)
 
 
-def live_progress(config, address: str | None) -> dict | None:
-    """The running Supervisor's own answer, when a cluster address is known and it is there."""
+def _brief(value) -> str:
+    """Node ids shortened to 8 characters, paths to their last two parts."""
+    if isinstance(value, list):
+        return "[" + ",".join(_brief(v) for v in value) + "]"
+    if isinstance(value, str) and len(value) == 56 and all(c in "0123456789abcdef" for c in value):
+        return value[:8]
+    if isinstance(value, str) and value.startswith("/"):
+        return "/".join(value.split("/")[-2:])
+    return str(value)
+
+
+def live_progress(config, address: str | None) -> tuple[dict | None, str | None]:
+    """The running Supervisor's own answer when a cluster address is known, else why not."""
     if not address:
-        return None
+        return None, None
     import ray
 
     from supervisor.launch import NAMESPACE, supervisor_name
@@ -68,8 +90,8 @@ def live_progress(config, address: str | None) -> dict | None:
     try:
         ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         actor = ray.get_actor(supervisor_name(config), namespace=NAMESPACE)
-        return ray.get(actor.progress.remote(), timeout=10)
-    except Exception:  # noqa: BLE001 - unreachable cluster or no live run: fall back to disk
-        return None
+        return ray.get(actor.progress.remote(), timeout=10), None
+    except Exception as e:  # noqa: BLE001 - unreachable cluster or no live run: fall back to disk
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
     finally:
         ray.shutdown()

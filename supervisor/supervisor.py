@@ -8,7 +8,9 @@ step), or only the dead inference engines. No rollout runs until every engine ha
 from __future__ import annotations
 
 import enum
+import os
 import shutil
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -17,14 +19,14 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from supervisor.faults import fault_point
+from supervisor import faults
 from supervisor.events import EventLog, StatsLog, read_jsonl
 from supervisor.config import SaveErrorAction
-from supervisor.freq import FreqCtl
 from supervisor.groups import CapacityError, RolloutGroup, TrainGroup, WorkerFault
 from supervisor.layout import TMP_PREFIX, TrialLayout
-from supervisor.policy import Action, Fault, FaultKind, RestartPolicy
-from supervisor.recovery import RUN_CONFIG, SCHEMA_VERSION, Checkpoint, CheckpointError, RecoverStore
+from supervisor.policy import Action, Fault, FaultKind, RestartPolicy, train_group_sizes
+from supervisor.recovery import RUN_CONFIG, Checkpoint, CheckpointError, RecoverStore
+from supervisor.run_state import IncompatibleCheckpoint, RunState
 from supervisor.step_info import StepInfo
 from supervisor.durable import file_digest, publish_dir, tmp_name
 from workers.data import PromptLoader, read_prompts
@@ -49,16 +51,6 @@ class Phase(str, enum.Enum):
     RESYNCING = "resyncing"
     FINISHED = "finished"
     FAILED = "failed"
-
-
-@dataclass
-class RunState:
-    """What a recover checkpoint restores on the Supervisor's side, all of one step."""
-
-    step: StepInfo
-    saver: FreqCtl
-    recover: FreqCtl
-    evaluator: FreqCtl
 
 
 @dataclass
@@ -101,7 +93,7 @@ class Supervisor:
         self.total_steps = self.loader.steps_per_epoch * config.total_train_epochs
         self.timeout = config.recover.step_timeout_secs
         self.phase = Phase.STARTING
-        self.state = self._fresh_state()
+        self.state = RunState.fresh(config, self.loader.steps_per_epoch)
         self.train_group: TrainGroup | None = None
         self.rollout_group: RolloutGroup | None = None
         self.weights: Weights | None = None
@@ -170,6 +162,9 @@ class Supervisor:
             except UserCodeError as e:
                 fault = Fault(FaultKind.USER_ERROR, str(e))
                 details = "".join(traceback.format_exception(e.__cause__ or e))
+            except CheckpointError as e:  # every checkpoint damaged, or one that cannot fit this run
+                self.events.emit("failed", job=self.job_id, reason=str(e))
+                return JobResult(EXIT_BAD_INPUT, str(e), self.state.step.global_step)
             except (CapacityError, StorageError) as e:
                 self.events.emit("gave_up", job=self.job_id, reason=str(e))
                 return JobResult(EXIT_FAILED, str(e), self.state.step.global_step)
@@ -203,11 +198,6 @@ class Supervisor:
         return decision
 
     # ---- recovery -------------------------------------------------------------------------------
-    def _fresh_state(self) -> RunState:
-        cfg = self.config
-        return RunState(StepInfo.before_start(self.loader.steps_per_epoch), FreqCtl.from_config(cfg.saver),
-                        FreqCtl.from_config(cfg.recover), FreqCtl.from_config(cfg.evaluator))
-
     def _load_checkpoint(self) -> Checkpoint | None:
         """The last valid checkpoint (falling back past damaged ones), after cleaning up interrupted saves."""
         if not self.recover_on:
@@ -229,19 +219,17 @@ class Supervisor:
 
     def _restore(self, ckpt: Checkpoint | None) -> None:
         """Roll the Supervisor's own state back to the checkpoint's step (or to the start)."""
-        state = self._fresh_state()
-        if ckpt is not None:
-            infos = ckpt.infos
-            state.step = StepInfo.from_dict(infos["step_info.json"])
-            if state.step.steps_per_epoch != self.loader.steps_per_epoch:
-                raise CheckpointError(
-                    f"{ckpt.path}: saved with {state.step.steps_per_epoch} steps per epoch, the data now gives "
-                    f"{self.loader.steps_per_epoch}; run `relaunch clean-restart CONFIG` to start fresh")
-            for ctl, name in ((state.saver, "saver_info.json"), (state.evaluator, "evaluator_info.json")):
-                ctl.load_state_dict(infos[name].get("freq", {}))
-            state.recover.load_state_dict(infos["checkpoint_info.json"].get("freq", {}))
-        self.state = state
-        self.stats.truncate_after(state.step.global_step)
+        if ckpt is None:
+            self.state = RunState.fresh(self.config, self.loader.steps_per_epoch)
+        else:
+            try:
+                self.state, warnings = RunState.from_infos(ckpt.infos, self.config, self.loader.steps_per_epoch)
+            except IncompatibleCheckpoint as e:
+                raise CheckpointError(f"{ckpt.path}: {e}; run `relaunch clean-restart CONFIG` to start fresh") from e
+            for w in warnings:
+                self.events.emit("warning", job=self.job_id, message=w)
+                print(f"[relaunch] warning: {w}", flush=True)
+        self.stats.truncate_after(self.state.step.global_step)
 
     def _start_train_group(self) -> None:
         self.phase = Phase.RESTARTING
@@ -250,7 +238,7 @@ class Supervisor:
             self.train_group = None
         ckpt = self._load_checkpoint()
         started = time.monotonic()
-        self.train_group = TrainGroup(self.config, self.config.cluster.n_train_workers, self.timeout)
+        self.train_group = self._new_train_group()
         missing = []
         if ckpt is not None:
             missing = self.train_group.load_recover(str(ckpt.path), ckpt.world_size)
@@ -259,6 +247,24 @@ class Supervisor:
                          path=str(ckpt.path) if ckpt else None, nodes=self.train_group.nodes,
                          missing_state=missing, secs=round(time.monotonic() - started, 3))
         self._sync_weights(pull=True)
+
+    def _new_train_group(self) -> TrainGroup:
+        """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and
+        recover.min_train_workers allows it, as many as fit (elastic resume)."""
+        cfg = self.config
+        sizes = train_group_sizes(cfg.cluster.n_train_workers, cfg.recover.min_train_workers,
+                                  cfg.data.batch_size * cfg.data.group_size)
+        for size in sizes:
+            try:
+                group = TrainGroup(cfg, size, self.timeout)
+            except CapacityError as e:
+                if size == sizes[-1]:
+                    raise
+                self.events.emit("warning", job=self.job_id, message=f"{e}; trying {size - 1} ranks or fewer")
+                continue
+            if size != cfg.cluster.n_train_workers:
+                self.events.emit("shrink", job=self.job_id, world_size=size, wanted=cfg.cluster.n_train_workers)
+            return group
 
     def _restart_engines(self) -> None:
         self.phase = Phase.RESTARTING
@@ -285,16 +291,17 @@ class Supervisor:
     # ---- one step -------------------------------------------------------------------------------
     def _step(self, s: StepInfo, reward_fn) -> None:
         cfg, t0 = self.config, time.monotonic()
-        fault_point("supervisor_step", step=s.global_step)
+        self._fault_point("supervisor_step", s)
         self.phase = Phase.ROLLOUT
         rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
         rollout = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step,
                                               self.tokenizer.pad_token_id)
         rewards = torch.tensor(score(reward_fn, rows, rollout["completions"]))
         advantages = group_advantages(rewards, cfg.data.group_size)
+        self._fault_point("after_rollout", s)
         t_rollout = time.monotonic()
         self.phase = Phase.TRAIN
-        n = cfg.cluster.n_train_workers
+        n = self.train_group.world_size
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
                   for r in range(n)]
@@ -322,6 +329,15 @@ class Supervisor:
         self.stats.append(row)
         if self.recover_on and self.state.recover.check(s.is_epoch_end, elapsed):
             self._save_recover_or_report(s)
+            self._fault_point("after_save", s)
+
+    def _fault_point(self, point: str, s: StepInfo) -> None:
+        """Test instrumentation: besides the usual actions, `kill_trainer` SIGKILLs the last rank."""
+        action = faults.armed(point, step=s.global_step)
+        if action == "kill_trainer":
+            os.kill(self.train_group.members[-1].pid, signal.SIGKILL)
+        else:
+            faults.apply(action, point)
 
     def _evaluate(self, s: StepInfo) -> float:
         rows = self.loader.rows
@@ -372,18 +388,12 @@ class Supervisor:
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
         files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         nxt = s.next()
-        infos = {
-            "step_info.json": {"schema_version": SCHEMA_VERSION, **s.to_dict()},
-            "saver_info.json": {"schema_version": SCHEMA_VERSION, "freq": self.state.saver.state_dict()},
-            "evaluator_info.json": {"schema_version": SCHEMA_VERSION, "freq": self.state.evaluator.state_dict()},
-            "stats_logger_info.json": {"schema_version": SCHEMA_VERSION, "commit_step": s.global_step},
-            "dataloader_info.pkl": self.loader.state_dict(nxt.epoch, nxt.epoch_step),
-            "checkpoint_info.json": {"freq": self.state.recover.state_dict()},
-        }
-        path = self.store.commit(staging, s.global_step, self.config.cluster.n_train_workers,
+        infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
+        path = self.store.commit(staging, s.global_step, self.train_group.world_size,
                                  self.config.resume_hash(), files, infos)
         secs = time.monotonic() - started
         self.events.emit("commit", job=self.job_id, global_step=s.global_step, path=str(path),
+                         world_size=self.train_group.world_size, weights_checksum=self.weights.checksum,
                          bytes=_dcp_bytes(files), secs=round(secs, 3))
 
     def _shutdown(self) -> None:

@@ -107,8 +107,8 @@ def curve(stats: list[dict]) -> list[tuple]:
     return [(r["global_step"], r["reward"], r["loss"], r["grad_norm"]) for r in stats]
 
 
-def status_json(trial: Trial, *extra: str) -> dict:
-    r = relaunch("status", str(CONFIG), *trial.overrides, *extra, "--json")
+def status_json(trial: Trial, *extra: str, env: dict | None = None) -> dict:
+    r = relaunch("status", str(CONFIG), *trial.overrides, *extra, "--json", env=env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -145,8 +145,19 @@ class RayStartCluster:
 
         self.temp_dir = short_tmp("rls")
         self.port, self.dashboard_port = free_port(), free_port()
-        self.env = dict(job_env(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        # Token auth, Ray's default for new clusters; clients given an explicit address need RAY_AUTH_MODE.
+        self.env = dict(job_env(), RAY_AUTH_MODE="token",
+                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
         self.procs: list[subprocess.Popen] = []
+        try:
+            self._start_head()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_head(self) -> None:
+        from supervisor.local_cluster import free_port
+
         self._start("--head", f"--port={self.port}", "--num-cpus=1", f"--temp-dir={self.temp_dir}",
                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
                     f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
@@ -173,16 +184,17 @@ class RayStartCluster:
                            f"--runtime-env-agent-port={free_port()}")
 
     def wait_for_jobs_api(self, timeout: float = 120) -> None:
-        import urllib.request
+        from ray.job_submission import JobSubmissionClient
 
         deadline = time.time() + timeout
-        while time.time() < deadline:
+        while True:
             try:
-                urllib.request.urlopen(f"{self.jobs_address}/api/version", timeout=2)
+                JobSubmissionClient(self.jobs_address).list_jobs()  # the SDK brings Ray's auth token
                 return
-            except OSError:
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.time() > deadline:
+                    raise
                 time.sleep(0.5)
-        raise TimeoutError("the Ray dashboard did not come up")
 
     def kill(self, proc: subprocess.Popen) -> None:
         from supervisor.local_cluster import kill_tree

@@ -1,9 +1,12 @@
 """Auto-restart inside one job, on a shared multi-node Ray cluster: every recovery ends bit-identical."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from conftest import CONFIG, SHORT, Trial, curve, job_env, relaunch, start_relaunch, status_json
+from conftest import CONFIG, SHORT, Trial, curve, job_env, kill_session, relaunch, start_relaunch, status_json
 
 pytestmark = pytest.mark.e2e
 
@@ -124,3 +127,107 @@ def test_disk_full_with_stop_ends_cleanly_keeping_the_last_valid_checkpoint(clus
     st = status_json(trial)
     assert st["last_valid"]["global_step"] == 4 and st["checkpoint_error"] is None
     assert not [p for p in (trial.root / "default" / "recover_checkpoint").iterdir() if p.name.startswith(".tmp")]
+
+
+# Interruption points of the exactness matrix (issue 5), each as the fault that makes one TrainWorker die
+# there and the fault that kills the whole job there (its driver and its embedded Ray cluster).
+MATRIX = {
+    "mid-rollout": ("after_rollout:kill_trainer:step=3", "after_rollout:killjob:step=3"),
+    "mid-update": ("train_step:kill:step=7:rank=1", "train_step:killjob:step=7:rank=1"),
+    "mid-save": ("after_shards:kill:step=9:rank=1", "after_shards:killjob:step=9:rank=1"),
+    "epoch-boundary": ("train_step:kill:step=12:rank=0", "train_step:killjob:step=12:rank=0"),
+    "right-after-commit": ("after_save:kill_trainer:step=14", "after_save:killjob:step=14"),
+    "last-step": ("train_step:kill:step=23:rank=1", "train_step:killjob:step=23:rank=1"),
+}
+# Where each interruption resumes: the last commit before it (commits every 5 steps and every epoch).
+RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
+MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0"]
+
+
+def test_a_trainworker_killed_at_every_interruption_point(cluster, reference, trial, tmp_path):
+    faults = ",".join(worker for worker, _ in MATRIX.values())
+    r = run_with_fault(cluster, trial, tmp_path, faults, *MATRIX_JOB[1:])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [e["global_step"] for e in trial.events("failure")] == [3, 7, 9, 12, 14, 23]
+    assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM
+    assert_recovered_exactly(trial, reference, restarts=len(MATRIX))
+
+
+def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, trial, tmp_path):
+    from conftest import short_tmp
+
+    env = job_env({"RELAUNCH_FAULT": ",".join(job for _, job in MATRIX.values()),
+                   "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    codes = []
+    for attempt in range(len(MATRIX) + 2):
+        env["RAY_TMPDIR"] = str(short_tmp("rlm"))
+        proc = start_relaunch("run", str(CONFIG), *MATRIX_JOB, *trial.overrides, env=env,
+                              log=tmp_path / f"run{attempt}.log")
+        codes.append(proc.wait(timeout=600))
+        kill_session(proc.pid)  # nothing of a killed job may linger
+        if codes[-1] == 0:
+            break
+    assert codes == [-9] * len(MATRIX) + [0], (tmp_path / f"run{len(codes) - 1}.log").read_text()[-3000:]
+    assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM
+    assert_recovered_exactly(trial, reference, restarts=0)
+
+
+def _strip_newer_keys(step_dir: Path) -> None:
+    """Make a checkpoint look written by an older relaunch: drop keys a newer version adds, fix the manifest."""
+    import torch
+
+    from supervisor.durable import file_digest
+
+    edits = {"meta/step_info.json": ["steps_per_epoch"], "meta/saver_info.json": ["configured"],
+             "meta/evaluator_info.json": ["freq", "configured"], "meta/checkpoint_info.json": ["configured"]}
+    for name, keys in edits.items():
+        data = json.loads((step_dir / name).read_text())
+        for k in keys:
+            data.pop(k, None)
+        (step_dir / name).write_text(json.dumps(data))
+    for rng in step_dir.glob("rng_rank*.pt"):
+        state = torch.load(rng, weights_only=True)
+        state.pop("numpy")
+        torch.save(state, rng)
+        edits[rng.name] = []
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    for name in edits:
+        f = step_dir / name
+        manifest["files"][name] = {"size": f.stat().st_size, "sha256": file_digest(f)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_without_the_newer_keys_still_loads(cluster, reference, trial):
+    first = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, "--address", cluster.address)
+    assert first.returncode == 0, first.stderr
+    _strip_newer_keys(trial.root / "default" / "recover_checkpoint" / "globalstep11")
+    r = relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "--address", cluster.address)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warnings = " | ".join(e["message"] for e in trial.events("warning"))
+    assert "steps_per_epoch" in warnings and "evaluator_info.json has no frequency state" in warnings
+    assert "numpy" in trial.events("loaded")[-1]["missing_state"]
+    assert trial.final_weights() == reference.final_weights()  # none of the missing keys changes the math
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_elastic_resume_with_a_different_number_of_trainworkers(cluster, trial, before, after):
+    first = relaunch("run", str(CONFIG), "total_train_epochs=1", f"cluster.n_train_workers={before}",
+                     *trial.overrides, "--address", cluster.address)
+    assert first.returncode == 0, first.stderr
+    commit = trial.events("commit")[-1]
+    assert (commit["global_step"], commit["world_size"]) == (11, before)
+
+    r = relaunch("run", str(CONFIG), *SHORT, f"cluster.n_train_workers={after}", *trial.overrides,
+                 "--address", cluster.address)
+    assert r.returncode == 0, r.stdout + r.stderr
+    loaded = trial.events("loaded")[-1]
+    assert loaded["global_step"] == 11 and len(loaded["nodes"]) == after
+    resync = [e for e in trial.events("resync") if e["time"] > loaded["time"]][0]
+    # DCP resharded the weights exactly: the engines got the very weights that were checkpointed
+    assert (resync["version"], resync["checksum"]) == (12, commit["weights_checksum"])
+    assert trial.events("commit")[-1]["world_size"] == after
+    stats = trial.stats()
+    assert [s["global_step"] for s in stats] == list(range(24))
+    before_mean = sum(s["reward"] for s in stats[6:12]) / 6
+    after_mean = sum(s["reward"] for s in stats[12:18]) / 6
+    assert after_mean > before_mean - 0.15, (before_mean, after_mean)  # continuous, no collapse or restart

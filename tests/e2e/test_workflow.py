@@ -6,13 +6,14 @@ import time
 
 import pytest
 
-from conftest import CONFIG, REPO, SHORT, RayStartCluster, Trial, job_env, relaunch, status_json
+from conftest import CONFIG, REPO, RayStartCluster, job_env, relaunch, status_json
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def ray_start_cluster():
+def ray_start_cluster(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     c = RayStartCluster()
     try:
         yield c
@@ -25,7 +26,9 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
 
     c = ray_start_cluster
     node_a = c.add_worker()  # the only place the TrainGroup fits until the spare joins
-    r = relaunch("submit", str(CONFIG.relative_to(REPO)), *SHORT, *trial.overrides, "--address", c.jobs_address)
+    # the default job (60 steps), long enough to ask the live Supervisor and kill a node mid-run
+    r = relaunch("submit", str(CONFIG.relative_to(REPO)), *trial.overrides, "--address", c.jobs_address,
+                 env=c.env)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.split()[1]
     assert "ray job logs --follow" in r.stdout
@@ -33,11 +36,14 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
     client = JobSubmissionClient(c.jobs_address)
     deadline = time.time() + 300
     while not (trial.stats() and trial.stats()[-1]["global_step"] >= 6):
-        assert time.time() < deadline and client.get_job_status(job_id) == JobStatus.RUNNING, \
+        assert time.time() < deadline, "the job did not reach step 6"
+        assert client.get_job_status(job_id) in (JobStatus.PENDING, JobStatus.RUNNING), \
             client.get_job_logs(job_id)[-3000:]
         time.sleep(0.3)
-    live = status_json(trial, "--address", c.gcs_address)["live"]
-    assert live and live["phase"] and live["global_step"] >= 6 and len(live["train_nodes"]) == 2
+    st = status_json(trial, "--address", c.gcs_address, env=c.env)
+    live = st["live"]
+    assert live, st["live_error"]
+    assert live["phase"] and live["global_step"] >= 6 and len(live["train_nodes"]) == 2
 
     c.add_worker()  # the spare
     c.kill(node_a)
@@ -46,7 +52,7 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
         time.sleep(0.5)
     assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, client.get_job_logs(job_id)[-3000:]
     st = status_json(trial)
-    assert st["restarts"] == 1 and st["state"] == "done" and st["last_valid"]["global_step"] == 23
+    assert st["restarts"] >= 1 and st["state"] == "done" and st["last_valid"]["global_step"] == 59
     assert trial.events("failure")[0]["cause"] in ("worker_died", "engine_died")
 
 

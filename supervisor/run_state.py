@@ -1,0 +1,91 @@
+"""The Supervisor's own recoverable state, and its round trip through the recover_info files. Pure.
+
+All of it belongs to one step: where the run is (StepInfo), and the counters of the Saver, the
+RecoverHandler and the Evaluator frequency controls. Reading is forgiving of older checkpoints: a key
+that a newer version writes but an older one lacks gets a sensible default and a warning, never a
+KeyError. The frequencies themselves are recorded for information only; the config in force wins.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.freq import FreqCtl
+from supervisor.recovery import SCHEMA_VERSION
+from supervisor.step_info import StepInfo
+
+FREQ_KEYS = ("freq_epochs", "freq_steps", "freq_secs")
+# recover_info file -> the RunState frequency control it carries
+CONTROLS = {"saver_info.json": "saver", "evaluator_info.json": "evaluator", "checkpoint_info.json": "recover"}
+
+
+class IncompatibleCheckpoint(ValueError):
+    pass
+
+
+@dataclass
+class RunState:
+    step: StepInfo
+    saver: FreqCtl
+    recover: FreqCtl
+    evaluator: FreqCtl
+
+    @classmethod
+    def fresh(cls, config, steps_per_epoch: int) -> "RunState":
+        return cls(StepInfo.before_start(steps_per_epoch), FreqCtl.from_config(config.saver),
+                   FreqCtl.from_config(config.recover), FreqCtl.from_config(config.evaluator))
+
+    def to_infos(self, dataloader_state: dict) -> dict:
+        """Contents of the recover_info files for this step (checkpoint_info.json is completed on commit)."""
+        def ctl(c: FreqCtl) -> dict:
+            return {"schema_version": SCHEMA_VERSION, "freq": c.state_dict(),
+                    "configured": {k: getattr(c, k) for k in FREQ_KEYS}}
+
+        return {
+            "step_info.json": {"schema_version": SCHEMA_VERSION, **self.step.to_dict()},
+            "saver_info.json": ctl(self.saver),
+            "evaluator_info.json": ctl(self.evaluator),
+            "checkpoint_info.json": ctl(self.recover),
+            "stats_logger_info.json": {"schema_version": SCHEMA_VERSION, "commit_step": self.step.global_step},
+            "dataloader_info.pkl": dataloader_state,
+        }
+
+    @classmethod
+    def from_infos(cls, infos: dict, config, steps_per_epoch: int) -> tuple["RunState", list[str]]:
+        """The state a checkpoint holds, and warnings about what it lacked or what the config changed."""
+        warnings = []
+        state = cls.fresh(config, steps_per_epoch)
+        raw = dict(infos["step_info.json"])
+        if "steps_per_epoch" not in raw:
+            warnings.append("step_info.json has no steps_per_epoch; using the data's")
+            raw["steps_per_epoch"] = steps_per_epoch
+        try:
+            state.step = StepInfo.from_dict(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise IncompatibleCheckpoint(f"step_info.json lacks {e}") from e
+        if state.step.steps_per_epoch != steps_per_epoch:
+            raise IncompatibleCheckpoint(f"saved with {state.step.steps_per_epoch} steps per epoch, the data now "
+                                         f"gives {steps_per_epoch}")
+        for name, attr in CONTROLS.items():
+            info, ctl = infos.get(name, {}), getattr(state, attr)
+            saved = info.get("freq")
+            if saved is None:
+                warnings.append(f"{name} has no frequency state; its counters start at zero")
+            else:
+                missing = [k for k in ("epochs_since", "steps_since", "secs_since") if k not in saved]
+                if missing:
+                    warnings.append(f"{name} lacks {', '.join(missing)}; defaulting to zero")
+                ctl.load_state_dict(saved)
+            configured = info.get("configured")
+            now = {k: getattr(ctl, k) for k in FREQ_KEYS}
+            if configured is not None and configured != now:
+                warnings.append(f"{name}: the config's frequencies {now} differ from the checkpoint's {configured}; "
+                                f"the config wins")
+        loader = infos.get("dataloader_info.pkl", {})
+        expected = state.step.next()
+        if (loader.get("epoch"), loader.get("epoch_step")) != (expected.epoch, expected.epoch_step):
+            if "epoch" in loader:
+                raise IncompatibleCheckpoint(f"dataloader_info.pkl is at {loader.get('epoch')}/"
+                                             f"{loader.get('epoch_step')}, step_info says {expected.epoch}/"
+                                             f"{expected.epoch_step}")
+            warnings.append("dataloader_info.pkl has no position; using step_info.json's next step")
+        return state, warnings

@@ -1,0 +1,72 @@
+import pytest
+
+from supervisor.config import load_config
+from supervisor.policy import train_group_sizes
+from supervisor.run_state import IncompatibleCheckpoint, RunState
+from supervisor.step_info import StepInfo
+
+
+def state_at(step: StepInfo, config) -> dict:
+    st = RunState.fresh(config, step.steps_per_epoch)
+    st.step = step
+    st.saver.check(False, 1.0)
+    nxt = step.next()
+    return st.to_infos({"epoch": nxt.epoch, "epoch_step": nxt.epoch_step, "dataset_size": 100})
+
+
+@pytest.fixture
+def config():
+    return load_config()
+
+
+def test_round_trip_restores_every_counter(config):
+    infos = state_at(StepInfo(1, 3, 15, 12), config)
+    state, warnings = RunState.from_infos(infos, config, 12)
+    assert warnings == []
+    assert state.step == StepInfo(1, 3, 15, 12)
+    assert state.saver.steps_since == 1
+
+
+def test_a_checkpoint_without_the_newer_keys_loads_with_warnings(config):
+    infos = state_at(StepInfo(0, 11, 11, 12), config)
+    del infos["step_info.json"]["steps_per_epoch"]
+    del infos["saver_info.json"]["freq"]["secs_since"]
+    del infos["evaluator_info.json"]["freq"]
+    for name in ("saver_info.json", "evaluator_info.json", "checkpoint_info.json"):
+        del infos[name]["configured"]
+    infos["dataloader_info.pkl"] = {}
+    state, warnings = RunState.from_infos(infos, config, 12)
+    assert state.step == StepInfo(0, 11, 11, 12) and state.step.next() == StepInfo(1, 0, 12, 12)
+    text = " | ".join(warnings)
+    assert "steps_per_epoch" in text and "secs_since" in text and "evaluator_info.json" in text
+    assert "dataloader_info.pkl" in text
+
+
+def test_changed_frequencies_warn_and_the_config_wins(config):
+    infos = state_at(StepInfo(0, 4, 4, 12), config)
+    changed = load_config(None, ["recover.freq_steps=2"])
+    state, warnings = RunState.from_infos(infos, changed, 12)
+    assert state.recover.freq_steps == 2
+    assert any("checkpoint_info.json" in w and "config wins" in w for w in warnings)
+
+
+@pytest.mark.parametrize("damage", ["steps_per_epoch", "dataloader"])
+def test_a_checkpoint_that_cannot_fit_this_run_is_refused(config, damage):
+    infos = state_at(StepInfo(0, 4, 4, 12), config)
+    if damage == "steps_per_epoch":
+        with pytest.raises(IncompatibleCheckpoint, match="steps per epoch"):
+            RunState.from_infos(infos, config, 6)
+    else:
+        infos["dataloader_info.pkl"]["epoch_step"] = 9
+        with pytest.raises(IncompatibleCheckpoint, match="dataloader_info.pkl"):
+            RunState.from_infos(infos, config, 12)
+
+
+@pytest.mark.parametrize("wanted, minimum, samples, sizes", [
+    (2, None, 64, [2]),
+    (4, 1, 64, [4, 2, 1]),
+    (8, 4, 48, [8, 6, 4]),
+    (3, 3, 9, [3]),
+])
+def test_train_group_sizes_shrink_only_when_allowed(wanted, minimum, samples, sizes):
+    assert train_group_sizes(wanted, minimum, samples) == sizes
