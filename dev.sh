@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The project's one set-up script. `./dev.sh run [CONFIG] [KEY=VALUE ...]` runs a job, `./dev.sh test`
-# runs the whole test suite, `./dev.sh relaunch ...` any CLI command. The first call creates .venv:
+# The project's one set-up script. `./dev.sh demo` runs the default job on a local multi-node cluster and
+# kills a node mid-run, `./dev.sh run [CONFIG] [KEY=VALUE ...]` runs a job, `./dev.sh test` runs the whole
+# test suite, `./dev.sh relaunch ...` any CLI command. The first call creates .venv:
 # torch first, pinned to the CPU build (2.13.0) unless a GPU is present, so nothing pulls CUDA wheels on a
 # CPU machine; later calls reuse it and take a second.
 set -euo pipefail
@@ -20,8 +21,9 @@ fi
 cmd=${1:-run}
 shift || true
 case "$cmd" in
+  demo)     exec "$VENV/bin/relaunch" demo "$@" ;;
   run)      exec "$VENV/bin/relaunch" run "$@" ;;
   test)     exec "$VENV/bin/python" -m pytest "$@" ;;
   relaunch) exec "$VENV/bin/relaunch" "$@" ;;
-  *) echo "usage: ./dev.sh run|test|relaunch [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo|run|test|relaunch [ARGS...]" >&2; exit 2 ;;
 esac

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import pickle
 import uuid
@@ -41,10 +40,6 @@ def write_atomic(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def fsync_tree(root: Path) -> None:

@@ -15,6 +15,8 @@ import signal
 import time
 from pathlib import Path
 
+from supervisor.processes import kill_all, session_members
+
 ENV_VARS = ("RELAUNCH_FAULT", "RELAUNCH_FAULT_DIR")
 
 
@@ -41,19 +43,13 @@ def armed(point: str, step: int | None = None, rank: int | None = None) -> str |
     return None
 
 
-def _kill_session() -> None:
+def _kill_job() -> None:
+    """SIGKILL this local job's whole session: its driver, every actor and the embedded Ray cluster."""
     sid = os.getsid(0)
     leader = Path(f"/proc/{sid}/cmdline").read_bytes().split(b"\0") if Path(f"/proc/{sid}").exists() else []
     if b"supervisor" not in leader and not any(arg.endswith(b"relaunch") for arg in leader):
         raise RuntimeError("fault action killjob needs a relaunch driver that leads its own session")
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    kill_all(session_members(sid))
 
 
 def fault_point(point: str, step: int | None = None, rank: int | None = None) -> None:
@@ -64,7 +60,7 @@ def apply(action: str | None, point: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "killjob":
-        _kill_session()
+        _kill_job()
     elif action == "hang":
         while True:
             time.sleep(3600)

@@ -1,6 +1,8 @@
 """Frequency control for the Saver, the RecoverHandler and the Evaluator: pure, no clocks of its own.
 
-Fires when any of its epoch/step/time conditions is met. Its saved state holds only counters and the
+Fires when any of its epoch/step/time conditions is met. Each condition keeps its own counter and resets
+only itself, so "every 5 steps and every epoch" saves at steps 4, 9, 14, ... and at every epoch's end,
+an epoch save does not shift the step schedule. Its saved state holds only counters and the
 time since it last fired, never the frequencies: the config in force wins over a checkpoint's (AReaL
 stored the frequencies, so changing freq_steps before a resume had no effect).
 """
@@ -28,15 +30,16 @@ class FreqCtl:
         self.steps_since += 1
         self.epochs_since += int(epoch_end)
         self.secs_since += elapsed_secs
-        fired = (
-            (self.freq_steps is not None and self.steps_since >= self.freq_steps)
-            or (self.freq_epochs is not None and epoch_end and self.epochs_since >= self.freq_epochs)
-            or (self.freq_secs is not None and self.secs_since >= self.freq_secs)
-        )
-        if fired:
-            self.epochs_since = self.steps_since = 0
+        by_steps = self.freq_steps is not None and self.steps_since >= self.freq_steps
+        by_epochs = self.freq_epochs is not None and epoch_end and self.epochs_since >= self.freq_epochs
+        by_secs = self.freq_secs is not None and self.secs_since >= self.freq_secs
+        if by_steps:
+            self.steps_since = 0
+        if by_epochs:
+            self.epochs_since = 0
+        if by_secs:
             self.secs_since = 0.0
-        return fired
+        return by_steps or by_epochs or by_secs
 
     def state_dict(self) -> dict:
         return {"epochs_since": self.epochs_since, "steps_since": self.steps_since, "secs_since": self.secs_since}

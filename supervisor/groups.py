@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -38,6 +38,7 @@ class Member:
     name: str
     node_id: str | None = None
     pid: int | None = None
+    node_ref: ray.ObjectRef | None = None  # an engine's node id, read once it has answered
 
 
 def gather(members: list[Member], refs: list[ray.ObjectRef], timeout: float, dead_kind: FaultKind) -> list:
@@ -145,26 +146,29 @@ class RolloutGroup:
         self.members = [self._spawn(i) for i in range(config.cluster.n_rollout_workers)]
 
     def _spawn(self, i: int) -> Member:
+        # Not waited for: the engine starts while the TrainGroup does; its first push waits for it.
         handle = RolloutWorker.options(num_cpus=self.config.cluster.cpus_per_worker, max_restarts=0).remote(self.config)
-        member = Member(handle, f"RolloutWorker[{i}]")
-        member.node_id = gather([member], [handle.node_id.remote()], max(self.timeout, SETUP_TIMEOUT_SECS),
-                                FaultKind.ENGINE_DIED)[0]
-        return member
+        return Member(handle, f"RolloutWorker[{i}]", node_ref=handle.node_id.remote())
 
     def _all(self, call) -> list:
-        return gather(self.members, [call(i, m) for i, m in enumerate(self.members)], self.timeout,
+        # A new engine may still be starting: the first call to it gets the start-up bound.
+        timeout = self.timeout if all(m.node_id for m in self.members) else max(self.timeout, SETUP_TIMEOUT_SECS)
+        return gather(self.members, [call(i, m) for i, m in enumerate(self.members)], timeout,
                       FaultKind.ENGINE_DIED)
 
-    def generate(self, prompts: list[str], global_step: int, pad_id: int, greedy: bool = False) -> dict:
+    def generate(self, prompts: list[str], global_step: int, greedy: bool = False) -> dict:
         """Split the samples into contiguous chunks, one per engine, and merge the results in order."""
         n = len(self.members)
         bounds = [len(prompts) * i // n for i in range(n + 1)]
         chunks = self._all(lambda i, m: m.handle.generate.remote(
             prompts[bounds[i]:bounds[i + 1]], list(range(bounds[i], bounds[i + 1])), global_step, greedy))
-        return merge_rollouts(chunks, pad_id)
+        return merge_rollouts(chunks)
 
     def push(self, weights: ray.ObjectRef, version: int) -> None:
         self._all(lambda i, m: m.handle.load_weights.remote(weights, version))
+        for m in self.members:
+            if m.node_id is None:
+                m.node_id = ray.get(m.node_ref)
 
     def weight_status(self) -> list[tuple[int | None, str]]:
         return self._all(lambda i, m: m.handle.weight_status.remote())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import uuid
 
 import ray

@@ -8,11 +8,11 @@ cluster started, never by name.
 """
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import tempfile
 from pathlib import Path
+
+from supervisor.processes import kill_all, process_tree
 
 OBJECT_STORE = 150 * 1024**2
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
@@ -28,33 +28,6 @@ def free_port() -> int:
 def short_tmp(prefix: str) -> Path:
     """A fresh directory with a short path: Ray's unix sockets live under its temp dir (107-byte limit)."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything under it, all at once."""
-    for p in process_tree(pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class LocalCluster:
@@ -85,7 +58,7 @@ class LocalCluster:
 
     def kill_node(self, node) -> None:
         """End the node's raylet and every process under it at once, then forget the node."""
-        kill_tree(node.all_processes["raylet"][0].process.pid)
+        kill_all(process_tree(node.all_processes["raylet"][0].process.pid))
         self.cluster.remove_node(node, allow_graceful=False)
         self.workers.remove(node)
 

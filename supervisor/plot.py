@@ -32,8 +32,13 @@ def plot_trial(layout: TrialLayout, out: Path) -> None:
             for ax in (ax_r, ax_l):
                 ax.axvline(x, color=color, linestyle=style, alpha=0.7, lw=1.2 if name in ("failure", "loaded") else 0.8,
                            label=label if ax is ax_r and i == 0 else None)
+    for i, (start, end) in enumerate(_replayed(events)):
+        for ax in (ax_r, ax_l):
+            ax.axvspan(start, end, color="tab:red", alpha=0.08,
+                       label="trained again after the restart" if ax is ax_r and i == 0 else None)
     restarts = sum(e["event"] == "restart" for e in events)
-    ax_r.set_title(f"{layout.experiment_name}/{layout.trial_name}: {len(stats)} steps, {restarts} restarts")
+    ax_r.set_title(f"{layout.experiment_name}/{layout.trial_name}: {len(stats)} steps, "
+                   f"{restarts} restart{'s' if restarts != 1 else ''}")
     ax_r.set_ylabel("reward")
     ax_r.set_ylim(-0.05, 1.05)
     ax_l.set_ylabel("loss")
@@ -43,3 +48,14 @@ def plot_trial(layout: TrialLayout, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _replayed(events: list[dict]) -> list[tuple[int, int]]:
+    """(checkpoint step, failed step) for each failure followed by a reload: the steps trained twice."""
+    spans = []
+    for i, e in enumerate(events):
+        if e["event"] == "failure":
+            loaded = next((x for x in events[i:] if x["event"] == "loaded"), None)
+            if loaded is not None:
+                spans.append((max(loaded["global_step"], 0), e["global_step"]))
+    return spans

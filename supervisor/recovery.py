@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.durable import (
-    file_digest, fsync_dir, load_plain_pickle, publish_dir, tmp_name, write_atomic, write_json_atomic,
+    file_digest, load_plain_pickle, publish_dir, tmp_name, write_atomic,
 )
 from supervisor.faults import fault_point
 from supervisor.layout import RECOVER_INFO_FILES, STEP_DIR, TMP_PREFIX, TrialLayout

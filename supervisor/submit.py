@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import sys
 from pathlib import Path
 
 from supervisor.config import Config

@@ -31,7 +31,6 @@ from supervisor.step_info import StepInfo
 from supervisor.durable import file_digest, publish_dir, tmp_name
 from workers.data import PromptLoader, read_prompts
 from workers.grpo import group_advantages
-from workers.model import build_tokenizer
 from workers.rewards import UserCodeError, load_reward_fn, score
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -89,7 +88,6 @@ class Supervisor:
         self.policy.restarts = sum(e["event"] == "restart" for e in prior)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
-        self.tokenizer = build_tokenizer(config.model)
         self.total_steps = self.loader.steps_per_epoch * config.total_train_epochs
         self.timeout = config.recover.step_timeout_secs
         self.phase = Phase.STARTING
@@ -294,8 +292,7 @@ class Supervisor:
         self._fault_point("supervisor_step", s)
         self.phase = Phase.ROLLOUT
         rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
-        rollout = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step,
-                                              self.tokenizer.pad_token_id)
+        rollout = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step)
         rewards = torch.tensor(score(reward_fn, rows, rollout["completions"]))
         advantages = group_advantages(rewards, cfg.data.group_size)
         self._fault_point("after_rollout", s)
@@ -341,8 +338,7 @@ class Supervisor:
 
     def _evaluate(self, s: StepInfo) -> float:
         rows = self.loader.rows
-        out = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step, self.tokenizer.pad_token_id,
-                                          greedy=True)
+        out = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step, greedy=True)
         reward_fn = load_reward_fn(self.config.reward.fn)
         return float(torch.tensor(score(reward_fn, rows, out["completions"])).mean())
 

@@ -2,17 +2,20 @@
 
 The tiny model needs no download: its tokenizer is a word-level `tokenizers` model over the config's
 vocabulary, wrapped as a HuggingFace fast tokenizer so exports load with AutoTokenizer.
+transformers is imported where it is used: the driver and the Supervisor import this package's actor
+classes but never build a model, and skip its seconds of import time.
 """
 from __future__ import annotations
 
 import hashlib
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 
-def build_tokenizer(model_cfg) -> PreTrainedTokenizerFast:
+def build_tokenizer(model_cfg):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     if model_cfg.path is not None:
         return AutoTokenizer.from_pretrained(model_cfg.path)
     vocab = {tok: i for i, tok in enumerate(model_cfg.vocab)}
@@ -23,6 +26,8 @@ def build_tokenizer(model_cfg) -> PreTrainedTokenizerFast:
 
 
 def model_config(model_cfg, tokenizer):
+    from transformers import AutoConfig, Qwen2Config
+
     if model_cfg.path is not None:
         return AutoConfig.from_pretrained(model_cfg.path)
     return Qwen2Config(
@@ -37,6 +42,8 @@ def model_config(model_cfg, tokenizer):
 
 def build_model(model_cfg, tokenizer, seed: int) -> torch.nn.Module:
     """Identical on every rank: loaded weights, or a random init seeded by `seed`."""
+    from transformers import AutoModelForCausalLM
+
     if model_cfg.path is not None:
         return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32)
     torch.manual_seed(seed)

@@ -75,11 +75,12 @@ class RolloutWorker:
         completions = [tok.decode(row[width:][response_mask[i, width:].bool()], skip_special_tokens=True)
                        for i, row in enumerate(ids)]
         return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
-                "completions": completions}
+                "completions": completions, "pad_id": tok.pad_token_id}
 
 
-def merge_rollouts(chunks: list[dict], pad_id: int) -> dict:
+def merge_rollouts(chunks: list[dict]) -> dict:
     """Concatenate engines' results in sample order, left-padding to a common width."""
+    pad_id = chunks[0]["pad_id"]
     width = max(c["input_ids"].shape[1] for c in chunks)
 
     def pad(t: torch.Tensor, value: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ import torch
 
 from supervisor.durable import file_digest
 from supervisor.faults import fault_point
-from workers.engines.fsdp import FSDPEngine, init_process_group
 from workers.model import weights_checksum
 
 
@@ -24,7 +23,7 @@ class TrainWorker:
     def __init__(self, config, rank: int, world_size: int):
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.engine: FSDPEngine | None = None
+        self.engine = None
 
     def where(self) -> dict:
         """The node this rank runs on, and (for rank 0) a free port for the rendezvous."""
@@ -35,6 +34,8 @@ class TrainWorker:
                 "pid": os.getpid(), "port": port}
 
     def setup(self, master_addr: str, master_port: int) -> None:
+        from workers.engines.fsdp import FSDPEngine, init_process_group  # torch.distributed, transformers
+
         device = init_process_group(self.config, self.rank, self.world_size, master_addr, master_port)
         self.engine = FSDPEngine(self.config, self.rank, self.world_size, device)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.local_cluster import LocalCluster, short_tmp
+from supervisor.processes import kill_all, process_tree, session_members
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_grpo.yaml"
@@ -24,25 +24,9 @@ CONFIG = REPO / "configs" / "tiny_grpo.yaml"
 SHORT = ["total_train_epochs=2"]
 
 
-def session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-            except (ProcessLookupError, PermissionError):
-                pass
-    return pids
-
-
 def kill_session(sid: int) -> None:
     """SIGKILL a driver started with start_new_session and its whole embedded Ray cluster."""
-    for p in session_pids(sid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_all(session_members(sid))
 
 
 def job_env(extra: dict | None = None) -> dict:
@@ -197,9 +181,7 @@ class RayStartCluster:
                 time.sleep(0.5)
 
     def kill(self, proc: subprocess.Popen) -> None:
-        from supervisor.local_cluster import kill_tree
-
-        kill_tree(proc.pid)
+        kill_all(process_tree(proc.pid))
         proc.wait()
 
     def shutdown(self) -> None:

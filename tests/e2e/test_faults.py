@@ -27,16 +27,6 @@ def assert_recovered_exactly(trial: Trial, reference: Trial, restarts: int = 1):
         assert trial.events("resync")[-1]["version"] >= 1  # engines were resynced after the restart
 
 
-def test_killed_train_worker_restarts_the_group_from_the_last_checkpoint(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "train_step:kill:step=7:rank=1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    failure = trial.events("failure")[0]
-    assert failure["cause"] == "worker_died" and "rank 1" in failure["actor"] and failure["node"]
-    assert failure["detect_secs"] < 30
-    assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]  # rolled back to the commit at 4
-    assert_recovered_exactly(trial, reference)
-
-
 def test_killed_rollout_worker_restarts_only_that_engine(cluster, reference, trial, tmp_path):
     r = run_with_fault(cluster, trial, tmp_path, "generate:kill:step=7")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -48,10 +38,10 @@ def test_killed_rollout_worker_restarts_only_that_engine(cluster, reference, tri
 
 
 def test_hang_is_detected_by_the_step_timeout(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "train_step:hang:step=7:rank=0", "recover.step_timeout_secs=15")
+    r = run_with_fault(cluster, trial, tmp_path, "train_step:hang:step=7:rank=0", "recover.step_timeout_secs=10")
     assert r.returncode == 0, r.stdout + r.stderr
     failure = trial.events("failure")[0]
-    assert failure["cause"] == "hang" and failure["detect_secs"] == 15
+    assert failure["cause"] == "hang" and failure["detect_secs"] == 10
     assert_recovered_exactly(trial, reference)
 
 
@@ -103,14 +93,6 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     assert status_json(trial)["restarts"] >= 1
 
 
-def test_kill_between_shards_and_publish_reloads_the_previous_checkpoint(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "after_shards:kill:step=9:rank=1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]
-    assert any(".tmp.globalstep9" in p for e in trial.events("cleanup") for p in e["removed"])
-    assert_recovered_exactly(trial, reference)
-
-
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
     r = run_with_fault(cluster, trial, tmp_path, "after_shards:enospc:step=9:rank=1")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -148,8 +130,14 @@ def test_a_trainworker_killed_at_every_interruption_point(cluster, reference, tr
     faults = ",".join(worker for worker, _ in MATRIX.values())
     r = run_with_fault(cluster, trial, tmp_path, faults, *MATRIX_JOB[1:])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert [e["global_step"] for e in trial.events("failure")] == [3, 7, 9, 12, 14, 23]
+    failures = trial.events("failure")
+    # the first step not completed when each fault hit (a save belongs to the step it saves)
+    assert [e["global_step"] for e in failures] == [3, 7, 10, 12, 15, 23]
+    assert all(e["cause"] == "worker_died" and e["node"] and e["detect_secs"] < 30 for e in failures)
+    assert "rank 1" in failures[1]["actor"]
     assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM
+    # the shards written before the kill at mid-save were cleaned up, never published
+    assert any(".tmp.globalstep9" in p for e in trial.events("cleanup") for p in e["removed"])
     assert_recovered_exactly(trial, reference, restarts=len(MATRIX))
 
 
@@ -209,25 +197,24 @@ def test_a_checkpoint_without_the_newer_keys_still_loads(cluster, reference, tri
     assert trial.final_weights() == reference.final_weights()  # none of the missing keys changes the math
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_elastic_resume_with_a_different_number_of_trainworkers(cluster, trial, before, after):
-    first = relaunch("run", str(CONFIG), "total_train_epochs=1", f"cluster.n_train_workers={before}",
+def test_elastic_resume_from_two_trainworkers_to_one_and_back(cluster, trial):
+    checksums = {}
+    for epochs, workers in ((1, 2), (2, 1), (3, 2)):
+        r = relaunch("run", str(CONFIG), f"total_train_epochs={epochs}", f"cluster.n_train_workers={workers}",
                      *trial.overrides, "--address", cluster.address)
-    assert first.returncode == 0, first.stderr
-    commit = trial.events("commit")[-1]
-    assert (commit["global_step"], commit["world_size"]) == (11, before)
-
-    r = relaunch("run", str(CONFIG), *SHORT, f"cluster.n_train_workers={after}", *trial.overrides,
-                 "--address", cluster.address)
-    assert r.returncode == 0, r.stdout + r.stderr
-    loaded = trial.events("loaded")[-1]
-    assert loaded["global_step"] == 11 and len(loaded["nodes"]) == after
-    resync = [e for e in trial.events("resync") if e["time"] > loaded["time"]][0]
-    # DCP resharded the weights exactly: the engines got the very weights that were checkpointed
-    assert (resync["version"], resync["checksum"]) == (12, commit["weights_checksum"])
-    assert trial.events("commit")[-1]["world_size"] == after
+        assert r.returncode == 0, r.stdout + r.stderr
+        loaded = trial.events("loaded")[-1]
+        assert len(loaded["nodes"]) == workers
+        if epochs > 1:
+            resync = [e for e in trial.events("resync") if e["time"] > loaded["time"]][0]
+            # DCP resharded the weights exactly: the engines got the very weights that were checkpointed
+            assert loaded["global_step"] == 12 * (epochs - 1) - 1
+            assert (resync["version"], resync["checksum"]) == (loaded["global_step"] + 1,
+                                                              checksums[loaded["global_step"]])
+        commit = trial.events("commit")[-1]
+        assert commit["world_size"] == workers
+        checksums[commit["global_step"]] = commit["weights_checksum"]
     stats = trial.stats()
-    assert [s["global_step"] for s in stats] == list(range(24))
-    before_mean = sum(s["reward"] for s in stats[6:12]) / 6
-    after_mean = sum(s["reward"] for s in stats[12:18]) / 6
-    assert after_mean > before_mean - 0.15, (before_mean, after_mean)  # continuous, no collapse or restart
+    assert [s["global_step"] for s in stats] == list(range(36))
+    means = [sum(s["reward"] for s in stats[i:i + 6]) / 6 for i in (6, 12, 18, 24)]
+    assert min(means[1:]) > means[0] - 0.15, means  # continuous across both changes: no collapse, no restart

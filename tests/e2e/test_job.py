@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import CONFIG, Trial, job_env, relaunch, short_tmp, status_json
@@ -38,9 +39,20 @@ def test_default_job_learns_and_exports_loadable_models(trial: Trial):
     assert [e["event"] for e in st["events"]][-1] == "done"
 
 
-def test_clean_restart_starts_fresh_and_keeps_exports(trial: Trial):
+def test_export_then_clean_restart_starts_fresh_and_keeps_exports(trial: Trial, tmp_path):
     r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
     assert r.returncode == 0, r.stderr
+
+    # `relaunch export` turns the recover checkpoint into the same safetensors the Saver wrote
+    step_dir = trial.root / "default" / "recover_checkpoint" / "globalstep11"
+    out = tmp_path / "hf"
+    r = relaunch("export", str(step_dir), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    mine, saver = load_file(out / "model.safetensors"), load_file(trial.exports()[-1] / "model.safetensors")
+    assert mine.keys() == saver.keys() and all(torch.equal(mine[k], saver[k]) for k in mine)
+    assert AutoTokenizer.from_pretrained(out).decode([4, 11]) == "0 7"
+    assert relaunch("export", str(tmp_path), "--out", str(tmp_path / "x")).returncode == 2
+
     exports = trial.exports()
     dry = relaunch("clean-restart", str(CONFIG), *trial.overrides, "--dry-run")
     assert dry.returncode == 0 and "recover_info" in dry.stdout and (trial.root / "recover_info").exists()
@@ -57,17 +69,3 @@ def test_clean_restart_starts_fresh_and_keeps_exports(trial: Trial):
     assert r.returncode == 0, r.stderr
     assert trial.events("loaded")[-1]["global_step"] == -1  # started at step 0
     assert [s["global_step"] for s in trial.stats()] == list(range(12))
-
-
-def test_export_turns_a_recover_checkpoint_into_the_same_safetensors(trial: Trial, tmp_path):
-    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
-    assert r.returncode == 0, r.stderr
-    step_dir = trial.root / "default" / "recover_checkpoint" / "globalstep11"
-    out = tmp_path / "hf"
-    r = relaunch("export", str(step_dir), "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    from safetensors.torch import load_file
-
-    mine, saver = load_file(out / "model.safetensors"), load_file(trial.exports()[-1] / "model.safetensors")
-    assert mine.keys() == saver.keys() and all(torch.equal(mine[k], saver[k]) for k in mine)
-    assert relaunch("export", str(tmp_path), "--out", str(tmp_path / "x")).returncode == 2

@@ -1,7 +1,6 @@
 """How users meet the product: Ray Jobs against a `ray start` cluster, live status, demo and plots."""
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -84,7 +83,6 @@ def test_gpu_example_config_passes_validation(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from supervisor.config import Backend, load_config
-    from workers.model import build_tokenizer
 
     # Stand-in for the real model directory the example names: any HF directory with config.json.
     model_dir = tmp_path / "model"

@@ -24,8 +24,9 @@ def test_every_n_seconds():
     assert fire_steps(FreqCtl(freq_secs=2.5), 6, 100, secs=1.0) == [2, 5]
 
 
-def test_any_condition_fires_and_resets_all_counters():
-    assert fire_steps(FreqCtl(freq_steps=3, freq_epochs=1), 8, 4) == [2, 3, 6, 7]
+def test_any_condition_fires_and_each_keeps_its_own_schedule():
+    assert fire_steps(FreqCtl(freq_steps=5, freq_epochs=1), 24, 12) == [4, 9, 11, 14, 19, 23]
+    assert fire_steps(FreqCtl(freq_steps=4, freq_secs=2.5), 8, 100) == [2, 3, 5, 7]
 
 
 def test_nothing_set_never_fires():
@@ -84,4 +85,4 @@ def test_layout_paths_follow_the_design():
 
 def test_layout_refuses_traversal():
     with pytest.raises(ValueError):
-        TrialLayout(Path("/r"), "u", "..", "t0").checkpoint_root
+        _ = TrialLayout(Path("/r"), "u", "..", "t0").checkpoint_root
