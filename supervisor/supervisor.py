@@ -142,6 +142,10 @@ class Supervisor:
             reward_fn = load_reward_fn(self.config.reward.fn)
         except UserCodeError as e:
             return JobResult(EXIT_BAD_INPUT, str(e))
+        return self._train_with_restarts(reward_fn)
+
+    def _train_with_restarts(self, reward_fn) -> JobResult:
+        """Train to the last step; every fault goes to the policy, whose decision is applied here."""
         action = Action.RESTART_TRAIN_GROUP  # the first start is a (re)start from the last checkpoint
         while True:
             details = ""

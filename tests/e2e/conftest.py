@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -129,8 +130,13 @@ class RayStartCluster:
 
         self.temp_dir = short_tmp("rls")
         self.port, self.dashboard_port = free_port(), free_port()
-        # Token auth, Ray's default for new clusters; clients given an explicit address need RAY_AUTH_MODE.
-        self.env = dict(job_env(), RAY_AUTH_MODE="token",
+        # Token auth, Ray's default for new clusters, with a token of this cluster's own; clients given an
+        # explicit address need RAY_AUTH_MODE=token. This process's Ray may have read its auth mode long
+        # ago, so its own Jobs client sends the token as a header.
+        self.token = secrets.token_hex(32)
+        token_file = self.temp_dir / "auth_token"
+        token_file.write_text(self.token)
+        self.env = dict(job_env(), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file),
                         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
         self.procs: list[subprocess.Popen] = []
         try:
@@ -167,13 +173,16 @@ class RayStartCluster:
                            f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
                            f"--runtime-env-agent-port={free_port()}")
 
-    def wait_for_jobs_api(self, timeout: float = 120) -> None:
+    def jobs_client(self):
         from ray.job_submission import JobSubmissionClient
 
+        return JobSubmissionClient(self.jobs_address, headers={"Authorization": f"Bearer {self.token}"})
+
+    def wait_for_jobs_api(self, timeout: float = 120) -> None:
         deadline = time.time() + timeout
         while True:
             try:
-                JobSubmissionClient(self.jobs_address).list_jobs()  # the SDK brings Ray's auth token
+                self.jobs_client().list_jobs()
                 return
             except Exception:  # noqa: BLE001 - not up yet
                 if time.time() > deadline:

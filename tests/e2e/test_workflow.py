@@ -11,8 +11,7 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def ray_start_cluster(monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+def ray_start_cluster():
     c = RayStartCluster()
     try:
         yield c
@@ -21,7 +20,7 @@ def ray_start_cluster(monkeypatch):
 
 
 def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
     c = ray_start_cluster
     node_a = c.add_worker()  # the only place the TrainGroup fits until the spare joins
@@ -32,7 +31,7 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
     job_id = r.stdout.split()[1]
     assert "ray job logs --follow" in r.stdout
 
-    client = JobSubmissionClient(c.jobs_address)
+    client = c.jobs_client()
     deadline = time.time() + 300
     while not (trial.stats() and trial.stats()[-1]["global_step"] >= 6):
         assert time.time() < deadline, "the job did not reach step 6"
