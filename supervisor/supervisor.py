@@ -125,11 +125,12 @@ class Supervisor:
                          trial=self.config.trial_name, total_steps=self.total_steps,
                          n_train_workers=self.config.cluster.n_train_workers,
                          n_rollout_workers=self.config.cluster.n_rollout_workers)
-        if self.attempt > 0:
-            self._on_fault(Fault(FaultKind.WORKER_DIED, "the Supervisor actor died and was restarted by Ray",
-                                 actor="Supervisor"), count_only=True)
         try:
             checkpoint = self._load_checkpoint()
+            if self.attempt > 0:
+                self._restore(checkpoint)  # so the failure is reported at the step it interrupted
+                self._on_fault(Fault(FaultKind.WORKER_DIED, "the Supervisor actor died and was restarted by Ray",
+                                     actor="Supervisor"), count_only=True)
         except CheckpointError as e:
             self.events.emit("failed", job=self.job_id, reason=str(e))
             return JobResult(EXIT_BAD_INPUT, str(e))

@@ -27,32 +27,6 @@ def assert_recovered_exactly(trial: Trial, reference: Trial, restarts: int = 1):
         assert trial.events("resync")[-1]["version"] >= 1  # engines were resynced after the restart
 
 
-def test_killed_rollout_worker_restarts_only_that_engine(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "generate:kill:step=7")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert trial.events("failure")[0]["cause"] == "engine_died"
-    assert len(trial.events("loaded")) == 1  # the trainers were neither restarted nor rolled back
-    assert trial.events("engines_restarted")[0]["replaced"] == ["RolloutWorker[0]"]
-    assert trial.events("resync")[-1]["version"] == 7  # the engine got the weights for step 7
-    assert_recovered_exactly(trial, reference)
-
-
-def test_hang_is_detected_by_the_step_timeout(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "train_step:hang:step=7:rank=0", "recover.step_timeout_secs=10")
-    assert r.returncode == 0, r.stdout + r.stderr
-    failure = trial.events("failure")[0]
-    assert failure["cause"] == "hang" and failure["detect_secs"] == 10
-    assert_recovered_exactly(trial, reference)
-
-
-def test_supervisor_death_is_survived_by_rebuilding_from_disk(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "supervisor_step:kill:step=12")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert len({e["attempt"] for e in trial.events("start")}) == 2
-    assert trial.events("loaded")[-1]["global_step"] == 9
-    assert_recovered_exactly(trial, reference)
-
-
 def test_retries_exhausted_stops_with_one_clear_line(cluster, trial, tmp_path):
     r = run_with_fault(cluster, trial, tmp_path, "train_step:kill:step=3:rank=0,train_step:kill:step=8:rank=1",
                        "recover.retries=1")
@@ -126,19 +100,34 @@ RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
 MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0"]
 
 
-def test_a_trainworker_killed_at_every_interruption_point(cluster, reference, trial, tmp_path):
-    faults = ",".join(worker for worker, _ in MATRIX.values())
-    r = run_with_fault(cluster, trial, tmp_path, faults, *MATRIX_JOB[1:])
+# The other faults one job must survive, between and after the matrix's: (fault, first step not completed
+# when it hit, cause, step the job resumed from, or None when the trainers were not rolled back).
+OTHER_FAULTS = [
+    ("generate:kill:step=16", 16, "engine_died", None),                  # only the engine is restarted
+    ("train_step:hang:step=17:rank=0", 17, "hang", 14),                  # seen through the step timeout
+    ("supervisor_step:kill:step=20", 20, "worker_died", 19),            # Ray restarts the Supervisor
+]
+
+
+def test_one_job_survives_every_kind_of_fault_at_every_point(cluster, reference, trial, tmp_path):
+    faults = [worker for worker, _ in MATRIX.values()][:-1] + [f for f, *_ in OTHER_FAULTS] + \
+        [MATRIX["last-step"][0]]
+    r = run_with_fault(cluster, trial, tmp_path, ",".join(faults), *MATRIX_JOB[1:], "recover.step_timeout_secs=10")
     assert r.returncode == 0, r.stdout + r.stderr
-    failures = trial.events("failure")
-    # the first step not completed when each fault hit (a save belongs to the step it saves)
-    assert [e["global_step"] for e in failures] == [3, 7, 10, 12, 15, 23]
-    assert all(e["cause"] == "worker_died" and e["node"] and e["detect_secs"] < 30 for e in failures)
-    assert "rank 1" in failures[1]["actor"]
-    assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM
+    failures = [(e["global_step"], e["cause"]) for e in trial.events("failure")]
+    # matrix points: the first step not completed when each fault hit (a save belongs to the step it saves)
+    expected = [(3, "worker_died"), (7, "worker_died"), (10, "worker_died"), (12, "worker_died"),
+                (15, "worker_died")] + [(step, cause) for _, step, cause, _ in OTHER_FAULTS] + [(23, "worker_died")]
+    assert failures == expected
+    assert all(e["node"] and e["detect_secs"] < 30 for e in trial.events("failure")[:5])
+    assert trial.events("failure")[6]["detect_secs"] == 10  # the hang
+    assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM[:-1] + [14, 19, 19]
+    assert trial.events("engines_restarted")[0]["replaced"] == ["RolloutWorker[0]"]
+    assert [e["version"] for e in trial.events("resync")][6] == 16  # the new engine got step 16's weights
+    assert len({e["attempt"] for e in trial.events("start")}) == 2  # the Supervisor's second life
     # the shards written before the kill at mid-save were cleaned up, never published
     assert any(".tmp.globalstep9" in p for e in trial.events("cleanup") for p in e["removed"])
-    assert_recovered_exactly(trial, reference, restarts=len(MATRIX))
+    assert_recovered_exactly(trial, reference, restarts=len(faults))
 
 
 def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, trial, tmp_path):
@@ -218,3 +207,24 @@ def test_elastic_resume_from_two_trainworkers_to_one_and_back(cluster, trial):
     assert [s["global_step"] for s in stats] == list(range(36))
     means = [sum(s["reward"] for s in stats[i:i + 6]) / 6 for i in (6, 12, 18, 24)]
     assert min(means[1:]) > means[0] - 0.15, means  # continuous across both changes: no collapse, no restart
+
+
+def test_a_trainGroup_that_does_not_fit_shrinks_when_allowed(cluster, trial):
+    # 4 ranks of 2 CPUs do not fit this cluster (head 1 CPU, two 3-CPU nodes, and the engine takes 2 of one);
+    # recover.min_train_workers=1 lets the TrainGroup start with what fits: one rank of 2 CPUs.
+    r = relaunch("run", str(CONFIG), "total_train_epochs=1", "cluster.n_train_workers=4", "cluster.cpus_per_worker=2",
+                 "recover.min_train_workers=1", "recover.capacity_timeout_secs=5", *trial.overrides,
+                 "--address", cluster.address)
+    assert r.returncode == 0, r.stdout + r.stderr
+    shrink = trial.events("shrink")
+    assert shrink and shrink[0]["wanted"] == 4 and shrink[0]["world_size"] < 4
+    assert trial.events("commit")[-1]["world_size"] == shrink[0]["world_size"]
+    assert [s["global_step"] for s in trial.stats()] == list(range(12))
+
+    # without min_train_workers the same run stops with a clear line naming the missing resources
+    r = relaunch("run", str(CONFIG), "total_train_epochs=1", "cluster.n_train_workers=4", "cluster.cpus_per_worker=2",
+                 "recover.capacity_timeout_secs=5", "trial_name=noshrink", *trial.overrides,
+                 "--address", cluster.address)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert "did not offer 4 x {'CPU': 2" in last and "capacity_timeout_secs" in last

@@ -16,9 +16,17 @@ def local_env() -> dict:
     return job_env({"RAY_TMPDIR": str(short_tmp("rlr"))})
 
 
-def test_default_job_learns_and_exports_loadable_models(trial: Trial):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Trial:
+    """The default job, run once as a user runs it; the tests below read it, the last one cleans it."""
+    trial = Trial(tmp_path_factory.mktemp("default") / "runs")
     r = relaunch("run", str(CONFIG), *trial.overrides, env=local_env())
     assert r.returncode == 0, r.stdout + r.stderr
+    return trial
+
+
+def test_default_job_learns_and_exports_loadable_models(default_run: Trial):
+    trial = default_run
     stats = trial.stats()
     assert [s["global_step"] for s in stats] == list(range(60))
     first = sum(s["reward"] for s in stats[:10]) / 10
@@ -39,12 +47,10 @@ def test_default_job_learns_and_exports_loadable_models(trial: Trial):
     assert [e["event"] for e in st["events"]][-1] == "done"
 
 
-def test_export_then_clean_restart_starts_fresh_and_keeps_exports(trial: Trial, tmp_path):
-    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
-    assert r.returncode == 0, r.stderr
-
+def test_export_then_clean_restart_starts_fresh_and_keeps_exports(default_run: Trial, tmp_path):
+    trial = default_run
     # `relaunch export` turns the recover checkpoint into the same safetensors the Saver wrote
-    step_dir = trial.root / "default" / "recover_checkpoint" / "globalstep11"
+    step_dir = trial.root / "default" / "recover_checkpoint" / "globalstep59"
     out = tmp_path / "hf"
     r = relaunch("export", str(step_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr
