@@ -52,13 +52,11 @@ class StatsLog:
     def append(self, row: dict) -> None:
         _append(self.path, row)
 
-    def truncate_after(self, global_step: int) -> int:
-        """Drop rows of steps after `global_step` (they will be trained again); returns how many."""
-        rows = read_jsonl(self.path)
-        keep = [r for r in rows if r.get("global_step", -1) <= global_step]
-        if len(keep) != len(rows) or (self.path.exists() and len(rows) != self._line_count()):
+    def truncate_after(self, global_step: int) -> None:
+        """Drop rows of steps after `global_step` (they will be trained again), and a torn last line."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        keep = [r for r in read_jsonl(self.path) if r.get("global_step", -1) <= global_step]
+        if len(keep) != len(lines):
             write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
-        return len(rows) - len(keep)
-
-    def _line_count(self) -> int:
-        return len(self.path.read_text().splitlines())

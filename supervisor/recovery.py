@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,9 +226,9 @@ class RecoverStore:
 
     # ---- housekeeping --------------------------------------------------------------------------
     def leftovers(self, keep_step: int | None) -> list[Path]:
-        """Temporary directories of interrupted saves, and step directories that were never committed."""
+        """Temporary directories of interrupted saves and HF exports, and step directories never committed."""
         found = []
-        for root in (self.layout.recover_checkpoint, self.layout.checkpoint_root):
+        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root):
             if root.is_dir():
                 found += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
         if self.layout.recover_info.is_dir():
@@ -245,7 +246,7 @@ class RecoverStore:
         for p in removed:
             step = step_of(p)
             if step is not None and committed is not None and step <= committed:
-                p.rename(p.with_name(f"damaged.{p.name}.{tmp_name(p).name[-8:]}"))
+                p.rename(p.with_name(f"damaged.{p.name}.{uuid.uuid4().hex[:8]}"))
             elif p.is_dir():
                 shutil.rmtree(p)
             else:

@@ -69,10 +69,6 @@ class JobResult:
     extra: dict = field(default_factory=dict)
 
 
-def _dcp_bytes(checkpoint_files: dict) -> int:
-    return sum(f["size"] for f in checkpoint_files.values())
-
-
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Supervisor:
     def __init__(self, config, job_id: str):
@@ -325,7 +321,7 @@ class Supervisor:
         if self.state.saver.check(s.is_epoch_end, elapsed):
             self._export_hf(s)
         if self.state.evaluator.check(s.is_epoch_end, elapsed):
-            row["eval/reward"] = self._evaluate(s)
+            row["eval/reward"] = self._evaluate(s, reward_fn)
         row["time/saving"] = time.monotonic() - t_save
         row["time/step"] = time.monotonic() - t0
         self.stats.append(row)
@@ -341,10 +337,10 @@ class Supervisor:
         else:
             faults.apply(action, point)
 
-    def _evaluate(self, s: StepInfo) -> float:
+    def _evaluate(self, s: StepInfo, reward_fn) -> float:
+        """Greedy reward over every prompt of the dataset."""
         rows = self.loader.rows
         out = self.rollout_group.generate([r["prompt"] for r in rows], s.global_step, greedy=True)
-        reward_fn = load_reward_fn(self.config.reward.fn)
         return float(torch.tensor(score(reward_fn, rows, out["completions"])).mean())
 
     def _export_hf(self, s: StepInfo) -> None:
@@ -395,7 +391,7 @@ class Supervisor:
         secs = time.monotonic() - started
         self.events.emit("commit", job=self.job_id, global_step=s.global_step, path=str(path),
                          world_size=self.train_group.world_size, weights_checksum=self.weights.checksum,
-                         bytes=_dcp_bytes(files), secs=round(secs, 3))
+                         bytes=sum(f["size"] for f in files.values()), secs=round(secs, 3))
 
     def _shutdown(self) -> None:
         for group in (self.train_group, self.rollout_group):

@@ -197,3 +197,24 @@ def test_sigkill_during_prune_keeps_the_new_checkpoint(tmp_path):
     assert r.returncode == -9, r.stderr
     store = RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=1)
     assert store.load_latest().checkpoint.global_step == 9
+
+
+def test_an_interrupted_hf_export_is_a_leftover(store):
+    commit(store, 4)
+    torn = store.layout.export_root / ".tmp.epoch0epochstep4globalstep4.abcd1234"
+    torn.mkdir(parents=True)
+    assert torn in store.remove_leftovers(4) and not torn.exists()
+    assert store.published_steps() == [4]
+
+
+def test_stats_are_cut_back_to_the_checkpoint_and_lose_a_torn_line(tmp_path):
+    from supervisor.events import StatsLog, read_jsonl
+
+    log = StatsLog(tmp_path / "stats.jsonl")
+    for step in range(6):
+        log.append({"global_step": step})
+    with open(log.path, "a") as f:
+        f.write('{"global_step": 6, "rew')  # a crash mid-write
+    log.truncate_after(3)
+    assert [r["global_step"] for r in read_jsonl(log.path)] == [0, 1, 2, 3]
+    assert log.path.read_text().endswith("}\n")
