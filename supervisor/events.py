@@ -35,12 +35,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class EventLog:
-    def __init__(self, path: Path, attempt: int = 0):
-        self.path = path
-        self.attempt = attempt
+    def __init__(self, path: Path, attempt: int = 0, job: str | None = None):
+        self.path, self.attempt, self.job = path, attempt, job
 
     def emit(self, event: str, **fields) -> dict:
-        row = {"event": event, "time": time.time(), "attempt": self.attempt, **fields}
+        row = {"event": event, "time": time.time(), "job": self.job, "attempt": self.attempt, **fields}
         _append(self.path, row)
         return row
 

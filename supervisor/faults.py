@@ -1,15 +1,25 @@
 """Named fault points, so crash tests hit exact moments instead of lucky timings.
 
-`RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points; actions are `kill` (SIGKILL this
-process), `killjob` (SIGKILL every process of this session: a local job's driver and its whole embedded
-Ray cluster), `hang` (sleep forever) and `enospc` (raise a disk-full OSError); the Supervisor's own points
-also know `kill_trainer` (it SIGKILLs the last TrainWorker). Each armed fault fires once:
-a marker file in `RELAUNCH_FAULT_DIR` remembers it across restarts, so a restarted process goes on.
-Nothing is armed unless both variables are set; the driver forwards them to every actor.
+`RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points. Every method the Supervisor calls on a
+TrainWorker or RolloutWorker has two points, `{method}.enter` and `{method}.exit` (e.g. `train.enter`,
+`generate.exit`, `load_weights.enter`); `rank=` is the TrainWorker's rank or the engine's index. The step
+of a call is its `global_step` argument, or for `load_weights` the step whose update made the weights
+(version - 1). The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
+`step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
+`step.saved`), and the recover store one at every write of a checkpoint.
+
+Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
+(sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole
+embedded Ray cluster), `enospc` (raise a disk-full OSError). At the Supervisor's points, `kill_rank`,
+`stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead.
+Each armed fault fires once: a marker file in `RELAUNCH_FAULT_DIR` remembers it across restarts, so a
+restarted process goes on. Nothing is armed unless both variables are set; the driver forwards them.
 """
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import os
 import signal
 import time
@@ -38,7 +48,7 @@ def armed(point: str, step: int | None = None, rank: int | None = None) -> str |
         try:
             marker.touch(exist_ok=False)
         except FileExistsError:
-            return None
+            continue
         return action
     return None
 
@@ -56,9 +66,12 @@ def fault_point(point: str, step: int | None = None, rank: int | None = None) ->
     apply(armed(point, step, rank), point)
 
 
-def apply(action: str | None, point: str) -> None:
+def apply(action: str | None, point: str, pid: int | None = None) -> None:
+    """Carry out `action` on this process, or on `pid` for kill and stop."""
     if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(pid or os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(pid or os.getpid(), signal.SIGSTOP)
     elif action == "killjob":
         _kill_job()
     elif action == "hang":
@@ -66,3 +79,30 @@ def apply(action: str | None, point: str) -> None:
             time.sleep(3600)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (fault point {point})")
+
+
+def _call_step(name: str, bound: inspect.BoundArguments) -> int | None:
+    args = bound.arguments
+    if "global_step" in args:
+        return args["global_step"]
+    if name == "load_weights":
+        return args["version"] - 1
+    return None
+
+
+def fault_points(method):
+    """Give a worker method the fault points `{name}.enter` and `{name}.exit` (test instrumentation)."""
+    name, signature = method.__name__, inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not os.environ.get("RELAUNCH_FAULT"):
+            return method(self, *args, **kwargs)
+        step = _call_step(name, signature.bind(self, *args, **kwargs))
+        rank = getattr(self, "rank", None)
+        fault_point(f"{name}.enter", step, rank)
+        result = method(self, *args, **kwargs)
+        fault_point(f"{name}.exit", step, rank)
+        return result
+
+    return wrapper

@@ -1,8 +1,10 @@
-"""The two worker groups the Supervisor drives: their Ray placement, calls, and how their faults look.
+"""The two worker groups the Supervisor drives: their Ray placement, their calls, and their clean removal.
 
-Every call waits on all the actors' results at once and fails fast: the first dead actor raises
-`WorkerFault` within moments, naming the actor and its node; results still missing after the step
-timeout raise a HANG fault. Nothing here decides what to do about a fault (that is policy.py).
+Every call waits on all the actors' results at once and fails fast: the first failed call raises
+`GroupError` naming the actor and its node; results still missing after the timeout raise one naming the
+actors that hung. The calls left behind are kept and drained when their actors are removed, so Ray prints
+no "unhandled error" for them. A group that fails to start removes what it started (actors, placement
+group). Nothing here decides what to do about a fault (classify.py and policy.py do).
 """
 from __future__ import annotations
 
@@ -10,26 +12,17 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from supervisor.policy import Fault, FaultKind
+from supervisor.classify import CapacityError, Group, GroupError
 from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
 
-
 SETUP_TIMEOUT_SECS = 180.0
-
-
-class WorkerFault(Exception):
-    def __init__(self, fault: Fault):
-        super().__init__(fault.message)
-        self.fault = fault
-
-
-class CapacityError(RuntimeError):
-    """The cluster did not offer the group's resources within recover.capacity_timeout_secs."""
+SETTLE_SECS = 10.0  # how long the peers of an actor that raised may take to finish the same call
+PROBE_TIMEOUT_SECS = 15.0  # how long a surviving engine may take to finish a call left behind by a fault
 
 
 @dataclass
@@ -38,157 +31,219 @@ class Member:
     name: str
     node_id: str | None = None
     pid: int | None = None
-    node_ref: ray.ObjectRef | None = None  # an engine's node id, read once it has answered
 
 
-def gather(members: list[Member], refs: list[ray.ObjectRef], timeout: float, dead_kind: FaultKind) -> list:
-    """All results in order; raise WorkerFault at the first failure, or HANG after `timeout` seconds."""
-    start = time.monotonic()
-    index = {ref: i for i, ref in enumerate(refs)}
-    pending = list(refs)
-    while pending:
-        left = timeout - (time.monotonic() - start)
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
-        if not ready:
-            stuck = ", ".join(members[index[r]].name for r in pending)
-            raise WorkerFault(Fault(FaultKind.HANG, f"no answer after {timeout:.0f}s from {stuck}",
-                                    actor=members[index[pending[0]]].name,
-                                    node=members[index[pending[0]]].node_id, detect_secs=timeout))
+def drain(refs: list[ray.ObjectRef], timeout: float) -> list[ray.ObjectRef]:
+    """Retrieve the results of calls nobody waits for any more (errors included); returns those still running."""
+    if not refs:
+        return []
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    for ref in ready:
         try:
-            ray.get(ready[0])
-        except RayTaskError as e:
-            if isinstance(e.cause, RayActorError):  # a nested call to a dead actor
-                _raise_dead(members[index[ready[0]]], e, dead_kind, time.monotonic() - start)
-            raise
-        except RayActorError as e:
-            _raise_dead(members[index[ready[0]]], e, dead_kind, time.monotonic() - start)
-    return ray.get(list(refs))
+            ray.get(ref)
+        except Exception:  # noqa: BLE001 - a failed call of a removed actor: retrieved so Ray stays quiet
+            pass
+    return pending
 
 
-def _raise_dead(member: Member, error: RayError, kind: FaultKind, waited: float):
-    cause = str(error).strip().splitlines()[0][:300]
-    raise WorkerFault(Fault(kind, f"{member.name} died: {cause}", actor=member.name,
-                            node=member.node_id, detect_secs=round(waited, 3))) from error
+class _Members:
+    """Calls on a list of actors, gathered together."""
+
+    group: Group
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.members: list[Member] = []
+        self.orphans: list[ray.ObjectRef] = []  # calls left behind by a fault
+
+    def gather(self, refs: list[ray.ObjectRef], timeout: float | None = None,
+               members: list[Member] | None = None) -> list:
+        members = self.members if members is None else members
+        timeout = self.timeout if timeout is None else timeout
+        start = time.monotonic()
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            left = timeout - (time.monotonic() - start)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
+            if not ready:
+                stuck = tuple(members[index[r]].name for r in pending)
+                self.orphans += refs
+                raise GroupError(self.group, GetTimeoutError(f"no answer after {timeout:.0f}s"), stuck,
+                                 members[index[pending[0]]].node_id, round(timeout, 3))
+            try:
+                ray.get(ready[0])
+            except Exception as e:  # noqa: BLE001 - every failure is classified by the controller
+                m = members[index[ready[0]]]
+                waited = round(time.monotonic() - start, 3)
+                others = [r for r in refs if r != ready[0]]
+                # An actor that raised is alive: see whether its peers finish too (a group that is not stuck)
+                settled = isinstance(e, RayTaskError) and not (others := drain(others, SETTLE_SECS))
+                self.orphans += others
+                raise GroupError(self.group, e, (m.name,), m.node_id, waited, settled) from e
+        return ray.get(list(refs))
+
+    def call_all(self, method: str, *args, timeout: float | None = None) -> list:
+        return self.gather([getattr(m.handle, method).remote(*args) for m in self.members], timeout)
+
+    @property
+    def nodes(self) -> list[str | None]:
+        return [m.node_id for m in self.members]
+
+    def describe(self) -> list[dict]:
+        return [{"name": m.name, "node": m.node_id, "pid": m.pid} for m in self.members]
+
+    def _kill(self, members: list[Member]) -> None:
+        for m in members:
+            try:
+                ray.kill(m.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
 
-class TrainGroup:
+class TrainGroup(_Members):
     """A placement group plus N TrainWorker ranks sharing one torch.distributed process group."""
 
+    group = Group.TRAIN
+
     def __init__(self, config, world_size: int, timeout: float):
-        self.config, self.world_size, self.timeout = config, world_size, timeout
+        super().__init__(timeout)
+        self.config, self.world_size = config, world_size
         cluster = config.cluster
         bundle = {"CPU": cluster.cpus_per_worker}
         if cluster.gpus_per_worker:
             bundle["GPU"] = cluster.gpus_per_worker
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        if not self.pg.wait(config.recover.capacity_timeout_secs):
-            remove_placement_group(self.pg)
-            raise CapacityError(
-                f"the cluster did not offer {world_size} x {bundle} for the TrainGroup within "
-                f"recover.capacity_timeout_secs={config.recover.capacity_timeout_secs:g}s "
-                f"(available now: {ray.available_resources()})")
-        self.members = [
-            Member(TrainWorker.options(
-                num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-            ).remote(config, r, world_size), f"TrainWorker[rank {r}]")
-            for r in range(world_size)
-        ]
-        # Start-up (imports, model build, rendezvous) is not a step: it gets a longer bound than a step.
-        setup_timeout = max(timeout, SETUP_TIMEOUT_SECS)
-        where = gather(self.members, [m.handle.where.remote() for m in self.members], setup_timeout,
-                       FaultKind.WORKER_DIED)
-        for m, w in zip(self.members, where):
-            m.node_id, m.pid = w["node_id"], w["pid"]
-        gather(self.members, [m.handle.setup.remote(where[0]["ip"], where[0]["port"]) for m in self.members],
-               setup_timeout, FaultKind.WORKER_DIED)
-
-    def _all(self, call) -> list:
-        return gather(self.members, [call(m) for m in self.members], self.timeout, FaultKind.WORKER_DIED)
-
-    @property
-    def nodes(self) -> list[str]:
-        return [m.node_id for m in self.members]
+        try:
+            if not self.pg.wait(config.recover.capacity_timeout_secs):
+                raise CapacityError(
+                    f"the cluster did not offer {world_size} x {bundle} for the TrainGroup within "
+                    f"recover.capacity_timeout_secs={config.recover.capacity_timeout_secs:g}s "
+                    f"(available now: {ray.available_resources()})")
+            self.members = [
+                Member(TrainWorker.options(
+                    num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                ).remote(config, r, world_size), f"TrainWorker[rank {r}]")
+                for r in range(world_size)
+            ]
+            # Start-up (imports, model build, rendezvous) is not a step: it gets a longer bound than a step.
+            setup_timeout = max(timeout, SETUP_TIMEOUT_SECS)
+            where = self.call_all("where", timeout=setup_timeout)
+            for m, w in zip(self.members, where):
+                m.node_id, m.pid = w["node_id"], w["pid"]
+            self.call_all("setup", where[0]["ip"], where[0]["port"], timeout=setup_timeout)
+        except BaseException:
+            self.shutdown()  # a failed start leaves no actor and no placement group behind
+            raise
 
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
-        return gather(self.members, [m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)],
-                      self.timeout, FaultKind.WORKER_DIED)
+        return self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
 
     def weights(self) -> tuple[ray.ObjectRef, str]:
         """(reference to rank 0's full state dict, its checksum); the dict stays in the object store."""
         pairs = [m.handle.weights.options(num_returns=2).remote() for m in self.members]
-        gather(self.members, [c for _, c in pairs], self.timeout, FaultKind.WORKER_DIED)
+        try:
+            self.gather([c for _, c in pairs])
+        except GroupError:
+            self.orphans += [w for w, _ in pairs]
+            raise
         return pairs[0][0], ray.get(pairs[0][1])
 
     def save_recover(self, staging: str, global_step: int) -> dict:
         files = {}
-        for part in self._all(lambda m: m.handle.save_recover.remote(staging, global_step)):
+        for part in self.call_all("save_recover", staging, global_step):
             files.update(part)
         return files
 
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
-        return self._all(lambda m: m.handle.load_recover.remote(step_dir, saved_world_size))[0]
+        return self.call_all("load_recover", step_dir, saved_world_size)[0]
 
     def export_hf(self, directory: str, global_step: int) -> None:
-        self._all(lambda m: m.handle.export_hf.remote(directory, global_step))
+        self.call_all("export_hf", directory, global_step)
 
     def shutdown(self) -> None:
-        for m in self.members:
-            ray.kill(m.handle, no_restart=True)
+        """Kill every rank (survivors may be stuck in a collective with a dead one) and free the bundles."""
+        self._kill(self.members)
         remove_placement_group(self.pg)
+        drain(self.orphans, timeout=5.0)
+        self.orphans = []
 
 
-class RolloutGroup:
-    """M independent inference engines; each can be restarted alone."""
+class RolloutGroup(_Members):
+    """M independent inference engines; each can be replaced alone."""
+
+    group = Group.ROLLOUT
 
     def __init__(self, config, timeout: float):
-        self.config, self.timeout = config, timeout
+        super().__init__(timeout)
+        self.config = config
+        self._where: dict[int, ray.ObjectRef] = {}
         self.members = [self._spawn(i) for i in range(config.cluster.n_rollout_workers)]
 
     def _spawn(self, i: int) -> Member:
-        # Not waited for: the engine starts while the TrainGroup does; its first push waits for it.
-        handle = RolloutWorker.options(num_cpus=self.config.cluster.cpus_per_worker, max_restarts=0).remote(self.config)
-        return Member(handle, f"RolloutWorker[{i}]", node_ref=handle.node_id.remote())
+        # Not waited for: the engine starts while the TrainGroup does; its first call gets the start-up bound.
+        handle = RolloutWorker.options(num_cpus=self.config.cluster.cpus_per_worker, max_restarts=0).remote(
+            self.config, i)
+        if i in self._where:
+            self.orphans.append(self._where[i])
+        self._where[i] = handle.where.remote()
+        return Member(handle, f"RolloutWorker[{i}]")
 
-    def _all(self, call) -> list:
-        # A new engine may still be starting: the first call to it gets the start-up bound.
-        timeout = self.timeout if all(m.node_id for m in self.members) else max(self.timeout, SETUP_TIMEOUT_SECS)
-        return gather(self.members, [call(i, m) for i, m in enumerate(self.members)], timeout,
-                      FaultKind.ENGINE_DIED)
+    def _call(self, method: str, args_of, only: list[int] | None = None) -> list:
+        """Call `method` on every engine (or those in `only`); an engine still starting gets the start-up bound."""
+        only = list(range(len(self.members))) if only is None else only
+        starting = [i for i in self._where if i in only]
+        timeout = max(self.timeout, SETUP_TIMEOUT_SECS) if starting else self.timeout
+        members = [self.members[i] for i in only]
+        results = self.gather([getattr(self.members[i].handle, method).remote(*args_of(i)) for i in only],
+                              timeout, members)
+        for i in starting:
+            w = ray.get(self._where.pop(i))
+            self.members[i].node_id, self.members[i].pid = w["node_id"], w["pid"]
+        return results
 
-    def generate(self, prompts: list[str], global_step: int, greedy: bool = False) -> dict:
-        """Split the samples into contiguous chunks, one per engine, and merge the results in order."""
+    def generate(self, prompts: list[str], global_step: int, version: int, greedy: bool = False) -> dict:
+        """Split the samples into contiguous chunks, one per engine, and merge the results in order.
+        Every engine must hold weights `version`, or it refuses."""
         n = len(self.members)
         bounds = [len(prompts) * i // n for i in range(n + 1)]
-        chunks = self._all(lambda i, m: m.handle.generate.remote(
-            prompts[bounds[i]:bounds[i + 1]], list(range(bounds[i], bounds[i + 1])), global_step, greedy))
+        chunks = self._call("generate", lambda i: (
+            prompts[bounds[i]:bounds[i + 1]], list(range(bounds[i], bounds[i + 1])), global_step, version, greedy))
         return merge_rollouts(chunks)
 
-    def push(self, weights: ray.ObjectRef, version: int) -> None:
-        self._all(lambda i, m: m.handle.load_weights.remote(weights, version))
-        for m in self.members:
-            if m.node_id is None:
-                m.node_id = ray.get(m.node_ref)
+    def push(self, weights: ray.ObjectRef, version: int, only: list[int] | None = None) -> None:
+        self._call("load_weights", lambda i: (weights, version), only)
 
     def weight_status(self) -> list[tuple[int | None, str]]:
-        return self._all(lambda i, m: m.handle.weight_status.remote())
+        return self._call("weight_status", lambda i: ())
 
-    def restart_dead(self) -> list[str]:
-        """Replace every engine that does not answer; returns the names of those replaced."""
-        replaced = []
+    def replace(self, faulty: tuple[str, ...]) -> list[str]:
+        """Replace the faulty engines, and any other engine that is dead or cannot finish the call a fault
+        left behind within PROBE_TIMEOUT_SECS; returns the names of those replaced."""
+        self._kill([m for m in self.members if m.name in faulty])
+        self.orphans = drain(self.orphans, PROBE_TIMEOUT_SECS)
+        # engines still starting are left alone: their first call has the start-up bound
+        survivors = [m for i, m in enumerate(self.members) if m.name not in faulty and i not in self._where]
+        probes = {m.name: m.handle.where.remote() for m in survivors}
+        still_running = drain(list(probes.values()), PROBE_TIMEOUT_SECS)
+        broken = set(faulty)
+        for name, ref in probes.items():
+            if ref in still_running:
+                broken.add(name)
+            else:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - dead too (a node loss takes several engines)
+                    broken.add(name)
+        self._kill([m for m in self.members if m.name in broken])
+        self.orphans += still_running
         for i, m in enumerate(self.members):
-            try:
-                gather([m], [m.handle.weight_status.remote()], self.timeout, FaultKind.ENGINE_DIED)
-            except WorkerFault:
-                ray.kill(m.handle, no_restart=True)
+            if m.name in broken:
                 self.members[i] = self._spawn(i)
-                replaced.append(m.name)
-        return replaced
-
-    @property
-    def nodes(self) -> list[str]:
-        return [m.node_id for m in self.members]
+        return sorted(broken)
 
     def shutdown(self) -> None:
-        for m in self.members:
-            ray.kill(m.handle, no_restart=True)
+        self._kill(self.members)
+        drain(self.orphans + list(self._where.values()), timeout=5.0)
+        self.orphans, self._where = [], {}

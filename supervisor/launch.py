@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from supervisor.config import REPO_ROOT, Config
 from supervisor.faults import ENV_VARS as FAULT_ENV_VARS
-from supervisor.supervisor import EXIT_BAD_INPUT, EXIT_FAILED, Supervisor
+from supervisor.controller import EXIT_BAD_INPUT, EXIT_FAILED
+from supervisor.supervisor import Supervisor
 
 NAMESPACE = "relaunch"
 
@@ -55,9 +56,11 @@ def run_job(config: Config, address: str | None) -> int:
             return EXIT_BAD_INPUT
         except ValueError:
             pass
-        retries = config.recover.retries if config.recover.mode.enabled else 0
+        # The restart policy counts the Supervisor's own restarts against recover.retries and gives up once
+        # they are spent; Ray's limit is only a backstop one above it, never a second budget.
+        backstop = (config.recover.retries if config.recover.mode.enabled else 0) + 1
         supervisor = Supervisor.options(
-            name=name, namespace=NAMESPACE, max_restarts=retries, max_task_retries=retries,
+            name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(config, uuid.uuid4().hex[:12])
         try:

@@ -1,35 +1,23 @@
-"""The restart decision: a small pure object that counts faults against `recover.retries`.
+"""The restart decision: a small pure object that routes a fault to the smallest repair and counts restarts.
 
-No Ray, no clock: given a fault, it answers what to do and how long to wait first. The Supervisor applies
-the decision; unit tests drive this object alone.
+No Ray, no clock: given a classified fault, it answers what to do and how long to wait first. Every repair,
+the Supervisor's own restart included, spends one of `recover.retries`; a skipped save spends none.
+The controller applies the decision; unit tests drive this object alone.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
 
-
-class FaultKind(str, enum.Enum):
-    WORKER_DIED = "worker_died"      # a TrainWorker process or its node is gone
-    HANG = "hang"                    # a step, collective or save exceeded recover.step_timeout_secs
-    ENGINE_DIED = "engine_died"      # a RolloutWorker process or its node is gone
-    USER_ERROR = "user_error"        # the reward function or dataset raised
+from supervisor.classify import Fault, FaultKind, Group
 
 
 class Action(str, enum.Enum):
-    RESTART_TRAIN_GROUP = "restart_train_group"  # kill all ranks, new group, load last valid checkpoint
-    RESTART_ENGINES = "restart_engines"          # restart the dead engines only, push current weights
+    RESTART_TRAIN_GROUP = "restart_train_group"  # kill all ranks, new group, load the last valid checkpoint
+    RESTART_ENGINES = "restart_engines"          # replace the faulty engines only, resync the current weights
+    REPLAY_STEP = "replay_step"                  # run the step again from its start (retried user errors)
+    SKIP_SAVE = "skip_save"                      # report the failed save and train on (recover.on_save_error)
     FAIL = "fail"
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: FaultKind
-    message: str
-    actor: Optional[str] = None
-    node: Optional[str] = None
-    detect_secs: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -39,12 +27,18 @@ class Decision:
     delay_secs: float = 0.0
 
 
+# Faults repaired on the engines alone; every other restartable fault restarts the TrainGroup from the last
+# valid checkpoint (the Supervisor's own restart too: it rebuilds from disk).
+ENGINE_FAULTS = {FaultKind.ENGINE_DIED, FaultKind.STALE_WEIGHTS, FaultKind.OBJECT_LOST}
+
+
 @dataclass
 class RestartPolicy:
     retries: int
     backoff_secs: float = 1.0
     max_backoff_secs: float = 30.0
     retry_user_errors: bool = False
+    stop_on_save_error: bool = False
     restarts: int = 0
 
     @classmethod
@@ -54,18 +48,38 @@ class RestartPolicy:
             backoff_secs=config.recover.backoff_secs,
             max_backoff_secs=config.recover.max_backoff_secs,
             retry_user_errors=config.reward.retry_user_errors,
+            stop_on_save_error=config.recover.on_save_error.value == "stop",
         )
 
     def decide(self, fault: Fault) -> Decision:
-        if fault.kind is FaultKind.USER_ERROR and not self.retry_user_errors:
+        kind = fault.kind
+        if kind is FaultKind.INTERNAL_ERROR:
+            return Decision(Action.FAIL, f"relaunch internal error: {fault.message}")
+        if kind is FaultKind.STORAGE_ERROR:
+            if self.stop_on_save_error:
+                return Decision(Action.FAIL, f"save failed: {fault.message} (recover.on_save_error=stop)")
+            if fault.settled:  # every rank came back from the failed save: skip it, the group is fine
+                return Decision(Action.SKIP_SAVE, f"save failed: {fault.message}; skipped "
+                                                  f"(recover.on_save_error=skip)")
+        if kind is FaultKind.USER_ERROR and not self.retry_user_errors:
             return Decision(Action.FAIL, f"user code raised: {fault.message}")
         if self.restarts >= self.retries:
             return Decision(Action.FAIL, f"retries exhausted ({self.restarts}/{self.retries}); last fault: "
-                                         f"{fault.kind.value}: {fault.message}")
+                                         f"{kind.value}: {fault.message}")
         delay = min(self.backoff_secs * 2 ** self.restarts, self.max_backoff_secs)
         self.restarts += 1
-        action = Action.RESTART_ENGINES if fault.kind is FaultKind.ENGINE_DIED else Action.RESTART_TRAIN_GROUP
-        return Decision(action, f"restart {self.restarts}/{self.retries} after {fault.kind.value}", delay)
+        action = self.repair(fault)
+        return Decision(action, f"restart {self.restarts}/{self.retries} after {kind.value}", delay)
+
+    @staticmethod
+    def repair(fault: Fault) -> Action:
+        """The smallest repair for a fault: a hang is routed to the group that hung; a storage error that left
+        some ranks stuck in the save's collectives restarts the TrainGroup."""
+        if fault.kind is FaultKind.USER_ERROR:
+            return Action.REPLAY_STEP
+        if fault.kind in ENGINE_FAULTS or (fault.kind is FaultKind.HANG and fault.group is Group.ROLLOUT):
+            return Action.RESTART_ENGINES
+        return Action.RESTART_TRAIN_GROUP
 
 
 def train_group_sizes(wanted: int, minimum: int | None, samples: int) -> list[int]:

@@ -6,11 +6,14 @@ weights after step G's update are version G + 1. Every sample is drawn from its 
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import ray
 import torch
 
-from supervisor.faults import fault_point
+from supervisor.classify import StaleWeights
+from supervisor.faults import fault_points
 from workers.model import build_model, build_tokenizer, forward_logits, weights_checksum
 
 
@@ -22,17 +25,19 @@ def sample_generator(seed: int, step: int, sample: int) -> torch.Generator:
 
 @ray.remote
 class RolloutWorker:
-    def __init__(self, config):
+    def __init__(self, config, index: int = 0):
         torch.set_num_threads(1)
-        self.config = config
+        self.config, self.rank = config, index  # `rank`: the engine's index, for fault points
         self.tokenizer = build_tokenizer(config.model)
         self.model = build_model(config.model, self.tokenizer, config.seed).eval()
         self.version: int | None = None
         self._weight_names: list[str] = []
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    @fault_points
+    def where(self) -> dict:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
+    @fault_points
     def load_weights(self, state_dict: dict, version: int) -> None:
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
@@ -41,21 +46,26 @@ class RolloutWorker:
         self._weight_names = sorted(state_dict)
         self.version = version
 
+    @fault_points
     def weight_status(self) -> tuple[int | None, str]:
         """(version, checksum of the weights it holds), for the resync gate."""
         own = self.model.state_dict()
         return self.version, weights_checksum({k: own[k] for k in self._weight_names})
 
+    @fault_points
     @torch.no_grad()
-    def generate(self, prompts: list[str], sample_ids: list[int], step: int, greedy: bool = False) -> dict:
-        """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks."""
-        fault_point("generate", step=step)
+    def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,
+                 greedy: bool = False) -> dict:
+        """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks.
+        Refuses unless it holds weights `version`: no rollout is ever drawn from the wrong weights."""
+        if self.version != version:
+            raise StaleWeights(f"asked for weights version {version} at step {global_step}, holds {self.version}")
         tok = self.tokenizer
         encoded = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in prompts]
         width = max(map(len, encoded))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(e)) + e for e in encoded])
         attn = (torch.arange(width) >= torch.tensor([width - len(e) for e in encoded]).unsqueeze(1)).long()
-        gens = [sample_generator(self.config.seed, step, s) for s in sample_ids]
+        gens = [sample_generator(self.config.seed, global_step, s) for s in sample_ids]
         done = torch.zeros(len(prompts), dtype=torch.bool)
         response = []
         for _ in range(self.config.data.max_new_tokens):

@@ -1,19 +1,26 @@
 import pytest
 
-from supervisor.policy import Action, Fault, FaultKind, RestartPolicy
+from supervisor.classify import Fault, FaultKind, Group
+from supervisor.policy import Action, RestartPolicy
 
 
-def fault(kind=FaultKind.WORKER_DIED):
-    return Fault(kind, "boom", actor="TrainWorker[rank 1]")
+def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False):
+    return Fault(kind, "boom", group, ("TrainWorker[rank 1]",), settled=settled)
 
 
-@pytest.mark.parametrize("kind, action", [
-    (FaultKind.WORKER_DIED, Action.RESTART_TRAIN_GROUP),
-    (FaultKind.HANG, Action.RESTART_TRAIN_GROUP),
-    (FaultKind.ENGINE_DIED, Action.RESTART_ENGINES),
+@pytest.mark.parametrize("kind, group, action", [
+    (FaultKind.WORKER_DIED, Group.TRAIN, Action.RESTART_TRAIN_GROUP),
+    (FaultKind.COLLECTIVE_FAILED, Group.TRAIN, Action.RESTART_TRAIN_GROUP),
+    (FaultKind.DEVICE_ERROR, Group.TRAIN, Action.RESTART_TRAIN_GROUP),
+    (FaultKind.HANG, Group.TRAIN, Action.RESTART_TRAIN_GROUP),
+    (FaultKind.SUPERVISOR_DIED, Group.SUPERVISOR, Action.RESTART_TRAIN_GROUP),
+    (FaultKind.HANG, Group.ROLLOUT, Action.RESTART_ENGINES),       # a hung engine is replaced alone
+    (FaultKind.ENGINE_DIED, Group.ROLLOUT, Action.RESTART_ENGINES),
+    (FaultKind.OBJECT_LOST, Group.ROLLOUT, Action.RESTART_ENGINES),
+    (FaultKind.STALE_WEIGHTS, Group.ROLLOUT, Action.RESTART_ENGINES),
 ])
-def test_fault_kinds_map_to_the_smallest_restart(kind, action):
-    assert RestartPolicy(retries=3).decide(fault(kind)).action is action
+def test_faults_are_routed_to_the_smallest_repair(kind, group, action):
+    assert RestartPolicy(retries=3).decide(fault(kind, group)).action is action
 
 
 def test_retries_are_counted_and_then_exhausted():
@@ -24,6 +31,13 @@ def test_retries_are_counted_and_then_exhausted():
     assert p.restarts == 2
 
 
+def test_the_supervisors_own_restart_spends_the_same_budget():
+    p = RestartPolicy(retries=1)
+    assert p.decide(fault(FaultKind.SUPERVISOR_DIED, Group.SUPERVISOR)).action is Action.RESTART_TRAIN_GROUP
+    last = p.decide(fault(FaultKind.SUPERVISOR_DIED, Group.SUPERVISOR))
+    assert last.action is Action.FAIL and "retries exhausted (1/1)" in last.reason
+
+
 def test_backoff_doubles_up_to_the_cap():
     p = RestartPolicy(retries=10, backoff_secs=1, max_backoff_secs=5)
     assert [p.decide(fault()).delay_secs for _ in range(5)] == [1, 2, 4, 5, 5]
@@ -31,13 +45,33 @@ def test_backoff_doubles_up_to_the_cap():
 
 def test_user_errors_fail_fast_without_spending_retries():
     p = RestartPolicy(retries=3)
-    d = p.decide(fault(FaultKind.USER_ERROR))
+    d = p.decide(fault(FaultKind.USER_ERROR, Group.SUPERVISOR))
     assert d.action is Action.FAIL and p.restarts == 0
 
 
-def test_user_errors_can_be_made_restartable():
+def test_user_errors_can_be_made_restartable_and_replay_the_step():
     p = RestartPolicy(retries=3, retry_user_errors=True)
-    assert p.decide(fault(FaultKind.USER_ERROR)).action is Action.RESTART_TRAIN_GROUP
+    assert p.decide(fault(FaultKind.USER_ERROR, Group.SUPERVISOR)).action is Action.REPLAY_STEP
+    assert p.restarts == 1
+
+
+def test_internal_errors_fail_at_once():
+    p = RestartPolicy(retries=3)
+    d = p.decide(fault(FaultKind.INTERNAL_ERROR))
+    assert d.action is Action.FAIL and d.reason.startswith("relaunch internal error") and p.restarts == 0
+
+
+def test_storage_errors_skip_the_save_or_stop_without_spending_retries():
+    skip, stop = RestartPolicy(retries=3), RestartPolicy(retries=3, stop_on_save_error=True)
+    assert skip.decide(fault(FaultKind.STORAGE_ERROR, settled=True)).action is Action.SKIP_SAVE
+    assert stop.decide(fault(FaultKind.STORAGE_ERROR, settled=True)).action is Action.FAIL
+    assert skip.restarts == stop.restarts == 0
+
+
+def test_a_storage_error_that_left_ranks_stuck_restarts_the_train_group():
+    p = RestartPolicy(retries=3)
+    assert p.decide(fault(FaultKind.STORAGE_ERROR, settled=False)).action is Action.RESTART_TRAIN_GROUP
+    assert p.restarts == 1
 
 
 def test_zero_retries_fails_at_once():

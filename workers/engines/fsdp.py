@@ -63,11 +63,12 @@ def set_rng_state(state: dict) -> list[str]:
 
 
 def init_process_group(config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
-    """Join the group's process group: nccl on GPU, gloo on CPU; collectives time out like a hung step."""
+    """Join the group's process group: nccl on GPU, gloo on CPU. Collectives time out well after a hung step
+    does, so the Supervisor decides what a hang is, not gloo or NCCL."""
     use_gpu = config.cluster.gpus_per_worker > 0
     dist.init_process_group(
         "nccl" if use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=config.recover.step_timeout_secs))
+        rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=2 * config.recover.step_timeout_secs + 60))
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 
 
@@ -135,8 +136,11 @@ class FSDPEngine:
     def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
         """Rank 0 only: write a HuggingFace directory (safetensors, config.json, tokenizer files)."""
         cfg = model_config(self.config.model, self.tokenizer)
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per rank would interleave with the job's own progress bar
         with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(full_state, strict=False, assign=True)
         model.tie_weights()

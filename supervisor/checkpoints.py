@@ -1,0 +1,93 @@
+"""The checkpoint coordinator: what the controller asks of checkpoints, on top of the recover store.
+
+Loading the last valid recover checkpoint (falling back past damaged ones, cleaning up interrupted saves),
+saving one (the ranks write shards into a staging directory, the store publishes and commits it), HF
+exports with their retention, and the cleanup after a save that failed on storage. The files themselves
+are written by the TrainGroup and published by recovery.py; this module only orders the work and logs it.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from supervisor.durable import file_digest, publish_dir, tmp_name
+from supervisor.events import EventLog
+from supervisor.layout import TMP_PREFIX, TrialLayout
+from supervisor.recovery import RUN_CONFIG, Checkpoint, RecoverStore
+from supervisor.run_state import RunState
+from supervisor.step_info import StepInfo
+
+
+class Checkpoints:
+    def __init__(self, config, layout: TrialLayout, events: EventLog):
+        self.config, self.layout, self.events = config, layout, events
+        self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def committed_step(self) -> int | None:
+        return self.store.committed_step() if self.store else None
+
+    def load_last_valid(self) -> Checkpoint | None:
+        """The last valid checkpoint (falling back past damaged ones), after cleaning up interrupted saves.
+        Raises CheckpointError when checkpoints were committed but none is valid."""
+        if self.store is None:
+            return None
+        self.store.wait_for_pruning()
+        result = self.store.load_latest()
+        for reason in result.fallbacks:
+            self.events.emit("fallback", reason=reason)
+        ckpt = result.checkpoint
+        removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
+        if removed:
+            self.events.emit("cleanup", removed=[str(p) for p in removed])
+        if ckpt is not None:
+            self.store.restore_mirror(ckpt)
+            if ckpt.manifest.get("config_hash") != self.config.resume_hash():
+                self.events.emit("warning", message="the config that matters for resume changed since this checkpoint")
+        return ckpt
+
+    def save_recover(self, trainers, state: RunState, loader_state: dict, weights_checksum: str | None) -> float:
+        """Every rank writes its shards, then the store publishes and commits step `state.step`; returns secs."""
+        s, started = state.step, time.monotonic()
+        staging = self.store.staging_dir(s.global_step)
+        files = trainers.save_recover(str(staging), s.global_step)
+        (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
+        files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
+        path = self.store.commit(staging, s.global_step, trainers.world_size, self.config.resume_hash(), files,
+                                 state.to_infos(loader_state))
+        secs = time.monotonic() - started
+        self.events.emit("commit", global_step=s.global_step, path=str(path), world_size=trainers.world_size,
+                         weights_checksum=weights_checksum, bytes=sum(f["size"] for f in files.values()),
+                         secs=round(secs, 3))
+        return secs
+
+    def export_hf(self, trainers, s: StepInfo) -> None:
+        """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned."""
+        final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
+        if final.exists():
+            return  # the same step trained again after a rollback: identical weights, already exported
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_name(final)
+        trainers.export_hf(str(tmp), s.global_step)
+        publish_dir(tmp, final)
+        self.events.emit("export", global_step=s.global_step, path=str(final))
+        keep = self.config.saver.keep_last
+        if keep:
+            exports = sorted((p for p in final.parent.iterdir()
+                              if p.is_dir() and p.name.startswith("epoch") and not p.name.startswith(TMP_PREFIX)),
+                             key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
+            for old in exports[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def discard_failed_save(self) -> list[Path]:
+        """Remove what a save or export that failed left behind; the last valid checkpoint is untouched."""
+        if self.store is not None:
+            return self.store.remove_leftovers(self.store.committed_step())
+        removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*")] if self.layout.export_root.is_dir() else []
+        for p in removed:
+            shutil.rmtree(p, ignore_errors=True)
+        return removed

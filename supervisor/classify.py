@@ -1,0 +1,147 @@
+"""Every failure classified: whatever comes out of a worker call becomes one fault kind. Pure.
+
+The worker groups wrap what a call raised in `GroupError`, naming the group, the actor and its node; the
+controller turns it into a `Fault` here and routes it to the group it came from. Only an error that is none
+of the known kinds (a bug in relaunch itself) is an internal error.
+"""
+from __future__ import annotations
+
+import enum
+import errno
+from dataclasses import dataclass
+from typing import Optional
+
+from ray import exceptions as rex
+from torch.distributed import DistError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from workers.rewards import UserCodeError
+
+
+class Group(str, enum.Enum):
+    TRAIN = "train"          # the TrainGroup's ranks
+    ROLLOUT = "rollout"      # the inference engines
+    SUPERVISOR = "supervisor"
+
+
+class FaultKind(str, enum.Enum):
+    WORKER_DIED = "worker_died"              # a TrainWorker process or its node is gone
+    ENGINE_DIED = "engine_died"              # a RolloutWorker process or its node is gone
+    HANG = "hang"                            # no answer within recover.step_timeout_secs
+    COLLECTIVE_FAILED = "collective_failed"  # gloo/NCCL raised because a peer died inside a collective
+    DEVICE_ERROR = "device_error"            # a CUDA error: the rank's device is unusable
+    OBJECT_LOST = "object_lost"              # an object (the pushed weights) was lost with its node
+    STALE_WEIGHTS = "stale_weights"          # an engine refused a call for another weights version
+    STORAGE_ERROR = "storage_error"          # disk full, permissions, I/O: a save or export failed
+    USER_ERROR = "user_error"                # the reward function or dataset raised
+    SUPERVISOR_DIED = "supervisor_died"      # Ray restarted the Supervisor actor
+    INTERNAL_ERROR = "internal_error"        # a bug in relaunch itself
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    message: str
+    group: Group = Group.TRAIN
+    actors: tuple[str, ...] = ()     # the actors at fault (the dead or hung ones), when known
+    node: Optional[str] = None
+    detect_secs: Optional[float] = None
+    settled: bool = False            # the failed call's peers all finished: the group is not stuck
+
+    @property
+    def actor(self) -> Optional[str]:
+        return self.actors[0] if self.actors else None
+
+
+class GroupError(Exception):
+    """What a call to a worker group raised, with where it came from; `error` is the raw exception."""
+
+    def __init__(self, group: Group, error: BaseException, actors: tuple[str, ...] = (), node: str | None = None,
+                 waited: float | None = None, settled: bool = False):
+        super().__init__(f"{group.value}: {type(error).__name__}: {first_line(error)}")
+        self.group, self.error, self.actors, self.node = group, error, actors, node
+        self.waited, self.settled = waited, settled
+
+
+class CapacityError(RuntimeError):
+    """The cluster did not offer a group's resources within recover.capacity_timeout_secs: not a fault to
+    retry, the job stops naming what is missing."""
+
+
+class StaleWeights(RuntimeError):
+    """Raised by an engine asked to generate with weights of another version than it holds."""
+
+
+_DEATHS = (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, rex.WorkerCrashedError,
+           rex.NodeDiedError, rex.OutOfMemoryError, rex.LocalRayletDiedError)
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOENT,
+                   errno.ESTALE}
+_PEER_MARKERS = ("connection reset by peer", "connection closed by peer", "connection refused", "broken pipe",
+                 "gloo", "nccl", "socket", "timed out", "timeout")
+# torch.save reports a full disk as a RuntimeError from its zip writer
+_STORAGE_MARKERS = ("no space left", "disk quota", "unexpected pos", "pytorchstreamwriter failed", "read-only file")
+_DEVICE_MARKERS = ("cuda error", "cudnn", "cublas", "device-side assert", "ecc error")
+
+
+def first_line(error: BaseException) -> str:
+    lines = [x for x in str(error).strip().splitlines() if x.strip()]
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The exception a worker raised, unwrapped from Ray's RayTaskError (nested calls included)."""
+    while isinstance(error, rex.RayTaskError) and error.cause is not None and error.cause is not error:
+        error = error.cause
+    return error
+
+
+def storage_cause(error: BaseException) -> Optional[OSError]:
+    """The OSError behind a storage failure: a plain OSError, or one wrapped by DCP's CheckpointException."""
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            found = storage_cause(inner) if isinstance(inner, BaseException) else None
+            if found is not None:
+                return found
+        return None
+    if isinstance(error, OSError) and (error.errno in _STORAGE_ERRNOS or "No space left" in str(error)):
+        return error
+    if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _STORAGE_MARKERS):
+        return OSError(errno.ENOSPC, first_line(error))
+    return None
+
+
+def classify(err: GroupError | BaseException) -> Fault:
+    """One fault kind for what a call raised; bare exceptions come from the Supervisor's own code."""
+    if not isinstance(err, GroupError):
+        err = GroupError(Group.SUPERVISOR, err, settled=True)
+    group, actors, node, waited = err.group, err.actors, err.node, err.waited
+    cause = root_cause(err.error)
+    who = actors[0] if actors else group.value
+
+    def fault(kind: FaultKind, message: str) -> Fault:
+        return Fault(kind, message, group, actors, node, waited, err.settled)
+
+    if isinstance(cause, UserCodeError):
+        return fault(FaultKind.USER_ERROR, first_line(cause))
+    if isinstance(cause, rex.GetTimeoutError) or isinstance(err.error, rex.GetTimeoutError):
+        return fault(FaultKind.HANG, f"no answer from {', '.join(actors) or who} after {waited or 0:.0f}s")
+    if isinstance(cause, rex.ObjectLostError):  # OwnerDiedError, ObjectReconstructionFailedError, ...
+        return fault(FaultKind.OBJECT_LOST, f"{who}: {first_line(cause)}")
+    if isinstance(cause, _DEATHS):
+        kind = FaultKind.ENGINE_DIED if group is Group.ROLLOUT else FaultKind.WORKER_DIED
+        return fault(kind, f"{who} died: {first_line(cause)}")
+    if isinstance(cause, StaleWeights):
+        return fault(FaultKind.STALE_WEIGHTS, f"{who}: {first_line(cause)}")
+    stored = storage_cause(cause)
+    if stored is not None:
+        return fault(FaultKind.STORAGE_ERROR, f"{who}: {stored.strerror or first_line(stored)}"
+                                              f"{f' ({stored.filename})' if stored.filename else ''}")
+    text = str(cause).lower()
+    if group is Group.TRAIN and isinstance(cause, RuntimeError):
+        if any(m in text for m in _DEVICE_MARKERS):
+            return fault(FaultKind.DEVICE_ERROR, f"{who}: {first_line(cause)}")
+        if isinstance(cause, DistError) or any(m in text for m in _PEER_MARKERS):
+            return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
+    return fault(FaultKind.INTERNAL_ERROR, f"{who}: {type(cause).__name__}: {first_line(cause)}")
+

@@ -1,0 +1,197 @@
+"""One step as a transaction, whose one commit point is the TrainGroup's optimizer step.
+
+Before the commit (rollouts, rewards, the update itself) nothing of the Supervisor's state changes, so a
+fault there replays the step from its start. At the commit the step's frequency controls are checked once
+and what the step still owes is written down (`Owed`): the weight push to the engines (version G + 1),
+the HF export, the evaluation, the stats row and the recover save. A fault after the commit never replays
+the update: once the faulty group is repaired, `settle` pays what is still owed, each item exactly once.
+A fault that restarts the TrainGroup rolls back to the last valid checkpoint instead, which drops `owed`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from supervisor.checkpoints import Checkpoints
+from supervisor.classify import Group, GroupError, StaleWeights
+from supervisor.events import EventLog, StatsLog
+from supervisor.run_state import RunState
+from supervisor.step_info import StepInfo
+from workers.data import PromptLoader
+from workers.grpo import group_advantages
+from workers.rewards import score
+
+
+class Phase(str, enum.Enum):
+    ROLLOUT = "rollout"
+    TRAIN = "train"
+    PUSH = "push"
+    EXPORT = "export"
+    EVALUATE = "evaluate"
+    LOG = "log"
+    SAVE = "save"
+
+
+@dataclass
+class Weights:
+    """The trainer's full weights in the object store, tagged with the version they are used for."""
+    ref: Any
+    version: int
+    checksum: str
+
+
+@dataclass
+class Owed:
+    """What a committed step still owes, decided once at its commit; each flag is cleared when paid."""
+    step: StepInfo
+    row: dict
+    started: float
+    export: bool
+    evaluate: bool
+    save: bool
+    logged: bool = False
+    paid_secs: dict = field(default_factory=dict)
+
+
+class StepRunner:
+    """Drives steps on the groups the controller gives it; holds the run's state between steps."""
+
+    def __init__(self, config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
+                 checkpoints: Checkpoints, fault_point: Callable[[str, StepInfo], None]):
+        self.config, self.loader, self.reward_fn = config, loader, reward_fn
+        self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
+        self.total_steps = loader.steps_per_epoch * config.total_train_epochs
+        self.state = RunState.fresh(config, loader.steps_per_epoch)
+        self.trainers = self.engines = None
+        self.weights: Weights | None = None
+        self.engine_version: int | None = None  # the version every engine holds, when known
+        self.owed: Owed | None = None
+        self.phase: Phase | None = None
+        self.last_reward: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.owed is None and self.state.step.global_step + 1 >= self.total_steps
+
+    def advance(self) -> None:
+        """Pay what the last committed step owes, or run the next step to its commit and then pay."""
+        if self.owed is None:
+            self.owed = self._until_commit(self.state.step.next())
+        self._settle(self.owed)
+        self.owed = None
+
+    # ---- before the commit: a fault here replays the step -------------------------------------------
+    def _until_commit(self, s: StepInfo) -> Owed:
+        cfg, t0 = self.config, time.monotonic()
+        self.fault_point("step.begin", s)
+        self.phase = Phase.ROLLOUT
+        rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
+        rollout = self.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step)
+        self.fault_point("step.rolled_out", s)
+        rewards = torch.tensor(score(self.reward_fn, rows, rollout["completions"]))
+        advantages = group_advantages(rewards, cfg.data.group_size)
+        self.fault_point("step.scored", s)
+        t_rollout = time.monotonic()
+        self.phase = Phase.TRAIN
+        n = self.trainers.world_size
+        keys = ("input_ids", "attention_mask", "response_mask")
+        shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
+                  for r in range(n)]
+        metrics = self.trainers.train(shards, s.global_step)[0]
+        # ---- the commit point: every rank took its optimizer step -----------------------------------
+        t_train = time.monotonic()
+        self.state.step = s
+        self.last_reward = float(rewards.mean())
+        elapsed = t_train - t0
+        last = s.global_step + 1 >= self.total_steps
+        owed = Owed(
+            step=s, started=t0,
+            row={"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
+                 "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                 "lr": metrics["lr"], "weights_version": s.global_step + 1,
+                 "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout},
+            export=self.state.saver.check(s.is_epoch_end, elapsed),
+            evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
+            save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
+        )
+        self.fault_point("step.trained", s)
+        return owed
+
+    # ---- after the commit: each item is paid exactly once -------------------------------------------
+    def _settle(self, o: Owed) -> None:
+        s = o.step
+        if self.engine_version != s.global_step + 1:
+            self.phase = Phase.PUSH
+            self.sync_engines(gate=False)
+            self.fault_point("step.pushed", s)
+        if o.export:
+            self.phase, t = Phase.EXPORT, time.monotonic()
+            self.checkpoints.export_hf(self.trainers, s)
+            o.export, o.paid_secs["export"] = False, time.monotonic() - t
+            self.fault_point("step.exported", s)
+        if o.evaluate:
+            self.phase = Phase.EVALUATE
+            o.row["eval/reward"] = self._evaluate(s)
+            o.evaluate = False
+            self.fault_point("step.evaluated", s)
+        if not o.logged:
+            self.phase = Phase.LOG
+            o.row["time/saving"] = o.paid_secs.get("export", 0.0)
+            o.row["time/step"] = time.monotonic() - o.started
+            self.stats.append(o.row)
+            o.logged = True
+            self.fault_point("step.logged", s)
+        if o.save:
+            self.phase = Phase.SAVE
+            nxt = s.next()
+            self.checkpoints.save_recover(self.trainers, self.state, self.loader.state_dict(nxt.epoch, nxt.epoch_step),
+                                          self.weights.checksum if self.weights else None)
+            o.save = False
+            self.fault_point("step.saved", s)
+
+    def skip_failed_save(self) -> str | None:
+        """After a save or export failed on storage: give it up for this step; returns what was skipped."""
+        if self.owed is None:
+            return None
+        if self.phase is Phase.EXPORT and self.owed.export:
+            self.owed.export = False
+            return "export"
+        if self.phase is Phase.SAVE and self.owed.save:
+            self.owed.save = False
+            return "recover"
+        return None
+
+    def _evaluate(self, s: StepInfo) -> float:
+        """Greedy reward over every prompt of the dataset, with the weights the step produced."""
+        rows = self.loader.rows
+        out = self.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step + 1,
+                                    greedy=True)
+        return float(torch.tensor(score(self.reward_fn, rows, out["completions"])).mean())
+
+    # ---- the engines' weights -----------------------------------------------------------------------
+    def sync_engines(self, gate: bool, pull: bool = False) -> None:
+        """Bring every engine to the trainer's version. With `gate` (after a repair), push only to the engines
+        that do not hold it already and require every engine to report the trainer's version and checksum."""
+        self.engine_version = None
+        version = self.state.step.global_step + 1
+        if pull or self.weights is None or self.weights.version != version:
+            ref, checksum = self.trainers.weights()
+            self.weights = Weights(ref, version, checksum)
+        want = (self.weights.version, self.weights.checksum)
+        if not gate:
+            self.engines.push(self.weights.ref, version)
+        else:
+            stale = [i for i, st in enumerate(self.engines.weight_status()) if tuple(st) != want]
+            if stale:
+                self.engines.push(self.weights.ref, version, only=stale)
+            status = [tuple(st) for st in self.engines.weight_status()]
+            if any(st != want for st in status):
+                raise GroupError(Group.ROLLOUT, StaleWeights(f"engines disagree with the trainer after resync: "
+                                                             f"{status} != {want}"))
+            self.events.emit("resync", version=version, checksum=self.weights.checksum, engines=len(status),
+                             pushed=len(stale))
+        self.engine_version = version
