@@ -1,0 +1,370 @@
+"""The controller without Ray: stand-in groups, real checkpoints on disk, faults at every phase of a step.
+
+The stand-ins behave like the real groups seen from the Supervisor: a dead or hung actor fails every call
+to it until it is replaced (a rank: until the whole TrainGroup is), an engine refuses weights of another
+version, a lost object fails the call that needs it. The trainer's "weights" are the list of steps it has
+applied, so a step trained twice, or one dropped, shows in the final weights.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ray import exceptions as rex
+
+from supervisor.checkpoints import Checkpoints
+from supervisor.classify import Group, GroupError, StaleWeights
+from supervisor.config import load_config
+from supervisor.controller import EXIT_FAILED, Controller, Outcome, Result, State, transition
+from supervisor.events import EventLog, StatsLog, read_jsonl
+from supervisor.layout import TrialLayout
+from supervisor.policy import RestartPolicy
+from supervisor.step import StepRunner
+from workers.data import PromptLoader
+
+STEPS = 8  # 2 epochs of 4 steps; export, evaluation and recover save every 2 steps (1, 3, 5, 7)
+ROWS = [{"prompt": f"p{i}", "answer": str(i % 10)} for i in range(8)]
+
+
+def digest(history: list[int]) -> str:
+    return hashlib.sha256(json.dumps(history).encode()).hexdigest()[:16]
+
+
+class World:
+    """What the stand-in groups share: the faults still to strike, and what was broken."""
+
+    def __init__(self):
+        self.armed: dict[tuple[str, int], str] = {}   # (phase, step) -> fault
+        self.dead_ranks = self.hung_ranks = False
+        self.broken_collective = False
+        self.dead_engines: set[int] = set()
+        self.hung_engines: set[int] = set()
+        self.lose_next_push = False
+        self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
+        self.storage_full = self.reward_raises = False
+        self.train_groups = 0
+
+    def strike(self, phase: str, step: int) -> None:
+        fault = self.armed.pop((phase, step), None)
+        if fault and self.then:
+            key, follow = self.then.pop(0)
+            self.armed[key] = follow
+        if fault == "rank_death":
+            self.dead_ranks = True
+        elif fault == "rank_hang":
+            self.hung_ranks = True
+        elif fault == "peer_collective":
+            self.broken_collective = True
+        elif fault == "engine_death":
+            self.dead_engines.add(1)
+        elif fault == "engine_hang":
+            self.hung_engines.add(0)
+        elif fault == "lost_object":
+            self.lose_next_push = True
+        elif fault == "storage":
+            self.storage_full = True
+        elif fault == "user":
+            self.reward_raises = True
+
+
+class FakeTrainers:
+    def __init__(self, world: World, world_size: int):
+        world.dead_ranks = world.hung_ranks = world.broken_collective = False
+        world.train_groups += 1
+        self.world, self.world_size, self.history = world, world_size, []
+        self.nodes = ["n1"] * world_size
+
+    def _check(self, phase: str, step: int) -> None:
+        self.world.strike(phase, step)
+        if self.world.dead_ranks:
+            raise GroupError(Group.TRAIN, rex.ActorDiedError(), ("TrainWorker[rank 1]",), "n1", 0.1)
+        if self.world.hung_ranks:
+            raise GroupError(Group.TRAIN, rex.GetTimeoutError("no answer"), ("TrainWorker[rank 0]",), "n1", 10.0)
+        if self.world.broken_collective:
+            err = rex.RayTaskError("train", "tb", RuntimeError("[gloo] Connection reset by peer")).as_instanceof_cause()
+            raise GroupError(Group.TRAIN, err, ("TrainWorker[rank 0]",), "n1", 0.1)
+
+    def _storage(self) -> None:
+        if self.world.storage_full:
+            self.world.storage_full = False
+            err = rex.RayTaskError("save", "tb", OSError(errno.ENOSPC, "No space left on device")).as_instanceof_cause()
+            raise GroupError(Group.TRAIN, err, ("TrainWorker[rank 0]",), "n1", 0.1, settled=True)
+
+    def train(self, shards, global_step):
+        self._check("train", global_step)
+        self.history.append(global_step)
+        return [{"loss": float(global_step), "grad_norm": 1.0, "lr": 0.1}]
+
+    def weights(self):
+        self._check("weights", self.history[-1] if self.history else -1)
+        return (id(self), len(self.history), tuple(self.history)), digest(self.history)
+
+    def save_recover(self, staging, global_step):
+        self._check("save", global_step)
+        self._storage()
+        path = Path(staging) / "model.json"
+        path.write_text(json.dumps(self.history))
+        return {"model.json": {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+
+    def load_recover(self, path, world_size):
+        self._check("load", -1)
+        self.history = json.loads((Path(path) / "model.json").read_text())
+        return []
+
+    def export_hf(self, directory, global_step):
+        self._check("export", global_step)
+        self._storage()
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "weights.json").write_text(json.dumps(self.history))
+
+    def shutdown(self):
+        pass
+
+
+class FakeEngines:
+    def __init__(self, world: World, n: int = 2):
+        self.world = world
+        self.held = [None] * n          # (ref, version) of each engine
+        self.generated: list[tuple[int, int, bool]] = []
+
+    @property
+    def nodes(self):
+        return ["n0"] * len(self.held)
+
+    def _check(self, phase: str, step: int) -> None:
+        self.world.strike(phase, step)
+        for i in sorted(self.world.dead_engines):
+            raise GroupError(Group.ROLLOUT, rex.ActorDiedError(), (f"RolloutWorker[{i}]",), "n0", 0.1)
+        if self.world.hung_engines:
+            names = tuple(f"RolloutWorker[{i}]" for i in sorted(self.world.hung_engines))
+            raise GroupError(Group.ROLLOUT, rex.GetTimeoutError("no answer"), names, "n0", 10.0)
+
+    def generate(self, prompts, global_step, version, greedy=False):
+        self._check("evaluate" if greedy else "rollout", global_step)
+        for ref_version in self.held:
+            if ref_version is None or ref_version[1] != version:
+                err = rex.RayTaskError("generate", "tb", StaleWeights(f"{ref_version} != {version}"))
+                raise GroupError(Group.ROLLOUT, err.as_instanceof_cause(), ("RolloutWorker[0]",))
+        self.generated.append((global_step, version, greedy))
+        n = len(prompts)
+        completions = [str((global_step * 3 + i) % 10) for i in range(n)]
+        ids = torch.zeros(n, 3, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones_like(ids),
+                "completions": completions}
+
+    def push(self, ref, version, only=None):
+        self._check("push", version - 1)
+        if self.world.lose_next_push:
+            self.world.lose_next_push = False
+            lost = rex.ObjectLostError("ab" * 14, "owner", "call site")
+            raise GroupError(Group.ROLLOUT, rex.RayTaskError("load_weights", "tb", lost).as_instanceof_cause(),
+                             ("RolloutWorker[0]",))
+        for i in (range(len(self.held)) if only is None else only):
+            self.held[i] = (ref, version)
+
+    def weight_status(self):
+        self._check("resync", -1)
+        return [(h[1], digest(list(h[0][2]))) if h else (None, "") for h in self.held]
+
+    def replace(self, faulty):
+        broken = {int(n.split("[")[1][:-1]) for n in faulty} | self.world.dead_engines | self.world.hung_engines
+        self.world.dead_engines, self.world.hung_engines = set(), set()
+        for i in broken:
+            self.held[i] = None
+        return sorted(f"RolloutWorker[{i}]" for i in broken)
+
+    def shutdown(self):
+        pass
+
+
+def make_controller(tmp_path: Path, world: World, *overrides: str):
+    config = load_config(None, [f"cluster.fileroot={tmp_path}", "total_train_epochs=2", "data.batch_size=2",
+                                "data.group_size=2", "saver.freq_epochs=null", "saver.freq_steps=2",
+                                "evaluator.freq_epochs=null", "evaluator.freq_steps=2", "recover.mode=on",
+                                "recover.freq_steps=2", "recover.retries=5", "recover.backoff_secs=0", *overrides])
+    layout = TrialLayout.from_config(config)
+    events, stats = EventLog(layout.events_log, job="j"), StatsLog(layout.stats_log)
+    checkpoints = Checkpoints(config, layout, events)
+
+    def reward(prompt, completion, row):
+        if world.reward_raises:
+            world.reward_raises = False
+            raise KeyError("answer")
+        return float(completion == row["answer"])
+
+    loader = PromptLoader(ROWS, 2, config.seed)
+
+    def fault_point(point, s):
+        if point == "step.rolled_out":
+            world.strike("score", s.global_step)
+
+    runner = StepRunner(config, loader, reward, stats, events, checkpoints, fault_point)
+    engines = FakeEngines(world)
+    controller = Controller(config, runner, checkpoints, RestartPolicy.from_config(config), events, stats,
+                            make_train_group=lambda n: FakeTrainers(world, n), make_rollout_group=lambda: engines,
+                            sleep=lambda s: None)
+    return controller, layout, engines
+
+
+def run(tmp_path, world, *overrides):
+    controller, layout, engines = make_controller(tmp_path, world, *overrides)
+    result = controller.run()
+    return result, layout, engines, controller
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """An uninterrupted run: what every recovered run must end with."""
+    world = World()
+    result, layout, engines, controller = run(tmp_path_factory.mktemp("clean"), world)
+    assert result.exit_code == 0
+    return read_jsonl(layout.stats_log), engines.generated
+
+
+PHASES = ["rollout", "score", "train", "weights", "push", "export", "evaluate", "save"]
+TRAIN_FAULTS = ["rank_death", "rank_hang", "peer_collective"]
+ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object"]
+
+
+def final_history(layout: TrialLayout) -> list[int]:
+    step_dir = sorted(layout.recover_checkpoint.glob("globalstep*"), key=lambda p: int(p.name[10:]))[-1]
+    return json.loads((step_dir / "model.json").read_text())
+
+
+def assert_complete_and_exact(layout, clean_stats):
+    stats = read_jsonl(layout.stats_log)
+    assert [r["global_step"] for r in stats] == list(range(STEPS))      # every step logged, exactly once
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert strip(stats) == strip(clean_stats)                           # same metrics, evaluations included
+    assert [r["global_step"] for r in stats if "eval/reward" in r] == [1, 3, 5, 7]
+    assert final_history(layout) == list(range(STEPS))                  # no step trained twice, none dropped
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("fault", TRAIN_FAULTS)
+def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, clean, phase, fault):
+    world = World()
+    world.armed[(phase, 3)] = fault
+    result, layout, engines, controller = run(tmp_path, world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    events = read_jsonl(layout.events_log)
+    assert [e["cause"] for e in events if e["event"] == "failure"] == [
+        {"rank_death": "worker_died", "rank_hang": "hang", "peer_collective": "collective_failed"}[fault]]
+    loaded = [e["global_step"] for e in events if e["event"] == "loaded"]
+    assert loaded == [-1, 1]  # rolled back to the last commit before step 3
+    assert world.train_groups == 2
+    assert not [e for e in events if e["event"] == "failure" and e["cause"] == "stale_weights"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("fault", ENGINE_FAULTS)
+def test_an_engine_fault_at_any_phase_replaces_engines_alone_and_never_retrains(tmp_path, clean, phase, fault):
+    world = World()
+    world.armed[(phase, 3)] = fault
+    result, layout, engines, controller = run(tmp_path, world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    events = read_jsonl(layout.events_log)
+    assert world.train_groups == 1 and [e["global_step"] for e in events if e["event"] == "loaded"] == [-1]
+    failures = [e["cause"] for e in events if e["event"] == "failure"]
+    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "lost_object": "object_lost"}[fault]]
+    # every rollout and evaluation was generated once per step, with the weights of its step
+    assert sorted(set(engines.generated)) == sorted(set(clean[1]))
+    assert all(version == step + int(greedy) for step, version, greedy in engines.generated)
+
+
+@pytest.mark.parametrize("phase", ["export", "save"])
+def test_a_storage_error_skips_that_save_and_trains_on(tmp_path, clean, phase):
+    world = World()
+    world.armed[(phase, 3)] = "storage"
+    result, layout, engines, controller = run(tmp_path, world)
+    assert result.exit_code == 0, result.message
+    assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(STEPS))
+    events = read_jsonl(layout.events_log)
+    failed = [e for e in events if e["event"] == "save_failed"]
+    assert len(failed) == 1 and failed[0]["global_step"] == 3 and failed[0]["what"] == phase
+    assert not [e for e in events if e["event"] == "restart"]  # spends no retry
+    exported = [e["global_step"] for e in events if e["event"] == "export"]
+    committed = [e["global_step"] for e in events if e["event"] == "commit"]
+    assert (exported, committed) == (([1, 5, 7], [1, 3, 5, 7]) if phase == "export" else ([1, 3, 5, 7], [1, 5, 7]))
+    assert final_history(layout) == list(range(STEPS))
+
+
+def test_a_storage_error_with_stop_ends_the_job(tmp_path):
+    world = World()
+    world.armed[("save", 3)] = "storage"
+    result, layout, *_ = run(tmp_path, world, "recover.on_save_error=stop")
+    assert result.exit_code == EXIT_FAILED and "No space left" in result.message
+    assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(4))
+
+
+@pytest.mark.parametrize("phase", ["score", "evaluate"])
+def test_a_user_error_fails_fast_or_replays_when_allowed(tmp_path, clean, phase):
+    world = World()
+    world.armed[(phase, 3)] = "user"
+    result, layout, *_ = run(tmp_path / "fail", world)
+    assert result.exit_code == EXIT_FAILED and "reward function raised KeyError" in result.message
+    assert "KeyError" in result.details
+    world = World()
+    world.armed[(phase, 3)] = "user"
+    result, layout, *_ = run(tmp_path / "retry", world, "reward.retry_user_errors=true")
+    assert result.exit_code == 0
+    assert_complete_and_exact(layout, clean[0])
+
+
+def test_a_second_fault_during_the_repair_is_repaired_too(tmp_path, clean):
+    world = World()
+    world.armed[("train", 4)] = "rank_death"
+    world.then = [(("load", -1), "rank_death"),     # the new group dies while loading the checkpoint
+                  (("resync", -1), "engine_death")]  # and then an engine during the resync
+    result, layout, *_ = run(tmp_path, world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    causes = [e["cause"] for e in read_jsonl(layout.events_log) if e["event"] == "failure"]
+    assert causes == ["worker_died", "worker_died", "engine_died"]
+
+
+def test_retries_run_out_and_the_job_gives_up(tmp_path):
+    world = World()
+    for step in (2, 4, 6):
+        world.armed[("train", step)] = "rank_death"
+    result, layout, *_ = run(tmp_path, world, "recover.retries=2")
+    assert result.exit_code == EXIT_FAILED and "retries exhausted (2/2)" in result.message
+    events = read_jsonl(layout.events_log)
+    assert events[-1]["event"] == "gave_up"
+    assert [e["state"] for e in events if e["event"] == "state"][-1] == "failed"
+
+
+def test_a_restarted_supervisor_is_a_counted_fault_that_rebuilds_from_disk(tmp_path, clean):
+    controller, layout, engines = make_controller(tmp_path, World())
+    assert controller.run().exit_code == 0
+    # a second life of the Supervisor for the same job: one retry left, then none
+    for retries, expect in (("1", 0), ("0", EXIT_FAILED)):
+        controller, layout, engines = make_controller(tmp_path, World(), f"recover.retries={retries}")
+        controller.supervisor_restarted = True
+        result = controller.run()
+        assert result.exit_code == expect, result.message
+    failures = [e for e in read_jsonl(layout.events_log) if e["event"] == "failure"]
+    assert [e["cause"] for e in failures] == ["supervisor_died", "supervisor_died"]
+
+
+@pytest.mark.parametrize("state, outcome, expected", [
+    (State.STARTING, Outcome.OK, State.RUNNING),
+    (State.STARTING, Outcome.DONE, State.FINISHED),      # the checkpoint is already the last step
+    (State.STARTING, Outcome.FAULT, State.REPAIRING),
+    (State.RUNNING, Outcome.OK, State.RUNNING),
+    (State.RUNNING, Outcome.DONE, State.FINISHED),
+    (State.RUNNING, Outcome.FAULT, State.REPAIRING),
+    (State.REPAIRING, Outcome.OK, State.RUNNING),
+    (State.REPAIRING, Outcome.FAULT, State.REPAIRING),    # a fault while repairing: decided again
+    (State.RUNNING, Outcome.FATAL, State.FAILED),
+    (State.REPAIRING, Outcome.FATAL, State.FAILED),
+])
+def test_transitions(state, outcome, expected):
+    assert transition(state, Result(outcome)) is expected
+
