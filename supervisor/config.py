@@ -136,6 +136,8 @@ class RecoverConfig(Frequency):
     backoff_secs: float = Field(1.0, ge=0, description="first restart delay; doubles each restart")
     max_backoff_secs: float = Field(30.0, ge=0)
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
+    start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
+                                                                "model build, rendezvous) is hung")
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "

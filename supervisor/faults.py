@@ -1,10 +1,11 @@
 """Named fault points, so crash tests hit exact moments instead of lucky timings.
 
 `RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points. Every method the Supervisor calls on a
-TrainWorker or RolloutWorker has two points, `{method}.enter` and `{method}.exit` (e.g. `train.enter`,
-`generate.exit`, `load_weights.enter`); `rank=` is the TrainWorker's rank or the engine's index. The step
-of a call is its `global_step` argument, or for `load_weights` the step whose update made the weights
-(version - 1). The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
+TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit` (`TrainWorker.train.enter`,
+`RolloutWorker.generate.exit`, ...); `rank=` is the TrainWorker's rank or the engine's index. The step of a
+call is its `global_step` argument, or for `load_weights` the step whose update made the weights
+(version - 1); `where`, `setup`, `load_recover` and `weight_status` run at (re)starts and have none, so a
+point armed there without `step=` fires at the first call. Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
 `step.saved`), and the recover store one at every write of a checkpoint.
 
@@ -91,8 +92,8 @@ def _call_step(name: str, bound: inspect.BoundArguments) -> int | None:
 
 
 def fault_points(method):
-    """Give a worker method the fault points `{name}.enter` and `{name}.exit` (test instrumentation)."""
-    name, signature = method.__name__, inspect.signature(method)
+    """Give a worker method the fault points `{Class}.{name}.enter` and `.exit` (test instrumentation)."""
+    name, point, signature = method.__name__, method.__qualname__, inspect.signature(method)
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -100,9 +101,9 @@ def fault_points(method):
             return method(self, *args, **kwargs)
         step = _call_step(name, signature.bind(self, *args, **kwargs))
         rank = getattr(self, "rank", None)
-        fault_point(f"{name}.enter", step, rank)
+        fault_point(f"{point}.enter", step, rank)
         result = method(self, *args, **kwargs)
-        fault_point(f"{name}.exit", step, rank)
+        fault_point(f"{point}.exit", step, rank)
         return result
 
     return wrapper

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from supervisor.classify import CapacityError, Group, GroupError
 from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
 
-SETUP_TIMEOUT_SECS = 180.0
 SETTLE_SECS = 10.0  # how long the peers of an actor that raised may take to finish the same call
 PROBE_TIMEOUT_SECS = 15.0  # how long a surviving engine may take to finish a call left behind by a fault
 
@@ -101,6 +100,21 @@ class _Members:
                 pass
 
 
+def placement_group_name(config) -> str:
+    return f"relaunch/{config.experiment_name}/{config.trial_name}/train"
+
+
+def remove_leftover_placement_groups(config) -> int:
+    """Remove this trial's TrainGroup placement groups left by a Supervisor that died: Ray keeps them while it
+    restarts the actor that made them."""
+    name, removed = placement_group_name(config), 0
+    for pg_id, info in placement_group_table().items():
+        if info.get("name") == name and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed
+
+
 class TrainGroup(_Members):
     """A placement group plus N TrainWorker ranks sharing one torch.distributed process group."""
 
@@ -113,7 +127,8 @@ class TrainGroup(_Members):
         bundle = {"CPU": cluster.cpus_per_worker}
         if cluster.gpus_per_worker:
             bundle["GPU"] = cluster.gpus_per_worker
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
+                                  name=placement_group_name(config))
         try:
             if not self.pg.wait(config.recover.capacity_timeout_secs):
                 raise CapacityError(
@@ -127,8 +142,8 @@ class TrainGroup(_Members):
                 ).remote(config, r, world_size), f"TrainWorker[rank {r}]")
                 for r in range(world_size)
             ]
-            # Start-up (imports, model build, rendezvous) is not a step: it gets a longer bound than a step.
-            setup_timeout = max(timeout, SETUP_TIMEOUT_SECS)
+            # Start-up (imports, model build, rendezvous) is not a step: it gets a bound of its own.
+            setup_timeout = config.recover.start_timeout_secs
             where = self.call_all("where", timeout=setup_timeout)
             for m, w in zip(self.members, where):
                 m.node_id, m.pid = w["node_id"], w["pid"]
@@ -140,9 +155,9 @@ class TrainGroup(_Members):
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
         return self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
 
-    def weights(self) -> tuple[ray.ObjectRef, str]:
+    def weights(self, global_step: int) -> tuple[ray.ObjectRef, str]:
         """(reference to rank 0's full state dict, its checksum); the dict stays in the object store."""
-        pairs = [m.handle.weights.options(num_returns=2).remote() for m in self.members]
+        pairs = [m.handle.weights.options(num_returns=2).remote(global_step) for m in self.members]
         try:
             self.gather([c for _, c in pairs])
         except GroupError:
@@ -194,7 +209,7 @@ class RolloutGroup(_Members):
         """Call `method` on every engine (or those in `only`); an engine still starting gets the start-up bound."""
         only = list(range(len(self.members))) if only is None else only
         starting = [i for i in self._where if i in only]
-        timeout = max(self.timeout, SETUP_TIMEOUT_SECS) if starting else self.timeout
+        timeout = max(self.timeout, self.config.recover.start_timeout_secs) if starting else self.timeout
         members = [self.members[i] for i in only]
         results = self.gather([getattr(self.members[i].handle, method).remote(*args_of(i)) for i in only],
                               timeout, members)

@@ -179,7 +179,7 @@ class StepRunner:
         self.engine_version = None
         version = self.state.step.global_step + 1
         if pull or self.weights is None or self.weights.version != version:
-            ref, checksum = self.trainers.weights()
+            ref, checksum = self.trainers.weights(version - 1)
             self.weights = Weights(ref, version, checksum)
         want = (self.weights.version, self.weights.checksum)
         if not gate:

@@ -6,6 +6,7 @@ decides, backs off or gives up) and rebuilds everything from disk.
 """
 from __future__ import annotations
 
+import os
 import traceback
 
 import ray
@@ -14,7 +15,7 @@ from supervisor import faults
 from supervisor.checkpoints import Checkpoints
 from supervisor.controller import EXIT_BAD_INPUT, EXIT_FAILED, Controller, JobResult, State
 from supervisor.events import EventLog, StatsLog, read_jsonl
-from supervisor.groups import RolloutGroup, TrainGroup
+from supervisor.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.layout import TrialLayout
 from supervisor.policy import RestartPolicy
 from supervisor.step import StepRunner
@@ -51,6 +52,7 @@ class Supervisor:
             "weights_version": r.engine_version if r else None,
             "train_nodes": r.trainers.nodes if r and r.trainers else [],
             "rollout_nodes": r.engines.nodes if r and r.engines else [],
+            "supervisor_pid": os.getpid(),
             "workers": (r.trainers.describe() if r and r.trainers else []) +
                        (r.engines.describe() if r and r.engines else []),
         }
@@ -66,6 +68,10 @@ class Supervisor:
         except UserCodeError as e:
             self.events.emit("failed", reason=str(e))
             return JobResult(EXIT_BAD_INPUT, str(e)).__dict__
+        if self.attempt > 0:
+            removed = remove_leftover_placement_groups(cfg)
+            if removed:
+                self.events.emit("cleanup", placement_groups=removed)
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,

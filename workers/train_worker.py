@@ -46,8 +46,9 @@ class TrainWorker:
         return self.engine.train_step(shard)
 
     @fault_points
-    def weights(self) -> tuple[dict | None, str | None]:
-        """Collective; rank 0 returns (full state dict, checksum), the others (None, None)."""
+    def weights(self, global_step: int) -> tuple[dict | None, str | None]:
+        """Collective; rank 0 returns (full state dict, checksum), the others (None, None). `global_step` is
+        the last step the weights were updated by (-1: none yet)."""
         full = self.engine.full_state_dict()
         return (full, weights_checksum(full)) if self.rank == 0 else (None, None)
 

@@ -1,7 +1,8 @@
 """Real Ray clusters on this machine for the end-to-end tests, and helpers to run and break jobs.
 
-One multi-node LocalCluster is shared by the module that asks for it (head + two 3-CPU worker nodes, so
-a TrainGroup fits on one node and the other is a spare), with its own temp dir and ports. Processes are
+One multi-node LocalCluster is shared by every test that asks for it (head + two 3-CPU worker nodes, so
+a TrainGroup fits on one node and the other is a spare), with its own temp dir and ports, and so is one
+uninterrupted reference run of the short job. Processes are
 killed only through ids this suite started.
 """
 from __future__ import annotations
@@ -98,7 +99,7 @@ def status_json(trial: Trial, *extra: str, env: dict | None = None) -> dict:
     return json.loads(r.stdout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster():
     c = LocalCluster()
     try:
@@ -112,7 +113,7 @@ def trial(tmp_path) -> Trial:
     return Trial(tmp_path / "runs")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(cluster, tmp_path_factory) -> Trial:
     """An uninterrupted run of the short job, for the exactness comparisons."""
     t = Trial(tmp_path_factory.mktemp("reference") / "runs")

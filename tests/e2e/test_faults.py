@@ -28,7 +28,7 @@ def assert_recovered_exactly(trial: Trial, reference: Trial, restarts: int = 1):
 
 
 def test_retries_exhausted_stops_with_one_clear_line(cluster, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "train_step:kill:step=3:rank=0,train_step:kill:step=8:rank=1",
+    r = run_with_fault(cluster, trial, tmp_path, "TrainWorker.train.enter:kill:step=3:rank=0,TrainWorker.train.enter:kill:step=8:rank=1",
                        "recover.retries=1")
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
@@ -68,7 +68,8 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
 
 
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "after_shards:enospc:step=9:rank=1")
+    # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank
+    r = run_with_fault(cluster, trial, tmp_path, "dcp_write:enospc:step=9:rank=1")
     assert r.returncode == 0, r.stdout + r.stderr
     failed = trial.events("save_failed")
     assert len(failed) == 1 and "No space left" in failed[0]["error"] and failed[0]["global_step"] == 9
@@ -85,55 +86,25 @@ def test_disk_full_with_stop_ends_cleanly_keeping_the_last_valid_checkpoint(clus
     assert not [p for p in (trial.root / "default" / "recover_checkpoint").iterdir() if p.name.startswith(".tmp")]
 
 
-# Interruption points of the exactness matrix (issue 5), each as the fault that makes one TrainWorker die
-# there and the fault that kills the whole job there (its driver and its embedded Ray cluster).
+# Interruption points of the exactness matrix (issue 5), each as the fault that kills the whole job there
+# (its driver and its embedded Ray cluster); test_any_moment.py breaks single workers at every point.
 MATRIX = {
-    "mid-rollout": ("after_rollout:kill_trainer:step=3", "after_rollout:killjob:step=3"),
-    "mid-update": ("train_step:kill:step=7:rank=1", "train_step:killjob:step=7:rank=1"),
-    "mid-save": ("after_shards:kill:step=9:rank=1", "after_shards:killjob:step=9:rank=1"),
-    "epoch-boundary": ("train_step:kill:step=12:rank=0", "train_step:killjob:step=12:rank=0"),
-    "right-after-commit": ("after_save:kill_trainer:step=14", "after_save:killjob:step=14"),
-    "last-step": ("train_step:kill:step=23:rank=1", "train_step:killjob:step=23:rank=1"),
+    "mid-rollout": "step.rolled_out:killjob:step=3",
+    "mid-update": "TrainWorker.train.enter:killjob:step=7:rank=1",
+    "mid-save": "after_shards:killjob:step=9:rank=1",
+    "epoch-boundary": "TrainWorker.train.enter:killjob:step=12:rank=0",
+    "right-after-commit": "step.saved:killjob:step=14",
+    "last-step": "TrainWorker.train.enter:killjob:step=23:rank=1",
 }
 # Where each interruption resumes: the last commit before it (commits every 5 steps and every epoch).
 RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
 MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0"]
 
 
-# The other faults one job must survive, between and after the matrix's: (fault, first step not completed
-# when it hit, cause, step the job resumed from, or None when the trainers were not rolled back).
-OTHER_FAULTS = [
-    ("generate:kill:step=16", 16, "engine_died", None),                  # only the engine is restarted
-    ("train_step:hang:step=17:rank=0", 17, "hang", 14),                  # seen through the step timeout
-    ("supervisor_step:kill:step=20", 20, "worker_died", 19),            # Ray restarts the Supervisor
-]
-
-
-def test_one_job_survives_every_kind_of_fault_at_every_point(cluster, reference, trial, tmp_path):
-    faults = [worker for worker, _ in MATRIX.values()][:-1] + [f for f, *_ in OTHER_FAULTS] + \
-        [MATRIX["last-step"][0]]
-    r = run_with_fault(cluster, trial, tmp_path, ",".join(faults), *MATRIX_JOB[1:], "recover.step_timeout_secs=10")
-    assert r.returncode == 0, r.stdout + r.stderr
-    failures = [(e["global_step"], e["cause"]) for e in trial.events("failure")]
-    # matrix points: the first step not completed when each fault hit (a save belongs to the step it saves)
-    expected = [(3, "worker_died"), (7, "worker_died"), (10, "worker_died"), (12, "worker_died"),
-                (15, "worker_died")] + [(step, cause) for _, step, cause, _ in OTHER_FAULTS] + [(23, "worker_died")]
-    assert failures == expected
-    assert all(e["node"] and e["detect_secs"] < 30 for e in trial.events("failure")[:5])
-    assert trial.events("failure")[6]["detect_secs"] == 10  # the hang
-    assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM[:-1] + [14, 19, 19]
-    assert trial.events("engines_restarted")[0]["replaced"] == ["RolloutWorker[0]"]
-    assert [e["version"] for e in trial.events("resync")][6] == 16  # the new engine got step 16's weights
-    assert len({e["attempt"] for e in trial.events("start")}) == 2  # the Supervisor's second life
-    # the shards written before the kill at mid-save were cleaned up, never published
-    assert any(".tmp.globalstep9" in p for e in trial.events("cleanup") for p in e["removed"])
-    assert_recovered_exactly(trial, reference, restarts=len(faults))
-
-
 def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, trial, tmp_path):
     from conftest import short_tmp
 
-    env = job_env({"RELAUNCH_FAULT": ",".join(job for _, job in MATRIX.values()),
+    env = job_env({"RELAUNCH_FAULT": ",".join(MATRIX.values()),
                    "RELAUNCH_FAULT_DIR": str(tmp_path)})
     codes = []
     for attempt in range(len(MATRIX) + 2):
