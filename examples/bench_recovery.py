@@ -46,7 +46,7 @@ def main() -> None:
     cluster = LocalCluster()
     try:
         clean_secs, clean = run(cluster, fileroot, "uninterrupted", args.overrides)
-        os.environ.update(RELAUNCH_FAULT=f"train_step:kill:step={args.kill_at_step}:rank=1",
+        os.environ.update(RELAUNCH_FAULT=f"TrainWorker.train.enter:kill:step={args.kill_at_step}:rank=1",
                           RELAUNCH_FAULT_DIR=str(fault_dir))
         faulty_secs, faulty = run(cluster, fileroot, "killed", args.overrides)
     finally:

@@ -134,10 +134,10 @@ class Controller:
         step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
-                         detect_secs=fault.detect_secs, global_step=step, phase=self._phase())
+                         detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
         decision = self.policy.decide(fault)
         where = f" on node {fault.node[:8]}" if fault.node else ""
-        print(f"[relaunch] step {step} ({self._phase()}): {fault.kind.value}: {fault.message}{where} -> "
+        print(f"[relaunch] step {step} ({self.phase}): {fault.kind.value}: {fault.message}{where} -> "
               f"{decision.reason}", flush=True)
         if fault.kind is FaultKind.STORAGE_ERROR:
             removed = self.checkpoints.discard_failed_save()
@@ -154,7 +154,8 @@ class Controller:
                              cause=fault.kind.value, delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
 
-    def _phase(self) -> str:
+    @property
+    def phase(self) -> str:
         if self.state is State.RUNNING and self.runner.phase is not None:
             return self.runner.phase.value
         return self.state.value

@@ -45,7 +45,7 @@ class Supervisor:
         c = self.controller
         r = c.runner if c else None
         return {
-            "phase": c._phase() if c else State.STARTING.value,
+            "phase": c.phase if c else State.STARTING.value,
             "global_step": r.state.step.global_step if r else -1,
             "total_steps": self.loader.steps_per_epoch * self.config.total_train_epochs,
             "reward": r.last_reward if r else None, "restarts": self.policy.restarts, "attempt": self.attempt,

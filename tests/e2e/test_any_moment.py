@@ -35,12 +35,15 @@ PHASE_STEP = {"begin": 17, "rolled_out": 18, "scored": 19, "trained": 20, "pushe
               "evaluated": 23, "logged": 22, "saved": 19}
 
 
-def worker_points(action: str) -> list[str]:
-    """`action` at the entry and exit of every worker method, alternating ranks and engines."""
+def worker_points(action: str, both_ends: bool = True) -> list[str]:
+    """`action` at the entry and exit of every worker method (or one end each, alternating), on alternating
+    ranks and engines."""
     specs = []
     for cls, methods in (("TrainWorker", TRAIN_METHODS), ("RolloutWorker", ENGINE_METHODS)):
         for i, method in enumerate(methods):
             for j, end in enumerate(("enter", "exit")):
+                if not both_ends and j != i % 2:
+                    continue
                 step = "" if method in START_ONLY else f":step={STEP_OF[method][j]}"
                 specs.append(f"{cls}.{method}.{end}:{action}{step}:rank={(i + j) % 2}")
     return specs
@@ -70,6 +73,7 @@ def assert_exact(trial: Trial, reference: Trial) -> None:
     assert status_json(trial)["state"] == "done"
 
 
+@pytest.mark.timeout(900)
 def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference, trial, tmp_path):
     faults = worker_points("kill") + phase_points(["kill_rank", "kill_engine", "kill"])
     r = run_job(cluster, trial, tmp_path, faults)
@@ -86,9 +90,12 @@ def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference,
     assert "Unhandled error" not in r.stdout + r.stderr
 
 
-def test_hang_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference, trial, tmp_path):
-    faults = worker_points("hang") + phase_points(["stop_rank", "stop_engine"])
-    r = run_job(cluster, trial, tmp_path, faults)
+@pytest.mark.timeout(900)
+def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, reference, trial, tmp_path):
+    # Every hang costs a timeout, so this job hangs one end of each method (the SIGKILL job covers both)
+    # and SIGSTOPs a rank or an engine at every phase boundary of a step.
+    faults = worker_points("hang", both_ends=False) + phase_points(["stop_rank", "stop_engine"])
+    r = run_job(cluster, trial, tmp_path, faults, "recover.step_timeout_secs=5", "recover.start_timeout_secs=20")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)
     assert_exact(trial, reference)
@@ -101,6 +108,7 @@ def test_hang_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference, tr
             assert nxt["what"] == "restart_engines"
 
 
+@pytest.mark.timeout(900)
 def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_path):
     """SIGKILL and SIGSTOP of random actors at random moments; RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
     import ray
