@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from supervisor import safe_dcp
 from workers.grpo import policy_loss
 from workers.model import build_model, build_tokenizer, forward_logits, model_config
 
@@ -123,7 +124,7 @@ class FSDPEngine:
         """Collective: load a DCP checkpoint (resharding if the world size changed); returns RNG gaps."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=str(directory))
+        safe_dcp.load(state, directory)  # a copied checkpoint cannot run code here
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
