@@ -76,6 +76,7 @@ class ClusterConfig(_Strict):
     n_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (inference engines)")
     cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs reserved by each worker actor")
     gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per TrainWorker; >0 selects nccl")
+    gpus_per_engine: float = Field(0, ge=0, description="Ray GPUs per RolloutWorker; >0 puts its model on the GPU")
 
 
 class ModelConfig(_Strict):
@@ -90,7 +91,7 @@ class ModelConfig(_Strict):
     intermediate_size: int = Field(128, gt=0)
     num_layers: int = Field(2, gt=0)
     num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
+    num_kv_heads: int = Field(2, gt=0, description="the tiny model's key/value heads (grouped-query attention)")
 
 
 class ActorConfig(_Strict):
@@ -105,8 +106,9 @@ class DataConfig(_Strict):
     path: Path = Field(Path("examples/max_digit/data.jsonl"), description="JSONL with prompt and answer")
     batch_size: int = Field(16, gt=0, description="prompts per step")
     group_size: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
-    max_new_tokens: int = Field(1, gt=0)
-    shuffle: bool = True
+    max_new_tokens: int = Field(1, gt=0, description="longest completion, in tokens")
+    shuffle: bool = Field(True, description="a new order every epoch, drawn from (seed, epoch)")
+    chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template when it has one")
 
 
 class RolloutConfig(_Strict):
@@ -121,6 +123,8 @@ class RewardConfig(_Strict):
 class SaverConfig(Frequency):
     mode: SaveMode = SaveMode.AUTO
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
+    max_shard_size: str = Field("2GB", description="HF exports: weights above this size are split into several "
+                                                   "safetensors files with model.safetensors.index.json")
 
 
 class SaveErrorAction(str, enum.Enum):

@@ -147,7 +147,9 @@ class RolloutGroup:
 
     def _spawn(self, i: int) -> Member:
         # Not waited for: the engine starts while the TrainGroup does; its first push waits for it.
-        handle = RolloutWorker.options(num_cpus=self.config.cluster.cpus_per_worker, max_restarts=0).remote(self.config)
+        cluster = self.config.cluster
+        handle = RolloutWorker.options(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_engine,
+                                       max_restarts=0).remote(self.config)
         return Member(handle, f"RolloutWorker[{i}]", node_ref=handle.node_id.remote())
 
     def _all(self, call) -> list:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 
 from supervisor import safe_dcp
 from workers.grpo import policy_loss
-from workers.model import build_model, build_tokenizer, forward_logits, model_config
+from workers.model import build_model, build_tokenizer, forward_logits, model_config, save_model_dir
 
 
 def rng_state() -> dict:
@@ -141,5 +141,4 @@ class FSDPEngine:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(full_state, strict=False, assign=True)
         model.tie_weights()
-        model.save_pretrained(directory, safe_serialization=True)
-        self.tokenizer.save_pretrained(directory)
+        save_model_dir(model, self.tokenizer, self.config.model, directory, self.config.saver.max_shard_size)
