@@ -67,6 +67,36 @@ def run(args, address):
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
+def plan(args):
+    """Validate CONFIG and print what a run would ask for and do: resources, steps, the schedule of every
+    save, recover checkpoint and evaluation, and warnings. Starts nothing."""
+    try:
+        config = load_config(*_split_args(args), model_here=False)
+    except ConfigError as e:
+        _fail(str(e))
+    from supervisor.plan import make_plan
+    from workers.data import read_prompts
+    from workers.rewards import UserCodeError, load_reward_fn
+
+    try:
+        rows = read_prompts(config.data.path)
+        load_reward_fn(config.reward.fn)
+    except (ValueError, UserCodeError) as e:
+        _fail(str(e))
+    if len(rows) < config.data.batch_size:
+        _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({len(rows)} prompts)")
+    result = make_plan(config, len(rows))
+    click.echo(f"{'run':<10} {config.experiment_name}/{config.trial_name} -> {config.cluster.fileroot}")
+    for line in result.lines:
+        click.echo(line)
+    if config.model.path is not None and not (config.model.path / "config.json").is_file():
+        result.warnings.append(f"model.path {config.model.path} is not on this machine: every node must have it")
+    for w in result.warnings:
+        click.echo(f"warning: {w}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
 @click.option("--address", help="Ray Jobs address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
 @click.option("--wait", is_flag=True, help="follow the job's logs to its end and exit with its result")
 def submit(args, address, wait):

@@ -220,7 +220,8 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {first['msg']}{more}"
 
 
-def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: Path | str | None = None, overrides: list[str] = (), model_here: bool = True) -> Config:
+    """The validated config; with `model_here` (all but `relaunch plan`) model.path must exist on this machine."""
     path = Path(path) if path else DEFAULT_CONFIG
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -242,6 +243,6 @@ def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError(f"data.path: no such file {config.data.path}")
     if config.model.path is not None:
         config.model.path = resolve_path(config.model.path)
-        if not (config.model.path / "config.json").is_file():
+        if model_here and not (config.model.path / "config.json").is_file():
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
     return config

@@ -72,13 +72,20 @@ def init_process_group(config, rank: int, world_size: int, master_addr: str, mas
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP shards one by one: those transformers never splits across devices, for any
+    architecture (LlamaDecoderLayer, GPT2Block, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 class FSDPEngine:
     def __init__(self, config, rank: int, world_size: int, device: torch.device):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.tokenizer = build_tokenizer(config.model)
         model = build_model(config.model, self.tokenizer, config.seed).to(device)
         mesh = init_device_mesh(device.type, (world_size,))
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         self.model = fully_shard(model, mesh=mesh)
         actor = config.actor
