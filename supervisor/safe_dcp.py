@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -74,6 +75,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def load(state: dict, checkpoint: Path, no_dist: bool = False) -> None:
-    """`dcp.load` into `state` in place, through the safe reader and planner."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=SafeLoadPlanner(),
-             no_dist=no_dist)
+    """`dcp.load` into `state` in place, through the safe reader and planner; UnsafeCheckpointError when a
+    file asks for more than metadata and plain tensors."""
+    read_metadata(checkpoint)  # refused here in one line, not inside DCP's wrapped, logged failure
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=SafeLoadPlanner(),
+                 no_dist=no_dist)
+    except CheckpointException as e:
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, pickle.UnpicklingError)]
+        if refused:
+            raise UnsafeCheckpointError(f"{checkpoint}: {str(refused[0]).splitlines()[0]}") from e
+        raise
