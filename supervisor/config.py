@@ -10,7 +10,7 @@ import getpass
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,7 +24,11 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # A number where text is expected (`trial_name=42` on the command line, parsed as YAML) is that text.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class Backend(str, enum.Enum):
@@ -87,19 +91,19 @@ class ModelConfig(_Strict):
         default_factory=lambda: ["<pad>", "<s>", "</s>", "="] + [str(d) for d in range(10)],
         description="word-level vocabulary of the tiny model's tokenizer",
     )
-    hidden_size: int = Field(64, gt=0)
-    intermediate_size: int = Field(128, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(4, gt=0)
+    hidden_size: int = Field(64, gt=0, description="the tiny model's width")
+    intermediate_size: int = Field(128, gt=0, description="the tiny model's MLP width")
+    num_layers: int = Field(2, gt=0, description="the tiny model's decoder layers")
+    num_heads: int = Field(4, gt=0, description="the tiny model's attention heads")
     num_kv_heads: int = Field(2, gt=0, description="the tiny model's key/value heads (grouped-query attention)")
 
 
 class ActorConfig(_Strict):
     backend: Backend = Field(Backend.FSDP, description="training engine")
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up steps")
-    grad_clip: Optional[float] = Field(1.0, gt=0)
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the gradient norm to this; null does not clip")
 
 
 class DataConfig(_Strict):
@@ -112,7 +116,7 @@ class DataConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
 
 
 class RewardConfig(_Strict):
@@ -121,9 +125,9 @@ class RewardConfig(_Strict):
 
 
 class SaverConfig(Frequency):
-    mode: SaveMode = SaveMode.AUTO
+    mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async (async runs synchronously for now)")
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
-    max_shard_size: str = Field("2GB", description="HF exports: weights above this size are split into several "
+    max_shard_size: Union[int, str] = Field("2GB", description="HF exports: weights above this size are split into several "
                                                    "safetensors files with model.safetensors.index.json")
 
 
@@ -133,12 +137,13 @@ class SaveErrorAction(str, enum.Enum):
 
 
 class RecoverConfig(Frequency):
-    mode: RecoverMode = RecoverMode.DISABLED
+    mode: RecoverMode = Field(RecoverMode.DISABLED, description="on | auto: write recover checkpoints and resume "
+                                                                  "from them; off | disabled: neither")
     on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
     backoff_secs: float = Field(1.0, ge=0, description="first restart delay; doubles each restart")
-    max_backoff_secs: float = Field(30.0, ge=0)
+    max_backoff_secs: float = Field(30.0, ge=0, description="longest restart delay")
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
     min_train_workers: Optional[int] = Field(
@@ -153,19 +158,19 @@ class EvaluatorConfig(Frequency):
 
 
 class Config(_Strict):
-    experiment_name: str = Field("tiny-grpo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    trial_name: str = Field("trial0", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    seed: int = 1
-    total_train_epochs: int = Field(2, gt=0)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    saver: SaverConfig = Field(default_factory=SaverConfig)
-    recover: RecoverConfig = Field(default_factory=RecoverConfig)
-    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+    experiment_name: str = Field("tiny-grpo", pattern=_NAME, description="the {experiment_name} part of every path")
+    trial_name: str = Field("trial0", pattern=_NAME, description="the {trial_name} part of every path")
+    seed: int = Field(1, description="seeds the model init, the data order and every rollout sample")
+    total_train_epochs: int = Field(2, gt=0, description="passes over the dataset")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="where the workers run")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model and its tokenizer")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="the training engine and optimizer")
+    data: DataConfig = Field(default_factory=DataConfig, description="prompts, batch and group size")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="how the engines sample")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="the reward function")
+    saver: SaverConfig = Field(default_factory=SaverConfig, description="HuggingFace exports")
+    recover: RecoverConfig = Field(default_factory=RecoverConfig, description="recover checkpoints and restarts")
+    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig, description="greedy reward on every prompt")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Config":
