@@ -196,8 +196,10 @@ def clean_restart(args, yes, dry_run):
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="output directory (default ./hf-<checkpoint name>)")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="cast the weights (default: as saved)")
-@click.option("--max-shard-size", help="split safetensors above this size, e.g. 500MB (default: the run's saver.max_shard_size)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="cast the weights (default: as saved)")
+@click.option("--max-shard-size",
+              help="split safetensors above this size, e.g. 500MB (default: the run's saver.max_shard_size)")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path),
               help="the run's HuggingFace model directory, when model.path of the run is not on this machine")
 def export(checkpoint, out, dtype, max_shard_size, model_dir):

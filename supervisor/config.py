@@ -127,8 +127,9 @@ class RewardConfig(_Strict):
 class SaverConfig(Frequency):
     mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async (async runs synchronously for now)")
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
-    max_shard_size: Union[int, str] = Field("2GB", description="HF exports: weights above this size are split into several "
-                                                   "safetensors files with model.safetensors.index.json")
+    max_shard_size: Union[int, str] = Field(
+        "2GB", description="HF exports: weights above this size are split into several safetensors files "
+                           "with model.safetensors.index.json")
 
 
 class SaveErrorAction(str, enum.Enum):

@@ -90,8 +90,8 @@ def make_plan(config: Config, dataset_size: int) -> Plan:
     total = steps_per_epoch * config.total_train_epochs
     plan.lines.append(f"{'resources':<10} {_resources(config)}")
     plan.lines.append(f"{'model':<10} {config.model.path or 'tiny Qwen2 built from model.* sizes'}")
-    plan.lines.append(f"{'data':<10} {dataset_size} prompts in {d.path}; {d.batch_size} prompts x {d.group_size} samples "
-                      f"= {d.batch_size * d.group_size} a step, up to {d.max_new_tokens} new tokens each")
+    plan.lines.append(f"{'data':<10} {dataset_size} prompts in {d.path}; {d.batch_size} prompts x {d.group_size} "
+                      f"samples = {d.batch_size * d.group_size} a step, up to {d.max_new_tokens} new tokens each")
     plan.lines.append(f"{'steps':<10} {steps_per_epoch} per epoch x {config.total_train_epochs} epochs = {total} "
                       f"(global steps 0-{total - 1})")
     if steps_per_epoch * d.batch_size < dataset_size:

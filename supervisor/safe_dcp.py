@@ -42,7 +42,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _DCP_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_CLASSES or is_dtype:
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"refusing to load {module}.{name}: not a DCP metadata class")
 

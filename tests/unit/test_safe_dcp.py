@@ -43,7 +43,8 @@ def test_model_optimizer_and_scheduler_round_trip_through_the_safe_reader(tmp_pa
 
     other = torch.nn.Linear(3, 2)
     other_sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(other.parameters(), lr=0.5), lambda s: 1.0)
-    state = {"model": other.state_dict(), "scheduler": other_sched.state_dict(), "x": torch.zeros(2, dtype=torch.bfloat16)}
+    state = {"model": other.state_dict(), "scheduler": other_sched.state_dict(),
+             "x": torch.zeros(2, dtype=torch.bfloat16)}
     load(state, tmp_path)
     assert torch.equal(state["model"]["weight"], model.weight.detach())
     assert state["scheduler"]["base_lrs"] == [0.01] and torch.equal(state["x"], torch.ones(2, dtype=torch.bfloat16))
