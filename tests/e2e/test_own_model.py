@@ -7,6 +7,7 @@ One job on one shared cluster; the tools run without a cluster; one more job res
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -152,8 +153,6 @@ class _Payload:
 
 def test_pickle_payload_in_dcp_metadata_runs_nothing_on_export_verify_inspect_or_resume(cluster, own_model, own_run,
                                                                                         tmp_path):
-    import pickle
-
     trial = CountOnTrial(tmp_path / "runs")
     shutil.copytree(own_run.fileroot, trial.fileroot)
     newest = trial.step_dir(35)
