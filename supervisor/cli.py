@@ -67,6 +67,36 @@ def run(args, address):
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
+def plan(args):
+    """Validate CONFIG and print what a run would ask for and do: resources, steps, the schedule of every
+    save, recover checkpoint and evaluation, and warnings. Starts nothing."""
+    try:
+        config = load_config(*_split_args(args), model_here=False)
+    except ConfigError as e:
+        _fail(str(e))
+    from supervisor.plan import make_plan
+    from workers.data import read_prompts
+    from workers.rewards import UserCodeError, load_reward_fn
+
+    try:
+        rows = read_prompts(config.data.path)
+        load_reward_fn(config.reward.fn)
+    except (ValueError, UserCodeError) as e:
+        _fail(str(e))
+    if len(rows) < config.data.batch_size:
+        _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({len(rows)} prompts)")
+    result = make_plan(config, len(rows))
+    click.echo(f"{'run':<10} {config.experiment_name}/{config.trial_name} -> {config.cluster.fileroot}")
+    for line in result.lines:
+        click.echo(line)
+    if config.model.path is not None and not (config.model.path / "config.json").is_file():
+        result.warnings.append(f"model.path {config.model.path} is not on this machine: every node must have it")
+    for w in result.warnings:
+        click.echo(f"warning: {w}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
 @click.option("--address", help="Ray Jobs address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
 @click.option("--wait", is_flag=True, help="follow the job's logs to its end and exit with its result")
 def submit(args, address, wait):
@@ -166,16 +196,59 @@ def clean_restart(args, yes, dry_run):
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="output directory (default ./hf-<checkpoint name>)")
-def export(checkpoint, out):
-    """Turn a recover checkpoint directory into a HuggingFace model directory (safetensors)."""
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="cast the weights (default: as saved)")
+@click.option("--max-shard-size",
+              help="split safetensors above this size, e.g. 500MB (default: the run's saver.max_shard_size)")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path),
+              help="the run's HuggingFace model directory, when model.path of the run is not on this machine")
+def export(checkpoint, out, dtype, max_shard_size, model_dir):
+    """Turn a recover checkpoint (any world size) into a HuggingFace model directory. No cluster needed."""
     from supervisor.export import ExportError, export_recover_checkpoint
 
     out = out or Path.cwd() / f"hf-{checkpoint.name}"
     try:
-        export_recover_checkpoint(checkpoint, out)
+        export_recover_checkpoint(checkpoint, out, dtype, max_shard_size, model_dir)
     except ExportError as e:
         _fail(str(e))
     click.echo(f"exported {checkpoint} -> {out}")
+
+
+@main.command()
+@click.argument("export_dir", metavar="EXPORT", type=click.Path(path_type=Path))
+@click.option("--against", type=click.Path(path_type=Path), required=True,
+              help="a HuggingFace directory or a recover checkpoint (globalstep<N>)")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="largest absolute difference accepted")
+def verify(export_dir, against, atol):
+    """Compare EXPORT's weights with another model tensor by tensor; exit 1 naming what differs."""
+    from supervisor.verify import VerifyError, verify as compare_weights
+
+    try:
+        result = compare_weights(export_dir, against, atol)
+    except VerifyError as e:
+        _fail(str(e))
+    for line in result.problems:
+        click.echo(f"DIFFERS {line}")
+    click.echo(f"{result.compared} tensors compared, max abs difference {result.max_diff:.3g}"
+               f"{f' ({result.max_diff_name})' if result.max_diff_name else ''}: "
+               f"{'match' if result.ok else f'{len(result.problems)} differences'}")
+    sys.exit(0 if result.ok else 1)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+def inspect(checkpoint):
+    """Step, world size, files and validity of a recover checkpoint, and what a resume would load.
+    Exit 2 when it is damaged."""
+    from supervisor.inspect_checkpoint import inspect as describe
+
+    try:
+        valid, report = describe(checkpoint)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    click.echo(report)
+    if not valid:
+        sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

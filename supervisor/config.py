@@ -10,7 +10,7 @@ import getpass
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,7 +24,11 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # A number where text is expected (`trial_name=42` on the command line, parsed as YAML) is that text.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class Backend(str, enum.Enum):
@@ -76,6 +80,7 @@ class ClusterConfig(_Strict):
     n_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (inference engines)")
     cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs reserved by each worker actor")
     gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per TrainWorker; >0 selects nccl")
+    gpus_per_engine: float = Field(0, ge=0, description="Ray GPUs per RolloutWorker; >0 puts its model on the GPU")
 
 
 class ModelConfig(_Strict):
@@ -86,31 +91,32 @@ class ModelConfig(_Strict):
         default_factory=lambda: ["<pad>", "<s>", "</s>", "="] + [str(d) for d in range(10)],
         description="word-level vocabulary of the tiny model's tokenizer",
     )
-    hidden_size: int = Field(64, gt=0)
-    intermediate_size: int = Field(128, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
+    hidden_size: int = Field(64, gt=0, description="the tiny model's width")
+    intermediate_size: int = Field(128, gt=0, description="the tiny model's MLP width")
+    num_layers: int = Field(2, gt=0, description="the tiny model's decoder layers")
+    num_heads: int = Field(4, gt=0, description="the tiny model's attention heads")
+    num_kv_heads: int = Field(2, gt=0, description="the tiny model's key/value heads (grouped-query attention)")
 
 
 class ActorConfig(_Strict):
     backend: Backend = Field(Backend.FSDP, description="training engine")
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up steps")
-    grad_clip: Optional[float] = Field(1.0, gt=0)
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the gradient norm to this; null does not clip")
 
 
 class DataConfig(_Strict):
     path: Path = Field(Path("examples/max_digit/data.jsonl"), description="JSONL with prompt and answer")
     batch_size: int = Field(16, gt=0, description="prompts per step")
     group_size: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
-    max_new_tokens: int = Field(1, gt=0)
-    shuffle: bool = True
+    max_new_tokens: int = Field(1, gt=0, description="longest completion, in tokens")
+    shuffle: bool = Field(True, description="a new order every epoch, drawn from (seed, epoch)")
+    chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template when it has one")
 
 
 class RolloutConfig(_Strict):
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
 
 
 class RewardConfig(_Strict):
@@ -119,8 +125,11 @@ class RewardConfig(_Strict):
 
 
 class SaverConfig(Frequency):
-    mode: SaveMode = SaveMode.AUTO
+    mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async (async runs synchronously for now)")
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
+    max_shard_size: Union[int, str] = Field(
+        "2GB", description="HF exports: weights above this size are split into several safetensors files "
+                           "with model.safetensors.index.json")
 
 
 class SaveErrorAction(str, enum.Enum):
@@ -129,12 +138,13 @@ class SaveErrorAction(str, enum.Enum):
 
 
 class RecoverConfig(Frequency):
-    mode: RecoverMode = RecoverMode.DISABLED
+    mode: RecoverMode = Field(RecoverMode.DISABLED, description="on | auto: write recover checkpoints and resume "
+                                                                  "from them; off | disabled: neither")
     on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
     backoff_secs: float = Field(1.0, ge=0, description="first restart delay; doubles each restart")
-    max_backoff_secs: float = Field(30.0, ge=0)
+    max_backoff_secs: float = Field(30.0, ge=0, description="longest restart delay")
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
     start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
                                                                 "model build, rendezvous) is hung")
@@ -151,19 +161,19 @@ class EvaluatorConfig(Frequency):
 
 
 class Config(_Strict):
-    experiment_name: str = Field("tiny-grpo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    trial_name: str = Field("trial0", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    seed: int = 1
-    total_train_epochs: int = Field(2, gt=0)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    saver: SaverConfig = Field(default_factory=SaverConfig)
-    recover: RecoverConfig = Field(default_factory=RecoverConfig)
-    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+    experiment_name: str = Field("tiny-grpo", pattern=_NAME, description="the {experiment_name} part of every path")
+    trial_name: str = Field("trial0", pattern=_NAME, description="the {trial_name} part of every path")
+    seed: int = Field(1, description="seeds the model init, the data order and every rollout sample")
+    total_train_epochs: int = Field(2, gt=0, description="passes over the dataset")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="where the workers run")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model and its tokenizer")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="the training engine and optimizer")
+    data: DataConfig = Field(default_factory=DataConfig, description="prompts, batch and group size")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="how the engines sample")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="the reward function")
+    saver: SaverConfig = Field(default_factory=SaverConfig, description="HuggingFace exports")
+    recover: RecoverConfig = Field(default_factory=RecoverConfig, description="recover checkpoints and restarts")
+    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig, description="greedy reward on every prompt")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Config":
@@ -218,7 +228,8 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {first['msg']}{more}"
 
 
-def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: Path | str | None = None, overrides: list[str] = (), model_here: bool = True) -> Config:
+    """The validated config; with `model_here` (all but `relaunch plan`) model.path must exist on this machine."""
     path = Path(path) if path else DEFAULT_CONFIG
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -240,6 +251,6 @@ def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError(f"data.path: no such file {config.data.path}")
     if config.model.path is not None:
         config.model.path = resolve_path(config.model.path)
-        if not (config.model.path / "config.json").is_file():
+        if model_here and not (config.model.path / "config.json").is_file():
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
     return config

@@ -1,56 +1,120 @@
 """`relaunch export`: a recover checkpoint (DCP shards) -> a HuggingFace model directory, in one process.
 
-The checkpoint is validated against its manifest first; the model is rebuilt from the run's own config
-(run_config.json), DCP reshards the weights into it without a process group, and the directory is
+No cluster and no process group: the checkpoint is validated against its manifest (its DCP metadata read
+through the safe unpickler), the model's tensors are read straight from the shards of any world size
+(DCP reassembles them), cast to `--dtype` if asked, and written as safetensors, sharded with an index above
+`--max-shard-size`, next to config.json, the generation config and the tokenizer. The directory is
 published atomically like every other export.
 """
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
 
+from supervisor import safe_dcp
 from supervisor.config import Config
 from supervisor.durable import publish_dir, tmp_name
 from supervisor.recovery import RUN_CONFIG, CheckpointError, read_checkpoint, step_of
+
+MODEL_PREFIX = "model."
+PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints above this
+READ_CHUNK_BYTES = 512 << 20    # tensors read per DCP call, so the bar moves and memory stays bounded
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ExportError(RuntimeError):
     pass
 
 
-def export_recover_checkpoint(checkpoint: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from workers.model import build_tokenizer, model_config
-
-    checkpoint = checkpoint.resolve()
-    step = step_of(checkpoint)
-    if step is None or not (checkpoint / RUN_CONFIG).is_file():
+def run_config(checkpoint: Path) -> Config:
+    """The config the run that wrote `checkpoint` used (run_config.json); ExportError when there is none."""
+    if step_of(checkpoint) is None or not (checkpoint / RUN_CONFIG).is_file():
         raise ExportError(f"{checkpoint}: not a recover checkpoint directory (globalstep<N> with {RUN_CONFIG})")
-    if out.exists():
-        raise ExportError(f"{out}: already exists; choose another --out")
     try:
-        config = Config.model_validate(json.loads((checkpoint / RUN_CONFIG).read_text()))
+        return Config.model_validate(json.loads((checkpoint / RUN_CONFIG).read_text()))
     except ValueError as e:
-        raise ExportError(f"{checkpoint / RUN_CONFIG}: unreadable ({e})") from e
+        raise ExportError(f"{checkpoint / RUN_CONFIG}: unreadable ({str(e).splitlines()[0]})") from e
+
+
+def validated(checkpoint: Path) -> Config:
+    """The run's config of a checkpoint whose every file matches its manifest; ExportError naming the bad file."""
+    config = run_config(checkpoint)
     try:
         read_checkpoint(checkpoint)
     except CheckpointError as e:
-        raise ExportError(str(e)) from e
-    tokenizer = build_tokenizer(config.model)
-    model = AutoModelForCausalLM.from_config(model_config(config.model, tokenizer), dtype=torch.float32)
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    weights = {k: v for k, v in model.state_dict().items() if f"model.{k}" in saved}
-    state = {"model": weights}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(state["model"], strict=False)
+        raise ExportError(f"damaged checkpoint: {e}") from e
+    return config
+
+
+def read_model_weights(checkpoint: Path, label: str = "reading") -> dict[str, torch.Tensor]:
+    """The full model weights of a recover checkpoint written by any number of ranks, in one process."""
+    metadata = safe_dcp.read_metadata(checkpoint).state_dict_metadata
+    wanted = {k: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
+    weights = {k[len(MODEL_PREFIX):]: torch.empty(v.size, dtype=v.properties.dtype) for k, v in wanted.items()}
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=total < PROGRESS_MIN_BYTES) as bar:
+        chunk: dict[str, torch.Tensor] = {}
+        names = list(weights)
+        for i, name in enumerate(names):
+            chunk[name] = weights[name]
+            size = sum(t.numel() * t.element_size() for t in chunk.values())
+            if size >= READ_CHUNK_BYTES or i == len(names) - 1:
+                with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
+                    warnings.simplefilter("ignore", UserWarning)
+                    safe_dcp.load({"model": chunk}, checkpoint, no_dist=True)
+                bar.update(size)
+                chunk = {}
+    return weights
+
+
+def tied_names(model) -> set[str]:
+    """Parameter names that share storage with an earlier one (lm_head tied to the embeddings)."""
+    seen, tied = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
+
+
+def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None,
+                              max_shard_size: str | None = None, model_dir: Path | None = None) -> None:
+    """Write `out` from `checkpoint`. The model's config and tokenizer come from the run's model (its
+    model.path, or the tiny model's sizes), or from `model_dir` when the source is elsewhere here."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.model import build_tokenizer, model_config, save_model_dir
+
+    checkpoint = checkpoint.resolve()
+    if out.exists():
+        raise ExportError(f"{out}: already exists; choose another --out")
+    config = validated(checkpoint)
+    model_cfg = config.model
+    if model_dir is not None:
+        model_cfg = model_cfg.model_copy(update={"path": model_dir.resolve()})
+    if model_cfg.path is not None and not (model_cfg.path / "config.json").is_file():
+        raise ExportError(f"model.path {model_cfg.path} of this run is not here; pass --model DIR "
+                          f"(a directory with the model's config.json and tokenizer)")
+    weights = read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
+    target = DTYPES[dtype] if dtype else None
+    if target is not None:
+        weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+    tokenizer = build_tokenizer(model_cfg)
+    hf_config = model_config(model_cfg, tokenizer)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=target or torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
+    missing = [k for k in missing if k not in tied_names(model)]
+    if missing or unexpected:
+        raise ExportError(f"{checkpoint}: weights do not fit the model of {model_cfg.path or 'the tiny config'}: "
+                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(out)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    save_model_dir(model, tokenizer, model_cfg, tmp, max_shard_size or config.saver.max_shard_size)
     publish_dir(tmp, out)
-

@@ -26,7 +26,7 @@ import signal
 import time
 from pathlib import Path
 
-from supervisor.processes import kill_all, session_members
+from supervisor.processes import command_line, kill_all, session_members
 
 ENV_VARS = ("RELAUNCH_FAULT", "RELAUNCH_FAULT_DIR")
 
@@ -57,8 +57,8 @@ def armed(point: str, step: int | None = None, rank: int | None = None) -> str |
 def _kill_job() -> None:
     """SIGKILL this local job's whole session: its driver, every actor and the embedded Ray cluster."""
     sid = os.getsid(0)
-    leader = Path(f"/proc/{sid}/cmdline").read_bytes().split(b"\0") if Path(f"/proc/{sid}").exists() else []
-    if b"supervisor" not in leader and not any(arg.endswith(b"relaunch") for arg in leader):
+    leader = command_line(sid)
+    if "supervisor" not in leader and not any(arg.endswith("relaunch") for arg in leader):
         raise RuntimeError("fault action killjob needs a relaunch driver that leads its own session")
     kill_all(session_members(sid))
 

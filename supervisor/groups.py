@@ -198,8 +198,9 @@ class RolloutGroup(_Members):
 
     def _spawn(self, i: int) -> Member:
         # Not waited for: the engine starts while the TrainGroup does; its first call gets the start-up bound.
-        handle = RolloutWorker.options(num_cpus=self.config.cluster.cpus_per_worker, max_restarts=0).remote(
-            self.config, i)
+        cluster = self.config.cluster
+        handle = RolloutWorker.options(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_engine,
+                                       max_restarts=0).remote(self.config, i)
         if i in self._where:
             self.orphans.append(self._where[i])
         self._where[i] = handle.where.remote()

@@ -1,4 +1,4 @@
-"""Processes of this machine found through /proc, and SIGKILL for a set of them at once.
+"""Processes of this machine found through psutil, and SIGKILL for a set of them at once.
 
 Used to break things on purpose, the way machines break: a node's raylet with every process under it
 (`relaunch demo`, the tests), or a local job's whole session (fault points). Always by the ids of
@@ -8,40 +8,36 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
-
-def _pids() -> list[int]:
-    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+import psutil
 
 
 def process_tree(pid: int) -> list[int]:
     """`pid` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for p in _pids():
-        try:
-            ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
+    try:
+        return [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return [pid]
 
 
 def session_members(sid: int) -> list[int]:
     """Every process of session `sid` (a driver started in a new session and its embedded Ray)."""
     members = []
-    for p in _pids():
+    for pid in psutil.pids():
         try:
-            if os.getsid(p) == sid:
-                members.append(p)
+            if os.getsid(pid) == sid:
+                members.append(pid)
         except (ProcessLookupError, PermissionError):
             pass
     return members
+
+
+def command_line(pid: int) -> list[str]:
+    """The arguments `pid` was started with; empty when it is gone or not ours to read."""
+    try:
+        return psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
 
 
 def kill_all(pids: list[int]) -> None:

@@ -71,7 +71,8 @@ def step_of(path: Path) -> int | None:
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
-    """Check every file of a step directory against its manifest; raise naming the first bad file."""
+    """Check every file of a step directory against its manifest and read its metadata through the safe
+    unpicklers (a manifest rewritten to match a pickle payload is still refused); raise naming the bad file."""
     step = step_of(path)
     manifest_path = path / MANIFEST
     try:
@@ -89,6 +90,13 @@ def read_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"{f}: size {f.stat().st_size}, expected {expect['size']}")
         if file_digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
+    if (path / ".metadata").is_file():
+        from supervisor.safe_dcp import read_metadata  # torch: imported only where a checkpoint is read
+
+        try:
+            read_metadata(path)
+        except Exception as e:  # noqa: BLE001 - refused or unreadable metadata: the checkpoint is damaged
+            raise CheckpointError(f"{path / '.metadata'}: cannot load ({e})") from e
     infos = {}
     for name in RECOVER_INFO_FILES:
         try:

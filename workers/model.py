@@ -13,11 +13,15 @@ import torch
 
 
 def build_tokenizer(model_cfg):
+    """The model directory's own tokenizer (and chat template), or the tiny model's word-level one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if model_cfg.path is not None:
-        return AutoTokenizer.from_pretrained(model_cfg.path)
+        tok = AutoTokenizer.from_pretrained(model_cfg.path)
+        if tok.pad_token is None:  # many causal LMs ship without one; rollouts are left-padded
+            tok.pad_token = tok.eos_token
+        return tok
     vocab = {tok: i for i, tok in enumerate(model_cfg.vocab)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -48,6 +52,20 @@ def build_model(model_cfg, tokenizer, seed: int) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(model_config(model_cfg, tokenizer), dtype=torch.float32)
+
+
+def save_model_dir(model, tokenizer, model_cfg, directory, max_shard_size: str | int = "2GB") -> None:
+    """A HuggingFace directory: sharded safetensors (with an index above `max_shard_size`), config.json,
+    the source's generation config when it has one, and the tokenizer files."""
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    source = model_cfg.path
+    if source is not None and (Path(source) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(directory)
 
 
 def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:

@@ -1,26 +1,22 @@
 """RolloutWorker: an inference engine holding the policy's weights, tagged with a version.
 
 The version is the global step those weights are used for: the initial weights are version 0, and the
-weights after step G's update are version G + 1. Every sample is drawn from its own generator seeded by
-(seed, step, sample index), so a restarted engine, or any number of engines, draws the same samples.
+weights after step G's update are version G + 1. Generation (workers/generate.py) is batched and
+KV-cached; every sample is drawn from its own generator seeded by (seed, step, sample index), so a
+restarted engine, or any number of engines, draws the same samples. With cluster.gpus_per_engine > 0
+the engine's model lives on its GPU.
 """
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import ray
 import torch
 
 from supervisor.classify import StaleWeights
 from supervisor.faults import fault_points
-from workers.model import build_model, build_tokenizer, forward_logits, weights_checksum
-
-
-def sample_generator(seed: int, step: int, sample: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(int(np.random.SeedSequence([seed, step, sample]).generate_state(1, dtype=np.uint64)[0] >> 1))
-    return g
+from workers.generate import generate
+from workers.model import build_model, build_tokenizer, weights_checksum
 
 
 @ray.remote
@@ -30,6 +26,8 @@ class RolloutWorker:
         self.config, self.rank = config, index  # `rank`: the engine's index, for fault points
         self.tokenizer = build_tokenizer(config.model)
         self.model = build_model(config.model, self.tokenizer, config.seed).eval()
+        if config.cluster.gpus_per_engine > 0:  # Ray set CUDA_VISIBLE_DEVICES to the engine's GPU
+            self.model.to("cuda")
         self.version: int | None = None
         self._weight_names: list[str] = []
 
@@ -53,39 +51,16 @@ class RolloutWorker:
         return self.version, weights_checksum({k: own[k] for k in self._weight_names})
 
     @fault_points
-    @torch.no_grad()
     def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,
                  greedy: bool = False) -> dict:
         """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks.
         Refuses unless it holds weights `version`: no rollout is ever drawn from the wrong weights."""
         if self.version != version:
             raise StaleWeights(f"asked for weights version {version} at step {global_step}, holds {self.version}")
-        tok = self.tokenizer
-        encoded = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in prompts]
-        width = max(map(len, encoded))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(e)) + e for e in encoded])
-        attn = (torch.arange(width) >= torch.tensor([width - len(e) for e in encoded]).unsqueeze(1)).long()
-        gens = [sample_generator(self.config.seed, global_step, s) for s in sample_ids]
-        done = torch.zeros(len(prompts), dtype=torch.bool)
-        response = []
-        for _ in range(self.config.data.max_new_tokens):
-            logits = forward_logits(self.model, ids, attn)[:, -1].float() / self.config.rollout.temperature
-            probs = torch.softmax(logits, dim=-1)
-            if greedy:
-                nxt = probs.argmax(dim=-1)
-            else:
-                nxt = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(gens)])
-            nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
-            response.append(~done)
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-            attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
-            done |= nxt == tok.eos_token_id
-        response_mask = torch.zeros_like(ids)
-        response_mask[:, width:] = torch.stack(response, dim=1).long()
-        completions = [tok.decode(row[width:][response_mask[i, width:].bool()], skip_special_tokens=True)
-                       for i, row in enumerate(ids)]
-        return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
-                "completions": completions, "pad_id": tok.pad_token_id}
+        cfg = self.config
+        return generate(self.model, self.tokenizer, prompts, sample_ids, seed=cfg.seed, step=global_step,
+                        max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.rollout.temperature,
+                        greedy=greedy, chat_template=cfg.data.chat_template)
 
 
 def merge_rollouts(chunks: list[dict]) -> dict:

@@ -20,6 +20,9 @@ def test_default_config_loads_and_resolves_shipped_paths():
     ("recover.freq_secs=null", lambda c: c.recover.freq_secs is None),
     ("cluster.n_train_workers=4", lambda c: c.cluster.n_train_workers == 4),
     ("actor.lr=1e-4", lambda c: c.actor.lr == 1e-4),
+    ("trial_name=42", lambda c: c.trial_name == "42"),  # a name, though YAML reads a number
+    ("experiment_name=2026", lambda c: c.experiment_name == "2026"),
+    ("cluster.gpus_per_engine=1", lambda c: c.cluster.gpus_per_engine == 1),
 ])
 def test_dotted_overrides(override, check):
     assert check(load_config(DEFAULT_CONFIG, [override]))
@@ -84,3 +87,15 @@ def test_clean_restart_refuses_a_recover_path_that_leads_outside_the_trial(tmp_p
                        capture_output=True, text=True)
     assert r.returncode == 2 and "refusing" in r.stderr
     assert (outside / "keep.txt").read_text() == "mine"
+
+
+def test_every_config_field_is_documented():
+    from pydantic import BaseModel
+
+    from supervisor import config
+
+    models = [m for m in vars(config).values()
+              if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == config.__name__]
+    assert len(models) >= 10
+    undocumented = [f"{m.__name__}.{name}" for m in models for name, f in m.model_fields.items() if not f.description]
+    assert undocumented == []

@@ -1,4 +1,5 @@
 """The recover store on its own: publish protocol, validation, fallback, retention, crash points."""
+import json
 import os
 import pickle
 import subprocess
@@ -7,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from supervisor.durable import UnsafePickleError, file_digest, load_plain_pickle
 from supervisor.layout import RECOVER_INFO_FILES, TrialLayout
@@ -27,7 +29,8 @@ def commit(store: RecoverStore, step: int) -> Path:
     files = {}
     for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank0.pt", "rng_rank1.pt"):
         f = staging / name
-        f.write_bytes(f"{name} of step {step}".encode() * 10)
+        f.write_bytes(pickle.dumps(Metadata({}), protocol=4) if name == ".metadata"
+                      else f"{name} of step {step}".encode() * 10)
         files[f.name] = {"size": f.stat().st_size, "sha256": file_digest(f)}
     path = store.commit(staging, step, 2, "hash", files, infos(step))
     store.wait_for_pruning()
@@ -91,6 +94,31 @@ def test_damaged_metadata_file_falls_back(store):
     newest = commit(store, 9)
     (newest / "meta" / "dataloader_info.pkl").write_bytes(b"garbage")
     assert store.load_latest().checkpoint.global_step == 4
+
+
+class _Payload:
+    """Unpickling this runs a shell command; a checkpoint copied from elsewhere could hold it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_pickle_payload_in_dcp_metadata_with_matching_manifest_is_refused_and_falls_back(store, tmp_path):
+    commit(store, 4)
+    newest = commit(store, 9)
+    marker = tmp_path / "executed"
+    (newest / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"size": (newest / ".metadata").stat().st_size,
+                                      "sha256": file_digest(newest / ".metadata")}
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    result = store.load_latest()
+    assert result.checkpoint.global_step == 4
+    assert ".metadata" in result.fallbacks[0] and "posix.system" in result.fallbacks[0]
+    assert not marker.exists()
 
 
 def test_none_valid_stops_naming_the_file_and_clean_restart(store):

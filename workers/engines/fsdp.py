@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from supervisor import safe_dcp
 from workers.grpo import policy_loss
-from workers.model import build_model, build_tokenizer, forward_logits, model_config
+from workers.model import build_model, build_tokenizer, forward_logits, model_config, save_model_dir
 
 
 def rng_state() -> dict:
@@ -72,13 +73,20 @@ def init_process_group(config, rank: int, world_size: int, master_addr: str, mas
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP shards one by one: those transformers never splits across devices, for any
+    architecture (LlamaDecoderLayer, GPT2Block, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 class FSDPEngine:
     def __init__(self, config, rank: int, world_size: int, device: torch.device):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.tokenizer = build_tokenizer(config.model)
         model = build_model(config.model, self.tokenizer, config.seed).to(device)
         mesh = init_device_mesh(device.type, (world_size,))
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         self.model = fully_shard(model, mesh=mesh)
         actor = config.actor
@@ -124,7 +132,7 @@ class FSDPEngine:
         """Collective: load a DCP checkpoint (resharding if the world size changed); returns RNG gaps."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=str(directory))
+        safe_dcp.load(state, directory)  # a copied checkpoint cannot run code here
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -144,5 +152,4 @@ class FSDPEngine:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(full_state, strict=False, assign=True)
         model.tie_weights()
-        model.save_pretrained(directory, safe_serialization=True)
-        self.tokenizer.save_pretrained(directory)
+        save_model_dir(model, self.tokenizer, self.config.model, directory, self.config.saver.max_shard_size)

@@ -1,0 +1,62 @@
+"""Generation on its own (no Ray): the KV-cached path draws exactly the tokens of full recomputation,
+and a sample's tokens depend only on (seed, step, sample), not on the batch it was drawn in."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from supervisor.config import ModelConfig
+from workers.generate import encode_prompt, generate
+from workers.model import build_tokenizer
+
+PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1 1 ="]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(ModelConfig())
+
+
+def tiny(arch: str, tokenizer):
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5,
+                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                 eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(**sizes) if arch == "llama" else Qwen2Config(**sizes)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def run(model, tok, prompts, ids, **kw):
+    return generate(model, tok, prompts, ids, seed=3, step=7, max_new_tokens=12, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_kv_cached_generation_draws_the_same_tokens_as_full_recomputation(tokenizer, arch, greedy):
+    model = tiny(arch, tokenizer)
+    cached = run(model, tokenizer, PROMPTS, list(range(8)), greedy=greedy)
+    full = run(model, tokenizer, PROMPTS, list(range(8)), greedy=greedy, use_cache=False)
+    for key in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(cached[key], full[key]), key
+    assert cached["completions"] == full["completions"]
+    assert max(len(c.split()) for c in cached["completions"]) > 3  # long completions, several decode steps
+
+
+def test_a_sample_does_not_depend_on_its_batch(tokenizer):
+    model = tiny("llama", tokenizer)
+    whole = run(model, tokenizer, PROMPTS, list(range(8)))
+    halves = [run(model, tokenizer, PROMPTS[:5], list(range(5))), run(model, tokenizer, PROMPTS[5:], list(range(5, 8)))]
+    assert whole["completions"] == halves[0]["completions"] + halves[1]["completions"]
+    other_step = generate(model, tokenizer, PROMPTS, list(range(8)), seed=3, step=8, max_new_tokens=12)
+    assert other_step["completions"] != whole["completions"]
+
+
+def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(tokenizer):
+    plain = encode_prompt(tokenizer, "3 8 =")
+    assert plain == [tokenizer.bos_token_id] + tokenizer.encode("3 8 =", add_special_tokens=False)
+    tokenizer.chat_template = "{% for m in messages %}<s> {{ m['content'] }} = {% endfor %}"
+    try:
+        assert encode_prompt(tokenizer, "3 8") == tokenizer.encode("<s> 3 8 =", add_special_tokens=False)
+        assert encode_prompt(tokenizer, "3 8 =", chat_template=False) == plain
+    finally:
+        tokenizer.chat_template = None

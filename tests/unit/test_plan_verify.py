@@ -1,0 +1,77 @@
+"""`relaunch plan` (pure schedule, and the CLI on the shipped configs) and verify's tensor comparison."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from supervisor.config import Config, Frequency
+from supervisor.plan import fire_steps, make_plan
+from supervisor.verify import compare
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("freq, expected", [
+    (Frequency(freq_steps=5), [4, 9, 14, 19, 24, 29]),
+    (Frequency(freq_epochs=1), [11, 23]),
+    (Frequency(freq_epochs=1, freq_steps=5), [4, 9, 11, 14, 19, 23, 24, 29]),  # independent counters
+    (Frequency(freq_steps=50), []),
+    (Frequency(freq_secs=600), []),
+])
+def test_fire_steps_follow_the_supervisors_frequency_control(freq, expected):
+    assert fire_steps(freq, steps_per_epoch=12, total_steps=30) == expected
+
+
+def test_plan_warns_about_a_time_only_schedule_and_a_handful_of_steps():
+    config = Config.model_validate({"total_train_epochs": 3, "data": {"batch_size": 64},
+                                    "recover": {"mode": "on", "freq_secs": 600}})
+    plan = make_plan(config, dataset_size=100)
+    assert "steps      1 per epoch x 3 epochs = 3 (global steps 0-2)" in plan.lines
+    assert any("recover.freq_secs=600 is its only trigger" in w for w in plan.warnings)
+    assert any("only 3 steps" in w for w in plan.warnings)
+
+
+def test_plan_warns_about_a_schedule_beyond_the_run():
+    config = Config.model_validate({"total_train_epochs": 2, "saver": {"freq_epochs": 5}})
+    plan = make_plan(config, dataset_size=100)
+    assert any(w.startswith("saver never fires: every 5 epochs") for w in plan.warnings)
+    assert not any("only" in w for w in plan.warnings)  # 12 steps is not a handful
+
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "supervisor", "plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_of_the_gpu_example_reports_its_steps_and_schedule_without_a_cluster_or_the_model():
+    r = plan_cli("examples/gpu/qwen2.5-0.5b-grpo.yaml")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "steps      6 per epoch x 20 epochs = 120 (global steps 0-119)" in out
+    assert "TrainGroup 8 x {CPU: 4, GPU: 1} (nccl), engines 2 x {CPU: 4, GPU: 1}; in all 40 CPUs, 10 GPUs" in out
+    assert "recover    after steps 9, 19, 29, 39, ..., 109, 119 (12 times), and whenever 600 s" in out
+    assert "saver      after steps 29, 59, 89, 119 (4 times)" in out
+    assert "evaluator  after steps 29, 59, 89, 119 (4 times)" in out
+    assert [w for w in out.splitlines() if w.startswith("warning:")] == [
+        "warning: model.path /models/Qwen2.5-0.5B-Instruct is not on this machine: every node must have it"]
+
+
+def test_plan_refuses_bad_input_with_one_line():
+    r = plan_cli("configs/tiny_grpo.yaml", "data.batch_size=500")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "data.batch_size 500" in r.stderr
+
+
+def test_compare_names_every_difference():
+    a = {"w": torch.zeros(2, 3), "b": torch.ones(3), "only_a": torch.ones(1), "lm_head.weight": torch.ones(2)}
+    b = {"w": torch.zeros(2, 3), "b": torch.tensor([1.0, 1.5, 1.0]), "only_b": torch.ones(1)}
+    result = compare(a, b, tied=True)
+    assert not result.ok and result.compared == 2
+    assert result.problems == ["only_a: only in the export", "only_b: missing from the export",
+                               "b: max abs difference 0.5 > 0"]
+    assert (result.max_diff, result.max_diff_name) == (0.5, "b")
+    assert compare({"w": torch.ones(2)}, {"w": torch.ones(2, dtype=torch.bfloat16)}).problems == \
+        ["w: dtype torch.float32 != torch.bfloat16"]
+    assert compare({"w": torch.ones(2)}, {"w": torch.ones(3)}).problems == ["w: shape (2,) != (3,)"]
+    assert compare(a, dict(a)).ok and compare({"w": torch.ones(2)}, {"w": torch.ones(2) + 1e-4}, atol=1e-3).ok

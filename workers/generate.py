@@ -1,0 +1,71 @@
+"""Sampling completions for a batch of prompts: batched, KV-cached, reproducible per (seed, step, sample).
+
+The whole batch is left-padded and decoded together; after the first forward pass over the prompts only
+the newest token goes through the model, attending to the cached keys and values, so a completion of n
+tokens costs n small passes instead of n passes over the whole sequence. Every sample draws from its own
+CPU generator seeded by (seed, step, sample index): the tokens do not depend on which engine, which
+batch or which device produced them, and `use_cache=False` (the full recomputation) gives the same ones.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def sample_generator(seed: int, step: int, sample: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(int(np.random.SeedSequence([seed, step, sample]).generate_state(1, dtype=np.uint64)[0] >> 1))
+    return g
+
+
+def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
+    """The prompt as the model expects it: through its chat template when it has one, else after BOS."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(prompt, add_special_tokens=False)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], sample_ids: list[int], *, seed: int, step: int,
+             max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, chat_template: bool = True,
+             use_cache: bool = True) -> dict:
+    """One completion per prompt; left-padded ids, attention and response masks (on CPU) and the texts."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    encoded = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
+    width = max(map(len, encoded))
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
+    attn = (torch.arange(width) >= torch.tensor([width - len(e) for e in encoded]).unsqueeze(1)).long().to(device)
+    gens = [sample_generator(seed, step, s) for s in sample_ids]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    response, past = [], None
+    for _ in range(max_new_tokens):
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        if past is None:
+            out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=use_cache)
+        else:
+            out = model(input_ids=ids[:, -1:], attention_mask=attn, position_ids=positions[:, -1:],
+                        past_key_values=past, use_cache=True)
+        past = out.past_key_values if use_cache else None
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1).cpu()
+        if greedy:
+            nxt = probs.argmax(dim=-1)
+        else:
+            nxt = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(gens)])
+        nxt = torch.where(done.cpu(), torch.full_like(nxt, pad), nxt).to(device)
+        response.append(~done)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
+        done |= nxt == tokenizer.eos_token_id
+        if done.all():
+            break
+    ids, attn = ids.cpu(), attn.cpu()
+    response_mask = torch.zeros_like(ids)
+    response_mask[:, width:] = torch.stack(response, dim=1).long().cpu()
+    completions = [tokenizer.decode(row[width:][response_mask[i, width:].bool()], skip_special_tokens=True)
+                   for i, row in enumerate(ids)]
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
+            "completions": completions, "pad_id": pad}
