@@ -11,6 +11,7 @@ import errno
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from ray import exceptions as rex
 from torch.distributed import DistError
 from torch.distributed.checkpoint.api import CheckpointException
@@ -29,7 +30,7 @@ class FaultKind(str, enum.Enum):
     ENGINE_DIED = "engine_died"              # a RolloutWorker process or its node is gone
     HANG = "hang"                            # no answer within recover.step_timeout_secs
     COLLECTIVE_FAILED = "collective_failed"  # gloo/NCCL raised because a peer died inside a collective
-    DEVICE_ERROR = "device_error"            # a CUDA error: the rank's device is unusable
+    DEVICE_ERROR = "device_error"            # a CUDA error or out of device memory: the device is unusable
     OBJECT_LOST = "object_lost"              # an object (the pushed weights) was lost with its node
     STALE_WEIGHTS = "stale_weights"          # an engine refused a call for another weights version
     STORAGE_ERROR = "storage_error"          # disk full, permissions, I/O: a save or export failed
@@ -47,6 +48,7 @@ class Fault:
     node: Optional[str] = None
     detect_secs: Optional[float] = None
     settled: bool = False            # the failed call's peers all finished: the group is not stuck
+    in_save: bool = False            # it struck while the step was saving (a recover save or an HF export)
 
     @property
     def actor(self) -> Optional[str]:
@@ -72,12 +74,12 @@ class StaleWeights(RuntimeError):
     """Raised by an engine asked to generate with weights of another version than it holds."""
 
 
+# Ray's ways of saying an actor, its process or its node is gone (or unusable: its object store is full)
 _DEATHS = (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, rex.WorkerCrashedError,
-           rex.NodeDiedError, rex.OutOfMemoryError, rex.LocalRayletDiedError)
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOENT,
-                   errno.ESTALE}
-_PEER_MARKERS = ("connection reset by peer", "connection closed by peer", "connection refused", "broken pipe",
-                 "gloo", "nccl", "socket", "timed out", "timeout")
+           rex.NodeDiedError, rex.OutOfMemoryError, rex.LocalRayletDiedError, rex.RaySystemError,
+           rex.ObjectStoreFullError)
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ESTALE}
+_PEER_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 # torch.save reports a full disk as a RuntimeError from its zip writer
 _STORAGE_MARKERS = ("no space left", "disk quota", "unexpected pos", "pytorchstreamwriter failed", "read-only file")
 _DEVICE_MARKERS = ("cuda error", "cudnn", "cublas", "device-side assert", "ecc error")
@@ -122,8 +124,10 @@ def classify(err: GroupError | BaseException) -> Fault:
     def fault(kind: FaultKind, message: str) -> Fault:
         return Fault(kind, message, group, actors, node, waited, err.settled)
 
-    if isinstance(cause, UserCodeError):
+    if isinstance(cause, (UserCodeError, rex.RuntimeEnvSetupError)):  # the user's code or environment
         return fault(FaultKind.USER_ERROR, first_line(cause))
+    if isinstance(cause, rex.OutOfDiskError):
+        return fault(FaultKind.STORAGE_ERROR, f"{who}: {first_line(cause)}")
     if isinstance(cause, rex.GetTimeoutError) or isinstance(err.error, rex.GetTimeoutError):
         return fault(FaultKind.HANG, f"no answer from {', '.join(actors) or who} after {waited or 0:.0f}s")
     if isinstance(cause, rex.ObjectLostError):  # OwnerDiedError, ObjectReconstructionFailedError, ...
@@ -138,10 +142,10 @@ def classify(err: GroupError | BaseException) -> Fault:
         return fault(FaultKind.STORAGE_ERROR, f"{who}: {stored.strerror or first_line(stored)}"
                                               f"{f' ({stored.filename})' if stored.filename else ''}")
     text = str(cause).lower()
-    if group is Group.TRAIN and isinstance(cause, RuntimeError):
-        if any(m in text for m in _DEVICE_MARKERS):
-            return fault(FaultKind.DEVICE_ERROR, f"{who}: {first_line(cause)}")
-        if isinstance(cause, DistError) or any(m in text for m in _PEER_MARKERS):
-            return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
+    if isinstance(cause, torch.OutOfMemoryError) or (isinstance(cause, RuntimeError) and
+                                                     any(m in text for m in _DEVICE_MARKERS)):
+        return fault(FaultKind.DEVICE_ERROR, f"{who}: {first_line(cause)}")
+    if isinstance(cause, DistError) or (isinstance(cause, RuntimeError) and any(m in text for m in _PEER_MARKERS)):
+        return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
     return fault(FaultKind.INTERNAL_ERROR, f"{who}: {type(cause).__name__}: {first_line(cause)}")
 

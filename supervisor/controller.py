@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from supervisor.checkpoints import Checkpoints
@@ -25,7 +25,7 @@ from supervisor.events import EventLog, StatsLog
 from supervisor.policy import Action, Decision, RestartPolicy, train_group_sizes
 from supervisor.recovery import Checkpoint, CheckpointError
 from supervisor.run_state import IncompatibleCheckpoint, RunState
-from supervisor.step import StepRunner
+from supervisor.step import Phase, StepRunner
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -119,7 +119,8 @@ class Controller:
             if self.state is State.STARTING:
                 return self._start()
             if self.state is State.RUNNING:
-                self.runner.advance()
+                if not self.runner.finished:
+                    self.runner.advance()
                 return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
             return self._repair(self.pending)
         except CheckpointError as e:  # every checkpoint damaged, or one that cannot fit this run
@@ -131,6 +132,8 @@ class Controller:
 
     # ---- faults ---------------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault, error: BaseException | None = None) -> Result:
+        saving = self.state is State.RUNNING and self.runner.phase in (Phase.EXPORT, Phase.SAVE)
+        fault = replace(fault, in_save=saving)
         step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
@@ -139,11 +142,11 @@ class Controller:
         where = f" on node {fault.node[:8]}" if fault.node else ""
         print(f"[relaunch] step {step} ({self.phase}): {fault.kind.value}: {fault.message}{where} -> "
               f"{decision.reason}", flush=True)
-        if fault.kind is FaultKind.STORAGE_ERROR:
-            removed = self.checkpoints.discard_failed_save()
-            self.events.emit("save_failed", global_step=step, error=fault.message, what=self.runner.phase.value
-                             if self.runner.phase else None, action=self.config.recover.on_save_error.value,
-                             removed=[str(p) for p in removed])
+        if fault.kind is FaultKind.STORAGE_ERROR and saving:
+            # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
+            removed = self.checkpoints.discard_failed_save() if fault.settled else []
+            self.events.emit("save_failed", global_step=step, error=fault.message, what=self.runner.phase.value,
+                             action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
             details = ""
             if error is not None and fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR):
@@ -162,18 +165,18 @@ class Controller:
 
     # ---- starting and repairing -----------------------------------------------------------------------
     def _start(self) -> Result:
-        if self.supervisor_restarted:
-            self.supervisor_restarted = False
-            ckpt = self.checkpoints.load_last_valid()
-            self._roll_back_to(ckpt)  # so the failure is reported at the step it interrupted
-            return self._on_fault(Fault(FaultKind.SUPERVISOR_DIED, "the Supervisor actor died and was restarted "
-                                        "by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
         ckpt = self.checkpoints.load_last_valid()
         if ckpt is not None and ckpt.global_step + 1 >= self.runner.total_steps:
             self._roll_back_to(ckpt)
             msg = f"already complete at global step {ckpt.global_step}; nothing to train"
             return Result(Outcome.DONE, message=msg)
-        self._restart_train_group(ckpt)
+        if self.supervisor_restarted:
+            self.supervisor_restarted = False
+            if ckpt is not None:  # so the failure is reported at the step it interrupted; stats stay until decided
+                self.runner.state = self._state_of(ckpt)
+            return self._on_fault(Fault(FaultKind.SUPERVISOR_DIED, "the Supervisor actor died and was restarted "
+                                        "by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
+        self._restart_train_group()
         return Result(Outcome.OK)
 
     def _repair(self, pending: Result) -> Result:
@@ -181,7 +184,7 @@ class Controller:
         if decision.delay_secs:
             self.sleep(decision.delay_secs)
         if decision.action is Action.RESTART_TRAIN_GROUP:
-            self._restart_train_group(self.checkpoints.load_last_valid())
+            self._restart_train_group()
         elif decision.action is Action.RESTART_ENGINES:
             self._restart_engines(fault)
         elif decision.action is Action.SKIP_SAVE and self.runner.skip_failed_save() is None:
@@ -189,14 +192,15 @@ class Controller:
         # REPLAY_STEP: nothing advanced before the commit; the next transition runs the step again
         return Result(Outcome.OK)
 
-    def _restart_train_group(self, ckpt: Checkpoint | None) -> None:
-        """Kill every rank, start a new group that loads `ckpt`, roll the Supervisor back to its step, replace
-        dead engines, and resync every engine to the checkpoint's weights."""
+    def _restart_train_group(self) -> None:
+        """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
+        its step, replace dead engines, and resync every engine to the checkpoint's weights."""
         r = self.runner
         if r.trainers is not None:
-            r.trainers.shutdown()  # survivors may be stuck in a collective with the dead rank
+            r.trainers.shutdown()  # survivors may be stuck in a collective, or still writing a save
             r.trainers = None
         r.owed, r.weights = None, None
+        ckpt = self.checkpoints.load_last_valid()  # cleans up interrupted saves: only once no rank writes
         if r.engines is None:
             r.engines = self.make_rollout_group()  # starts while the TrainGroup does
         started = time.monotonic()
@@ -240,18 +244,22 @@ class Controller:
     def _roll_back_to(self, ckpt: Checkpoint | None) -> None:
         """The Supervisor's own state (step, frequency controls) back to the checkpoint's step, or the start."""
         r = self.runner
-        if ckpt is None:
-            r.state = RunState.fresh(self.config, r.loader.steps_per_epoch)
-        else:
-            try:
-                r.state, warnings = RunState.from_infos(ckpt.infos, self.config, r.loader.steps_per_epoch)
-            except IncompatibleCheckpoint as e:
-                raise CheckpointError(f"{ckpt.path}: {e}; run `relaunch clean-restart CONFIG` to start fresh") from e
-            for w in warnings:
-                self.events.emit("warning", message=w)
-                print(f"[relaunch] warning: {w}", flush=True)
+        r.state = self._state_of(ckpt, warn=True)
         r.owed = None
         self.stats.truncate_after(r.state.step.global_step)
+
+    def _state_of(self, ckpt: Checkpoint | None, warn: bool = False) -> RunState:
+        steps_per_epoch = self.runner.loader.steps_per_epoch
+        if ckpt is None:
+            return RunState.fresh(self.config, steps_per_epoch)
+        try:
+            state, warnings = RunState.from_infos(ckpt.infos, self.config, steps_per_epoch)
+        except IncompatibleCheckpoint as e:
+            raise CheckpointError(f"{ckpt.path}: {e}; run `relaunch clean-restart CONFIG` to start fresh") from e
+        for w in warnings if warn else ():
+            self.events.emit("warning", message=w)
+            print(f"[relaunch] warning: {w}", flush=True)
+        return state
 
     def _shutdown(self) -> None:
         for group in (self.runner.trainers, self.runner.engines):

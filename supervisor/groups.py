@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -22,6 +22,7 @@ from workers.train_worker import TrainWorker
 
 SETTLE_SECS = 10.0  # how long the peers of an actor that raised may take to finish the same call
 PROBE_TIMEOUT_SECS = 15.0  # how long a surviving engine may take to finish a call left behind by a fault
+KILL_WAIT_SECS = 10.0  # how long killed actors may take to be gone (a SIGSTOPped one takes about 5 s)
 
 
 @dataclass
@@ -32,17 +33,19 @@ class Member:
     pid: int | None = None
 
 
-def drain(refs: list[ray.ObjectRef], timeout: float) -> list[ray.ObjectRef]:
-    """Retrieve the results of calls nobody waits for any more (errors included); returns those still running."""
+def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef], dict]:
+    """Retrieve the results of calls nobody waits for any more, so Ray reports no unhandled error for them.
+    Returns the calls still running, and the errors of those that failed (by ref)."""
     if not refs:
-        return []
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        return [], {}
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+    errors = {}
     for ref in ready:
         try:
             ray.get(ref)
-        except Exception:  # noqa: BLE001 - a failed call of a removed actor: retrieved so Ray stays quiet
-            pass
-    return pending
+        except Exception as e:  # noqa: BLE001 - a failed call of a removed actor: retrieved so Ray stays quiet
+            errors[ref] = e
+    return pending, errors
 
 
 class _Members:
@@ -73,13 +76,19 @@ class _Members:
             try:
                 ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - every failure is classified by the controller
-                m = members[index[ready[0]]]
+                m, error = members[index[ready[0]]], e
                 waited = round(time.monotonic() - start, 3)
-                others = [r for r in refs if r != ready[0]]
-                # An actor that raised is alive: see whether its peers finish too (a group that is not stuck)
-                settled = isinstance(e, RayTaskError) and not (others := drain(others, SETTLE_SECS))
+                others, settled = [r for r in refs if r != ready[0]], False
+                if isinstance(e, RayTaskError):
+                    # The actor that raised is alive. Its peers either finish too (the group is not stuck), or
+                    # one of them died: a survivor's collective error often arrives before Ray's death notice.
+                    others, errors = drain(others, SETTLE_SECS)
+                    dead = [(r, x) for r, x in errors.items() if isinstance(x, RayActorError)]
+                    if dead:
+                        m, error = members[index[dead[0][0]]], dead[0][1]
+                    settled = not others and not dead
                 self.orphans += others
-                raise GroupError(self.group, e, (m.name,), m.node_id, waited, settled) from e
+                raise GroupError(self.group, error, (m.name,), m.node_id, waited, settled) from e
         return ray.get(list(refs))
 
     def call_all(self, method: str, *args, timeout: float | None = None) -> list:
@@ -93,11 +102,13 @@ class _Members:
         return [{"name": m.name, "node": m.node_id, "pid": m.pid} for m in self.members]
 
     def _kill(self, members: list[Member]) -> None:
+        """Kill the actors and wait (a bounded while) until they are gone, so nothing they did outlives them."""
         for m in members:
             try:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        self.orphans = drain(self.orphans + [m.handle.where.remote() for m in members], KILL_WAIT_SECS)[0]
 
 
 def placement_group_name(config) -> str:
@@ -181,7 +192,6 @@ class TrainGroup(_Members):
         """Kill every rank (survivors may be stuck in a collective with a dead one) and free the bundles."""
         self._kill(self.members)
         remove_placement_group(self.pg)
-        drain(self.orphans, timeout=5.0)
         self.orphans = []
 
 
@@ -238,28 +248,19 @@ class RolloutGroup(_Members):
         """Replace the faulty engines, and any other engine that is dead or cannot finish the call a fault
         left behind within PROBE_TIMEOUT_SECS; returns the names of those replaced."""
         self._kill([m for m in self.members if m.name in faulty])
-        self.orphans = drain(self.orphans, PROBE_TIMEOUT_SECS)
         # engines still starting are left alone: their first call has the start-up bound
         survivors = [m for i, m in enumerate(self.members) if m.name not in faulty and i not in self._where]
         probes = {m.name: m.handle.where.remote() for m in survivors}
-        still_running = drain(list(probes.values()), PROBE_TIMEOUT_SECS)
-        broken = set(faulty)
-        for name, ref in probes.items():
-            if ref in still_running:
-                broken.add(name)
-            else:
-                try:
-                    ray.get(ref)
-                except Exception:  # noqa: BLE001 - dead too (a node loss takes several engines)
-                    broken.add(name)
-        self._kill([m for m in self.members if m.name in broken])
-        self.orphans += still_running
+        running, errors = drain(list(probes.values()), PROBE_TIMEOUT_SECS)
+        broken = set(faulty) | {name for name, ref in probes.items() if ref in running or ref in errors}
+        self.orphans += running
+        self._kill([m for m in self.members if m.name in broken and m.name not in faulty])
         for i, m in enumerate(self.members):
             if m.name in broken:
                 self.members[i] = self._spawn(i)
         return sorted(broken)
 
     def shutdown(self) -> None:
+        self.orphans += list(self._where.values())
         self._kill(self.members)
-        drain(self.orphans + list(self._where.values()), timeout=5.0)
         self.orphans, self._where = [], {}

@@ -27,11 +27,6 @@ class Decision:
     delay_secs: float = 0.0
 
 
-# Faults repaired on the engines alone; every other restartable fault restarts the TrainGroup from the last
-# valid checkpoint (the Supervisor's own restart too: it rebuilds from disk).
-ENGINE_FAULTS = {FaultKind.ENGINE_DIED, FaultKind.STALE_WEIGHTS, FaultKind.OBJECT_LOST}
-
-
 @dataclass
 class RestartPolicy:
     retries: int
@@ -55,7 +50,7 @@ class RestartPolicy:
         kind = fault.kind
         if kind is FaultKind.INTERNAL_ERROR:
             return Decision(Action.FAIL, f"relaunch internal error: {fault.message}")
-        if kind is FaultKind.STORAGE_ERROR:
+        if kind is FaultKind.STORAGE_ERROR and fault.in_save:
             if self.stop_on_save_error:
                 return Decision(Action.FAIL, f"save failed: {fault.message} (recover.on_save_error=stop)")
             if fault.settled:  # every rank came back from the failed save: skip it, the group is fine
@@ -73,11 +68,12 @@ class RestartPolicy:
 
     @staticmethod
     def repair(fault: Fault) -> Action:
-        """The smallest repair for a fault: a hang is routed to the group that hung; a storage error that left
-        some ranks stuck in the save's collectives restarts the TrainGroup."""
+        """The smallest repair for a fault: a fault is routed to the group it came from (a hung engine is
+        replaced alone, an object lost under a rank's call restarts the TrainGroup); a storage error outside
+        a save, or one that left some ranks stuck in the save's collectives, restarts the TrainGroup."""
         if fault.kind is FaultKind.USER_ERROR:
             return Action.REPLAY_STEP
-        if fault.kind in ENGINE_FAULTS or (fault.kind is FaultKind.HANG and fault.group is Group.ROLLOUT):
+        if fault.group is Group.ROLLOUT:  # an engine's fault is repaired on the engines alone
             return Action.RESTART_ENGINES
         return Action.RESTART_TRAIN_GROUP
 

@@ -11,6 +11,7 @@ two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch cle
 """
 from __future__ import annotations
 
+import errno
 import json
 import pickle
 import shutil
@@ -143,8 +144,9 @@ class RecoverStore:
             (staging / META / name).write_bytes(data)
             files[f"{META}/{name}"] = {"size": len(data), "sha256": file_digest(staging / META / name)}
         missing = [n for n in files if not (staging / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{staging}: ranks reported files that are not there: {missing[:3]}")
+        if missing:  # e.g. a fileroot that is not shared by every node: a failed save, not a damaged checkpoint
+            raise OSError(errno.EIO, f"ranks reported files that are not there: {missing[:3]} "
+                                     f"(is cluster.fileroot on storage every node sees?)", str(staging))
         fault_point("before_manifest", step=global_step)
         (staging / MANIFEST).write_text(json.dumps({
             "schema_version": SCHEMA_VERSION, "global_step": global_step, "world_size": world_size,
@@ -256,7 +258,7 @@ class RecoverStore:
             if step is not None and committed is not None and step <= committed:
                 p.rename(p.with_name(f"damaged.{p.name}.{uuid.uuid4().hex[:8]}"))
             elif p.is_dir():
-                shutil.rmtree(p)
+                shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
         return removed

@@ -80,12 +80,12 @@ class StepRunner:
     def advance(self) -> None:
         """Pay what the last committed step owes, or run the next step to its commit and then pay."""
         if self.owed is None:
-            self.owed = self._until_commit(self.state.step.next())
+            self._until_commit(self.state.step.next())
         self._settle(self.owed)
         self.owed = None
 
     # ---- before the commit: a fault here replays the step -------------------------------------------
-    def _until_commit(self, s: StepInfo) -> Owed:
+    def _until_commit(self, s: StepInfo) -> None:
         cfg, t0 = self.config, time.monotonic()
         self.fault_point("step.begin", s)
         self.phase = Phase.ROLLOUT
@@ -108,7 +108,7 @@ class StepRunner:
         self.last_reward = float(rewards.mean())
         elapsed = t_train - t0
         last = s.global_step + 1 >= self.total_steps
-        owed = Owed(
+        self.owed = Owed(
             step=s, started=t0,
             row={"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
                  "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
@@ -117,9 +117,8 @@ class StepRunner:
             export=self.state.saver.check(s.is_epoch_end, elapsed),
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
-        )
+        )  # from here on, a fault never replays the update: `settle` pays what is owed
         self.fault_point("step.trained", s)
-        return owed
 
     # ---- after the commit: each item is paid exactly once -------------------------------------------
     def _settle(self, o: Owed) -> None:

@@ -94,9 +94,10 @@ class Supervisor:
             return
         r = self.controller.runner
         verb, _, target = action.partition("_")
-        if target == "rank":
-            faults.apply(verb, point, pid=r.trainers.members[-1].pid)
-        elif target == "engine":
-            faults.apply(verb, point, pid=r.engines.members[0].pid)
+        if target in ("rank", "engine"):
+            pid = r.trainers.members[-1].pid if target == "rank" else r.engines.members[0].pid
+            if pid is None:
+                raise RuntimeError(f"fault point {point}: the {target}'s pid is not known yet")
+            faults.apply(verb, point, pid=pid)
         else:
             faults.apply(action, point)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from pathlib import Path
 
 import ray
@@ -58,6 +59,8 @@ class TrainWorker:
         directory = Path(staging)
         if armed("dcp_write", step=global_step, rank=self.rank) == "enospc":
             # A real disk-full inside DCP's writer: this rank's shard file is made to point at /dev/full.
+            if not stat.S_ISCHR(os.stat("/dev/full").st_mode):
+                raise RuntimeError("fault dcp_write:enospc needs the /dev/full device")
             (directory / f"__{self.rank}_0.distcp").symlink_to("/dev/full")
         self.engine.save(directory)
         fault_point("after_shards", step=global_step, rank=self.rank)

@@ -5,6 +5,7 @@ import datetime
 import errno
 import multiprocessing as mp
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,10 @@ def from_worker(error: BaseException, group=Group.TRAIN, actor="TrainWorker[rank
     """What the groups raise for a call whose actor raised `error`: Ray wraps it in a RayTaskError."""
     wrapped = rex.RayTaskError("TrainWorker.save_recover", "traceback", error).as_instanceof_cause()
     return GroupError(group, wrapped, (actor,), "node1", 0.1, settled)
+
+
+full_disk = pytest.mark.skipif(not stat.S_ISCHR(os.stat("/dev/full").st_mode) if os.path.exists("/dev/full") else True,
+                               reason="needs the /dev/full device")
 
 
 def real_dcp_enospc(tmp_path: Path) -> CheckpointException:
@@ -66,6 +71,7 @@ def real_gloo_peer_error() -> BaseException:
     return error
 
 
+@full_disk
 def test_disk_full_inside_dcp_is_a_storage_error(tmp_path):
     error = real_dcp_enospc(tmp_path)
     fault = classify(from_worker(error))
@@ -73,6 +79,7 @@ def test_disk_full_inside_dcp_is_a_storage_error(tmp_path):
     assert fault.settled and fault.actors == ("TrainWorker[rank 1]",)
 
 
+@full_disk
 def test_disk_full_in_torch_save_and_a_plain_oserror_are_storage_errors():
     assert classify(from_worker(real_torch_save_enospc())).kind is FaultKind.STORAGE_ERROR
     assert classify(from_worker(OSError(errno.EACCES, "Permission denied", "/x"))).kind is FaultKind.STORAGE_ERROR

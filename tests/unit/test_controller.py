@@ -341,16 +341,25 @@ def test_retries_run_out_and_the_job_gives_up(tmp_path):
 
 
 def test_a_restarted_supervisor_is_a_counted_fault_that_rebuilds_from_disk(tmp_path, clean):
-    controller, layout, engines = make_controller(tmp_path, World())
-    assert controller.run().exit_code == 0
-    # a second life of the Supervisor for the same job: one retry left, then none
-    for retries, expect in (("1", 0), ("0", EXIT_FAILED)):
-        controller, layout, engines = make_controller(tmp_path, World(), f"recover.retries={retries}")
+    controller, layout, engines = make_controller(tmp_path, World(), "total_train_epochs=1")
+    assert controller.run().exit_code == 0  # steps 0-3 done and committed
+
+    def second_life(*overrides):
+        controller, layout, engines = make_controller(tmp_path, World(), *overrides)
         controller.supervisor_restarted = True
-        result = controller.run()
-        assert result.exit_code == expect, result.message
+        return controller.run(), layout
+
+    result, layout = second_life("recover.retries=0")  # no retry left: stop, and keep every logged step
+    assert result.exit_code == EXIT_FAILED and "retries exhausted (0/0)" in result.message
+    assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(4))
+    result, layout = second_life("recover.retries=1")  # one retry: rebuild from disk and finish
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    result, layout = second_life("recover.retries=0")  # a restart after the last commit trains nothing more
+    assert result.exit_code == 0 and "already complete" in result.message
+    assert_complete_and_exact(layout, clean[0])
     failures = [e for e in read_jsonl(layout.events_log) if e["event"] == "failure"]
-    assert [e["cause"] for e in failures] == ["supervisor_died", "supervisor_died"]
+    assert [(e["cause"], e["global_step"]) for e in failures] == [("supervisor_died", 4)] * 2
 
 
 @pytest.mark.parametrize("state, outcome, expected", [

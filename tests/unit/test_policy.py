@@ -4,8 +4,8 @@ from supervisor.classify import Fault, FaultKind, Group
 from supervisor.policy import Action, RestartPolicy
 
 
-def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False):
-    return Fault(kind, "boom", group, ("TrainWorker[rank 1]",), settled=settled)
+def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False):
+    return Fault(kind, "boom", group, ("TrainWorker[rank 1]",), settled=settled, in_save=in_save)
 
 
 @pytest.mark.parametrize("kind, group, action", [
@@ -18,6 +18,9 @@ def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False):
     (FaultKind.ENGINE_DIED, Group.ROLLOUT, Action.RESTART_ENGINES),
     (FaultKind.OBJECT_LOST, Group.ROLLOUT, Action.RESTART_ENGINES),
     (FaultKind.STALE_WEIGHTS, Group.ROLLOUT, Action.RESTART_ENGINES),
+    (FaultKind.DEVICE_ERROR, Group.ROLLOUT, Action.RESTART_ENGINES),
+    (FaultKind.OBJECT_LOST, Group.TRAIN, Action.RESTART_TRAIN_GROUP),  # a rank's argument lost with its node
+    (FaultKind.STORAGE_ERROR, Group.TRAIN, Action.RESTART_TRAIN_GROUP),  # outside a save: e.g. while loading
 ])
 def test_faults_are_routed_to_the_smallest_repair(kind, group, action):
     assert RestartPolicy(retries=3).decide(fault(kind, group)).action is action
@@ -63,14 +66,14 @@ def test_internal_errors_fail_at_once():
 
 def test_storage_errors_skip_the_save_or_stop_without_spending_retries():
     skip, stop = RestartPolicy(retries=3), RestartPolicy(retries=3, stop_on_save_error=True)
-    assert skip.decide(fault(FaultKind.STORAGE_ERROR, settled=True)).action is Action.SKIP_SAVE
-    assert stop.decide(fault(FaultKind.STORAGE_ERROR, settled=True)).action is Action.FAIL
+    assert skip.decide(fault(FaultKind.STORAGE_ERROR, settled=True, in_save=True)).action is Action.SKIP_SAVE
+    assert stop.decide(fault(FaultKind.STORAGE_ERROR, settled=True, in_save=True)).action is Action.FAIL
     assert skip.restarts == stop.restarts == 0
 
 
 def test_a_storage_error_that_left_ranks_stuck_restarts_the_train_group():
     p = RestartPolicy(retries=3)
-    assert p.decide(fault(FaultKind.STORAGE_ERROR, settled=False)).action is Action.RESTART_TRAIN_GROUP
+    assert p.decide(fault(FaultKind.STORAGE_ERROR, settled=False, in_save=True)).action is Action.RESTART_TRAIN_GROUP
     assert p.restarts == 1
 
 
