@@ -143,8 +143,11 @@ class RecoverConfig(Frequency):
     on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
-    backoff_secs: float = Field(1.0, ge=0, description="first restart delay; doubles each restart")
+    backoff_secs: float = Field(1.0, ge=0, description="delay before the second restart of a burst of faults; "
+                                                        "doubles with each further one (the first is immediate)")
     max_backoff_secs: float = Field(30.0, ge=0, description="longest restart delay")
+    quiet_secs: float = Field(300.0, ge=0, description="a fault this long after the previous one starts a new "
+                                                       "burst: its restart is immediate")
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
     start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
                                                                 "model build, rendezvous) is hung")

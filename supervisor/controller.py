@@ -85,6 +85,7 @@ class Controller:
         self.supervisor_restarted = supervisor_restarted
         self.state = State.STARTING
         self.pending: Result | None = None  # the decision REPAIRING applies
+        self.recovery: dict | None = None   # where the time of the repair in progress went, in seconds
 
     # ---- the loop -------------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -121,6 +122,7 @@ class Controller:
             if self.state is State.RUNNING:
                 if not self.runner.finished:
                     self.runner.advance()
+                    self._recovered()
                 return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
             return self._repair(self.pending)
         except CheckpointError as e:  # every checkpoint damaged, or one that cannot fit this run
@@ -138,7 +140,7 @@ class Controller:
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
-        decision = self.policy.decide(fault)
+        decision = self.policy.decide(fault, now=time.time())
         where = f" on node {fault.node[:8]}" if fault.node else ""
         print(f"[relaunch] step {step} ({self.phase}): {fault.kind.value}: {fault.message}{where} -> "
               f"{decision.reason}", flush=True)
@@ -153,6 +155,9 @@ class Controller:
                 details = "".join(traceback.format_exception(error.__cause__ or error))
             return Result(Outcome.FATAL, decision, fault, EXIT_FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:
+            if self.recovery is None:  # a fault during a repair adds to the repair in progress
+                self.recovery = {"cause": fault.kind.value, "what": decision.action.value, "seen": time.time(),
+                                 "detection": fault.detect_secs or 0.0}
             self.events.emit("restart", n=self.policy.restarts, limit=self.policy.retries, what=decision.action.value,
                              cause=fault.kind.value, delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
@@ -179,10 +184,29 @@ class Controller:
         self._restart_train_group()
         return Result(Outcome.OK)
 
+    def _recovered(self) -> None:
+        """After the first step that completes after a repair: log where the repair's time went."""
+        if self.recovery is None:
+            return
+        rec, self.recovery = self.recovery, None
+        parts = {k: round(v, 3) for k, v in rec.items() if isinstance(v, float) and k != "seen"}
+        parts["total"] = round(time.time() - rec["seen"] + rec["detection"], 3)
+        parts["first_step"] = round(time.time() - rec.pop("resynced", rec["seen"]), 3)
+        self.events.emit("recovery", cause=rec["cause"], what=rec["what"], **parts)
+
+    def _time(self, part: str, since: float) -> float:
+        """Add the seconds since `since` to the recovery breakdown's `part`; returns now."""
+        now = time.monotonic()
+        if self.recovery is not None:
+            self.recovery[part] = self.recovery.get(part, 0.0) + now - since
+        return now
+
     def _repair(self, pending: Result) -> Result:
         decision, fault = pending.decision, pending.fault
         if decision.delay_secs:
+            t = time.monotonic()
             self.sleep(decision.delay_secs)
+            self._time("backoff", t)
         if decision.action is Action.RESTART_TRAIN_GROUP:
             self._restart_train_group()
         elif decision.action is Action.RESTART_ENGINES:
@@ -195,17 +219,24 @@ class Controller:
     def _restart_train_group(self) -> None:
         """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
         its step, replace dead engines, and resync every engine to the checkpoint's weights."""
-        r = self.runner
+        r, t = self.runner, time.monotonic()
         if r.trainers is not None:
             r.trainers.shutdown()  # survivors may be stuck in a collective, or still writing a save
             r.trainers = None
         r.owed, r.weights = None, None
+        t = self._time("teardown", t)
         ckpt = self.checkpoints.load_last_valid()  # cleans up interrupted saves: only once no rank writes
+        t = self._time("validate", t)
         if r.engines is None:
             r.engines = self.make_rollout_group()  # starts while the TrainGroup does
-        started = time.monotonic()
+        started = t
         r.trainers = self._new_train_group()
+        for part, secs in r.trainers.timings.items():
+            if self.recovery is not None:
+                self.recovery[part] = self.recovery.get(part, 0.0) + secs
+        t = time.monotonic()
         missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
+        t = self._time("load", t)
         self._roll_back_to(ckpt)
         self.events.emit("loaded", global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
@@ -214,14 +245,21 @@ class Controller:
             self.events.emit("engines_restarted", replaced=replaced)
         r.phase = None
         r.sync_engines(gate=True)
+        self._time("resync", t)
+        if self.recovery is not None:
+            self.recovery["resynced"] = time.time()
 
     def _restart_engines(self, fault: Fault) -> None:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
-        r = self.runner
+        r, t = self.runner, time.monotonic()
         faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
         replaced = r.engines.replace(faulty)
         self.events.emit("engines_restarted", replaced=replaced)
-        r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)
+        t = self._time("teardown", t)
+        r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)  # a new engine starts in its push
+        self._time("resync", t)
+        if self.recovery is not None:
+            self.recovery["resynced"] = time.time()
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and

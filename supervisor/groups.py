@@ -138,6 +138,8 @@ class TrainGroup(_Members):
         bundle = {"CPU": cluster.cpus_per_worker}
         if cluster.gpus_per_worker:
             bundle["GPU"] = cluster.gpus_per_worker
+        self.timings: dict[str, float] = {}  # seconds spent in each part of the start, for the recovery breakdown
+        started = time.monotonic()
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
                                   name=placement_group_name(config))
         try:
@@ -155,10 +157,13 @@ class TrainGroup(_Members):
             ]
             # Start-up (imports, model build, rendezvous) is not a step: it gets a bound of its own.
             setup_timeout = config.recover.start_timeout_secs
+            self.timings["scheduling"] = time.monotonic() - started
             where = self.call_all("where", timeout=setup_timeout)
             for m, w in zip(self.members, where):
                 m.node_id, m.pid = w["node_id"], w["pid"]
+            self.timings["process_start"] = time.monotonic() - started - self.timings["scheduling"]
             self.call_all("setup", where[0]["ip"], where[0]["port"], timeout=setup_timeout)
+            self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
         except BaseException:
             self.shutdown()  # a failed start leaves no actor and no placement group behind
             raise

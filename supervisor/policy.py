@@ -1,7 +1,9 @@
 """The restart decision: a small pure object that routes a fault to the smallest repair and counts restarts.
 
-No Ray, no clock: given a classified fault, it answers what to do and how long to wait first. Every repair,
-the Supervisor's own restart included, spends one of `recover.retries`; a skipped save spends none.
+No Ray, no clock of its own: given a classified fault and the time it was seen, it answers what to do and
+how long to wait first. Every repair, the Supervisor's own restart included, spends one of `recover.retries`;
+a skipped save spends none. The first restart after a quiet period is immediate; backoff applies only to
+faults that follow each other within `recover.quiet_secs` (a crash loop), doubling up to its cap.
 The controller applies the decision; unit tests drive this object alone.
 """
 from __future__ import annotations
@@ -32,9 +34,12 @@ class RestartPolicy:
     retries: int
     backoff_secs: float = 1.0
     max_backoff_secs: float = 30.0
+    quiet_secs: float = 300.0
     retry_user_errors: bool = False
     stop_on_save_error: bool = False
     restarts: int = 0
+    burst: int = 0                      # restarts since the last quiet period
+    last_fault: float | None = None     # when the previous fault was seen (wall clock, seconds)
 
     @classmethod
     def from_config(cls, config) -> "RestartPolicy":
@@ -42,12 +47,15 @@ class RestartPolicy:
             retries=config.recover.retries if config.recover.mode.enabled else 0,
             backoff_secs=config.recover.backoff_secs,
             max_backoff_secs=config.recover.max_backoff_secs,
+            quiet_secs=config.recover.quiet_secs,
             retry_user_errors=config.reward.retry_user_errors,
             stop_on_save_error=config.recover.on_save_error.value == "stop",
         )
 
-    def decide(self, fault: Fault) -> Decision:
+    def decide(self, fault: Fault, now: float = 0.0) -> Decision:
         kind = fault.kind
+        quiet = self.last_fault is None or now - self.last_fault >= self.quiet_secs
+        self.last_fault = now
         if kind is FaultKind.INTERNAL_ERROR:
             return Decision(Action.FAIL, f"relaunch internal error: {fault.message}")
         if kind is FaultKind.STORAGE_ERROR and fault.in_save:
@@ -61,7 +69,8 @@ class RestartPolicy:
         if self.restarts >= self.retries:
             return Decision(Action.FAIL, f"retries exhausted ({self.restarts}/{self.retries}); last fault: "
                                          f"{kind.value}: {fault.message}")
-        delay = min(self.backoff_secs * 2 ** self.restarts, self.max_backoff_secs)
+        self.burst = 0 if quiet else self.burst + 1
+        delay = min(self.backoff_secs * 2 ** (self.burst - 1), self.max_backoff_secs) if self.burst else 0.0
         self.restarts += 1
         action = self.repair(fault)
         return Decision(action, f"restart {self.restarts}/{self.retries} after {kind.value}", delay)

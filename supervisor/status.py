@@ -36,6 +36,7 @@ def trial_status(config, n_events: int = 10) -> dict:
         "job": job,
         "state": ended or ("unknown" if job else "never run"),
         "last_step": stats[-1] if stats else None,
+        "last_recovery": next((e for e in reversed(events) if e["event"] == "recovery"), None),
         "events": events[-n_events:],
         "live": None,
     }
@@ -58,6 +59,12 @@ def format_status(st: dict) -> str:
                                   f"{lv['path']}" if lv else "none") +
                  (f"  [{st['checkpoint_error']}]" if st["checkpoint_error"] else ""))
     lines.append(f"restarts   {st['restarts']}")
+    rec = st.get("last_recovery")
+    if rec:
+        parts = ("detection", "backoff", "teardown", "validate", "scheduling", "process_start", "rendezvous", "load",
+                 "resync", "first_step")
+        lines.append(f"recovery   {rec['cause']} -> {rec['what']} in {rec['total']:.1f}s: " +
+                     ", ".join(f"{p} {rec[p]:.2f}s" for p in parts if p in rec))
     if st["last_step"]:
         ls = st["last_step"]
         lines.append(f"last step  {ls['global_step']}: reward {ls['reward']:.3f} loss {ls['loss']:.4f}")

@@ -77,6 +77,7 @@ class FakeTrainers:
         world.train_groups += 1
         self.world, self.world_size, self.history = world, world_size, []
         self.nodes = ["n1"] * world_size
+        self.timings = {"scheduling": 0.0, "process_start": 0.0, "rendezvous": 0.0}
 
     def _check(self, phase: str, step: int) -> None:
         self.world.strike(phase, step)
@@ -259,6 +260,10 @@ def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, cl
     assert loaded == [-1, 1]  # rolled back to the last commit before step 3
     assert world.train_groups == 2
     assert not [e for e in events if e["event"] == "failure" and e["cause"] == "stale_weights"]
+    recovery = [e for e in events if e["event"] == "recovery"]
+    assert len(recovery) == 1 and recovery[0]["what"] == "restart_train_group"
+    assert {"detection", "teardown", "scheduling", "process_start", "rendezvous", "load", "resync", "first_step",
+            "total"} <= set(recovery[0])
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -41,9 +41,15 @@ def test_the_supervisors_own_restart_spends_the_same_budget():
     assert last.action is Action.FAIL and "retries exhausted (1/1)" in last.reason
 
 
-def test_backoff_doubles_up_to_the_cap():
-    p = RestartPolicy(retries=10, backoff_secs=1, max_backoff_secs=5)
-    assert [p.decide(fault()).delay_secs for _ in range(5)] == [1, 2, 4, 5, 5]
+def test_the_first_restart_is_immediate_and_backoff_doubles_within_a_burst_up_to_the_cap():
+    p = RestartPolicy(retries=10, backoff_secs=1, max_backoff_secs=5, quiet_secs=60)
+    assert [p.decide(fault(), now=t).delay_secs for t in (0, 1, 2, 3, 4, 5)] == [0, 1, 2, 4, 5, 5]
+
+
+def test_a_fault_after_a_quiet_period_restarts_at_once():
+    p = RestartPolicy(retries=10, backoff_secs=1, quiet_secs=60)
+    assert [p.decide(fault(), now=t).delay_secs for t in (0, 10, 100, 110)] == [0, 1, 0, 1]
+    assert p.restarts == 4  # every restart still counts against the retries
 
 
 def test_user_errors_fail_fast_without_spending_retries():
