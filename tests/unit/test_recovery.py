@@ -81,6 +81,7 @@ def test_damaged_newest_falls_back_to_previous(store, damage, name):
         target.unlink()
     else:
         target.write_text("{not json")  # a rewrite of the wrong size and content
+    store = RecoverStore(store.layout, keep_last=2)  # a later process: it trusts no hash it did not compute
     result = store.load_latest()
     assert result.checkpoint.global_step == 4
     assert str(target) in result.fallbacks[0]
@@ -246,3 +247,16 @@ def test_stats_are_cut_back_to_the_checkpoint_and_lose_a_torn_line(tmp_path):
     log.truncate_after(3)
     assert [r["global_step"] for r in read_jsonl(log.path)] == [0, 1, 2, 3]
     assert log.path.read_text().endswith("}\n")
+
+
+def test_a_checkpoint_this_process_committed_is_checked_by_size_not_hashed_again(store, monkeypatch):
+    import supervisor.recovery as recovery
+
+    commit(store, 4)
+    hashed = []
+    monkeypatch.setattr(recovery, "file_digest", lambda p: hashed.append(p) or "x")
+    assert store.load_latest().checkpoint.global_step == 4 and not hashed
+    fresh = RecoverStore(store.layout, keep_last=2)  # another process (a restarted Supervisor) hashes everything
+    with pytest.raises(CheckpointError):
+        fresh.load_latest()  # every hash is "x" here, so it finds none valid
+    assert hashed
