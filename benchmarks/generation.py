@@ -1,12 +1,13 @@
 """KV-cached vs full-recomputation sampling, side by side in one process: wall time and identical tokens.
 
-    .venv/bin/python examples/bench_generation.py [BATCH] [LENGTHS...]
+    .venv/bin/python benchmarks/generation.py [--batch 32] [--lengths 16 64 256] [--quick] [--json FILE]
 A random-init Llama (4 layers, hidden 256) with the tiny word-level tokenizer, a batch of prompts of
 mixed lengths, no end-of-sequence token so every completion runs to the full length.
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import json
 import time
 
 import torch
@@ -17,7 +18,7 @@ from workers.generate import generate
 from workers.model import build_tokenizer
 
 
-def main(batch: int, lengths: list[int]) -> None:
+def main(batch: int, lengths: list[int]) -> list[dict]:
     torch.set_num_threads(1)
     tok = build_tokenizer(ModelConfig())
     torch.manual_seed(0)
@@ -28,6 +29,7 @@ def main(batch: int, lengths: list[int]) -> None:
     tok.eos_token = None  # no completion ends early: every one is `new tokens` long
     prompts = [" ".join(str((i * 7 + j) % 10) for j in range(2 + i % 5)) + " =" for i in range(batch)]
     print(f"{'new tokens':>10} {'cached s':>9} {'full s':>9} {'speed-up':>9} {'same tokens':>12}")
+    rows = []
     for n in lengths:
         times, outs = {}, {}
         for cache in (True, False):
@@ -37,7 +39,20 @@ def main(batch: int, lengths: list[int]) -> None:
             times[cache] = time.perf_counter() - t0
         same = torch.equal(outs[True]["input_ids"], outs[False]["input_ids"])
         print(f"{n:>10} {times[True]:>9.2f} {times[False]:>9.2f} {times[False] / times[True]:>8.1f}x {str(same):>12}")
+        rows.append({"new_tokens": n, "cached_secs": times[True], "full_secs": times[False],
+                     "speedup": times[False] / times[True], "same_tokens": same})
+    return rows
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 32, [int(x) for x in sys.argv[2:]] or [16, 64, 256])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--quick", action="store_true", help="a few seconds: batch 4, lengths 4 and 8 (CI)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    batch, lengths = (4, [4, 8]) if args.quick else (args.batch, args.lengths)
+    figures = main(batch, lengths)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "generation", "batch": batch, "rows": figures}, f, indent=1)
