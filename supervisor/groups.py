@@ -120,9 +120,9 @@ class TrainGroup:
         gather(self.members, [c for _, c in pairs], self.timeout, FaultKind.WORKER_DIED)
         return pairs[0][0], ray.get(pairs[0][1])
 
-    def save_recover(self, staging: str, global_step: int) -> dict:
+    def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict:
         files = {}
-        for part in self._all(lambda m: m.handle.save_recover.remote(staging, global_step)):
+        for part in self._all(lambda m: m.handle.save_recover.remote(staging, global_step, driver_state)):
             files.update(part)
         return files
 

@@ -25,11 +25,14 @@ from supervisor.config import SaveErrorAction
 from supervisor.groups import CapacityError, RolloutGroup, TrainGroup, WorkerFault
 from supervisor.layout import TMP_PREFIX, TrialLayout
 from supervisor.policy import Action, Fault, FaultKind, RestartPolicy, train_group_sizes
-from supervisor.recovery import RUN_CONFIG, Checkpoint, CheckpointError, RecoverStore
+from supervisor.recovery import (
+    REFERENCE_PREFIX, RUN_CONFIG, Checkpoint, CheckpointError, RecoverStore, compatibility_error,
+)
 from supervisor.run_state import IncompatibleCheckpoint, RunState
 from supervisor.step_info import StepInfo
 from supervisor.durable import file_digest, publish_dir, tmp_name
 from workers.data import PromptLoader, read_prompts
+from workers.engines.reference import reference_file, reference_step
 from workers.grpo import group_advantages
 from workers.rewards import UserCodeError, load_reward_fn, score
 
@@ -206,6 +209,11 @@ class Supervisor:
         for reason in result.fallbacks:
             self.events.emit("fallback", job=self.job_id, reason=reason)
         ckpt = result.checkpoint
+        if ckpt is not None:
+            problem = compatibility_error(ckpt.manifest, self.config.actor.backend.value,
+                                          self.config.cluster.n_train_workers)
+            if problem:
+                raise CheckpointError(f"{ckpt.path}: {problem}")
         removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
         if removed:
             self.events.emit("cleanup", job=self.job_id, removed=[str(p) for p in removed])
@@ -245,6 +253,9 @@ class Supervisor:
         self.events.emit("loaded", job=self.job_id, global_step=self.state.step.global_step,
                          path=str(ckpt.path) if ckpt else None, nodes=self.train_group.nodes,
                          missing_state=missing, secs=round(time.monotonic() - started, 3))
+        if missing:
+            self.events.emit("warning", job=self.job_id, message=f"the checkpoint lacks {', '.join(missing)}; "
+                                                                  f"that state starts fresh")
         self._sync_weights(pull=True)
 
     def _new_train_group(self) -> TrainGroup:
@@ -323,11 +334,15 @@ class Supervisor:
         if self.state.evaluator.check(s.is_epoch_end, elapsed):
             row["eval/reward"] = self._evaluate(s, reward_fn)
         row["time/saving"] = time.monotonic() - t_save
+        if self.recover_on and self.state.recover.check(s.is_epoch_end, elapsed):
+            self._save_recover_or_report(s, row, t0)  # the row, with the save's figures, once shards are written
+            self._fault_point("after_save", s)
+        else:
+            self._append_row(row, t0)
+
+    def _append_row(self, row: dict, t0: float) -> None:
         row["time/step"] = time.monotonic() - t0
         self.stats.append(row)
-        if self.recover_on and self.state.recover.check(s.is_epoch_end, elapsed):
-            self._save_recover_or_report(s)
-            self._fault_point("after_save", s)
 
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation: besides the usual actions, `kill_trainer` SIGKILLs the last rank."""
@@ -361,15 +376,17 @@ class Supervisor:
             for old in exports[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _save_recover_or_report(self, s: StepInfo) -> None:
+    def _save_recover_or_report(self, s: StepInfo, row: dict | None = None, t0: float = 0.0) -> None:
         """A storage fault (disk full, permissions) never touches the last valid checkpoint: report it, then
         skip this save or stop, as recover.on_save_error says."""
         try:
-            self._save_recover(s)
+            self._save_recover(s, row, t0)
         except (OSError, RayTaskError) as e:
             cause = e.cause if isinstance(e, RayTaskError) else e
             if not isinstance(cause, OSError):
                 raise
+            if row is not None and "time/step" not in row:
+                self._append_row(row, t0)
             self.store.remove_leftovers(self.store.committed_step())
             action = self.config.recover.on_save_error
             self.events.emit("save_failed", job=self.job_id, global_step=s.global_step, error=str(cause),
@@ -378,20 +395,36 @@ class Supervisor:
             if action is SaveErrorAction.STOP:
                 raise StorageError(f"recover checkpoint of step {s.global_step} failed: {cause}") from e
 
-    def _save_recover(self, s: StepInfo) -> None:
+    def _save_recover(self, s: StepInfo, row: dict | None = None, t0: float = 0.0) -> None:
+        """Ranks write their shards, then (with `row`) the step's stats row gets the save's time, bytes and
+        bandwidth and is appended, then the commit. A crash before the commit replays the step and cuts
+        the row back; the row is always in stats.jsonl before its step can be the last valid one."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        files = self.train_group.save_recover(str(staging), s.global_step)
+        nxt = s.next()
+        loader_state = self.loader.state_dict(nxt.epoch, nxt.epoch_step)
+        files = self.train_group.save_recover(str(staging), s.global_step,
+                                              {"dataloader": loader_state, "global_step": s.global_step})
+        actor = self.config.actor
+        ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
+        if ref_step is not None:
+            ref = reference_file(staging.parent, ref_step)
+            files[REFERENCE_PREFIX + ref.name] = {"size": ref.stat().st_size, "sha256": file_digest(ref)}
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
         files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
-        nxt = s.next()
-        infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
+        nbytes = sum(f["size"] for f in files.values())
+        if row is not None:
+            secs = time.monotonic() - started
+            row.update({"time/saving": row["time/saving"] + secs, "ckpt/bytes": nbytes,
+                        "ckpt/MBps": round(nbytes / max(secs, 1e-9) / 1e6, 3)})
+            self._append_row(row, t0)
+        infos = self.state.to_infos(loader_state)
         path = self.store.commit(staging, s.global_step, self.train_group.world_size,
-                                 self.config.resume_hash(), files, infos)
+                                 self.config.resume_hash(), files, infos, engine=actor.backend.value)
         secs = time.monotonic() - started
         self.events.emit("commit", job=self.job_id, global_step=s.global_step, path=str(path),
                          world_size=self.train_group.world_size, weights_checksum=self.weights.checksum,
-                         bytes=sum(f["size"] for f in files.values()), secs=round(secs, 3))
+                         bytes=nbytes, secs=round(secs, 3), mbps=round(nbytes / max(secs, 1e-9) / 1e6, 3))
 
     def _shutdown(self) -> None:
         for group in (self.train_group, self.rollout_group):

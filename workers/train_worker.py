@@ -1,8 +1,9 @@
 """TrainWorker: one rank of the TrainGroup, a Ray actor around the training engine.
 
 It joins the group's torch.distributed process group (gloo on CPU, nccl on GPU) and answers the
-Supervisor's collective calls; every rank is called together. Fault points let tests kill or hang a rank
-at exact moments.
+Supervisor's collective calls; every rank is called together. The engine (`actor.backend`) sits behind
+workers/engines/base.py: this file imports no FSDP or DeepSpeed code and knows none of their file names.
+Fault points let tests kill or hang a rank at exact moments.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import torch
 
 from supervisor.durable import file_digest
 from supervisor.faults import fault_point
+from supervisor.recovery import step_of
 from workers.model import weights_checksum
+
+DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
 
 
 @ray.remote
@@ -34,33 +38,34 @@ class TrainWorker:
                 "pid": os.getpid(), "port": port}
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        from workers.engines.fsdp import FSDPEngine, init_process_group  # torch.distributed, transformers
+        from workers.engines.base import make_engine  # torch.distributed, transformers, the chosen engine
 
-        device = init_process_group(self.config, self.rank, self.world_size, master_addr, master_port)
-        self.engine = FSDPEngine(self.config, self.rank, self.world_size, device)
+        self.engine = make_engine(self.config, self.rank, self.world_size, master_addr, master_port)
 
     def train(self, shard: dict, global_step: int) -> dict:
         fault_point("train_step", step=global_step, rank=self.rank)
-        return self.engine.train_step(shard)
+        return self.engine.train_step(shard, global_step)
 
     def weights(self) -> tuple[dict | None, str | None]:
         """Collective; rank 0 returns (full state dict, checksum), the others (None, None)."""
         full = self.engine.full_state_dict()
         return (full, weights_checksum(full)) if self.rank == 0 else (None, None)
 
-    def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
-        """Collective; returns {file: {size, sha256}} for the files this rank wrote."""
+    def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:
+        """Collective; returns {file: {size, sha256}} for the files this rank wrote. Rank 0 also writes
+        `driver_state` (the dataloader and data state) once, as driver_state.pt."""
         directory = Path(staging)
-        self.engine.save(directory)
+        mine = self.engine.save(directory, global_step)
         fault_point("after_shards", step=global_step, rank=self.rank)
-        mine = [p for p in directory.iterdir() if p.name.startswith(f"__{self.rank}_")]
-        mine.append(directory / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            mine.append(directory / ".metadata")
-        return {p.name: {"size": p.stat().st_size, "sha256": file_digest(p)} for p in mine}
+        if self.rank == 0 and driver_state is not None:
+            torch.save(driver_state, directory / DRIVER_STATE)
+            mine.append(DRIVER_STATE)
+        return {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+                for name in mine}
 
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
-        return self.engine.load(Path(step_dir), same_world_size=saved_world_size == self.world_size)
+        path = Path(step_dir)
+        return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
 
     def export_hf(self, directory: str, global_step: int) -> None:
         """Collective; rank 0 writes the HuggingFace files into `directory`."""
