@@ -326,6 +326,8 @@ class Supervisor:
                "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                "lr": metrics["lr"], "weights_version": self.weights.version,
                "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout}
+        if "kl" in metrics:  # with actor.kl_coef: GRPO's KL to the reference policy (rank 0's shard)
+            row["kl"] = metrics["kl"]
         self.phase = Phase.SAVING
         elapsed = time.monotonic() - t0
         t_save = time.monotonic()
