@@ -123,7 +123,7 @@ def test_export_and_zero_to_fp32_read_the_deepspeed_checkpoint(uninterrupted, tm
                        capture_output=True, text=True, timeout=300)
     assert z.returncode == 0, z.stderr[-2000:]
     merged = torch.load(next(fp32.glob("*.bin")), weights_only=True)
-    assert all(torch.equal(merged[k], saver[k]) for k in merged) and "model.embed_tokens.weight" in merged
+    assert all(torch.equal(merged[k], saver[k]) for k in saver)
 
 
 def test_a_deepspeed_checkpoint_given_to_fsdp_stops_with_exit_2(cluster, uninterrupted):
