@@ -37,14 +37,15 @@ class TrainEngine(Protocol):
 
 
 def init_process_group(config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
-    """Join the group's process group: nccl on GPU, gloo on CPU; collectives time out like a hung step."""
+    """Join the group's process group: nccl on GPU, gloo on CPU. Collectives time out well after a hung step
+    does, so the Supervisor decides what a hang is, not gloo or NCCL (as on main since f0af01d)."""
     use_gpu = config.cluster.gpus_per_worker > 0
     # DeepSpeed (and torchrun-style code) reads the rendezvous from the environment; this actor is one rank.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     dist.init_process_group(
         "nccl" if use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=config.recover.step_timeout_secs))
+        rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=2 * config.recover.step_timeout_secs + 60))
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 
 
