@@ -1,4 +1,5 @@
-"""actor.backend deepspeed (ZeRO-2 and ZeRO-3) with a KL reference policy, on real multi-node Ray clusters.
+"""actor.backend deepspeed (ZeRO-2 and ZeRO-3) with a KL reference policy, on real multi-node Ray clusters
+(and, last, the same reference policy on fsdp).
 
 Per stage, two jobs: the default job uninterrupted on the shared cluster, and the same job with a rank
 SIGKILLed mid-update and, later, the whole job (driver and embedded Ray) killed and rerun. Every other
@@ -134,3 +135,19 @@ def test_a_deepspeed_checkpoint_given_to_fsdp_stops_with_exit_2(cluster, uninter
     assert "written by actor.backend deepspeed, but this run has actor.backend fsdp" in r.stderr
     assert "Traceback" not in r.stderr
     assert sorted(p.name for p in (uninterrupted.root / "default" / "recover_checkpoint").iterdir()) == before
+
+
+def test_the_fsdp_engine_restores_its_reference_exactly(cluster, tmp_path):
+    """The KL reference on fsdp: a rank killed between two refreshes resumes bit-identical (kl included)."""
+    job = ["total_train_epochs=2", "actor.kl_coef=0.05", "actor.ref_update_steps=10", "recover.backoff_secs=0"]
+    trials = {}
+    for name, fault in (("whole", None), ("killed", f"train_step:kill:step={RANK_KILL_STEP}:rank=1")):
+        trials[name] = t = Trial(tmp_path / name / "runs")
+        env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)} if fault else None)
+        r = relaunch("run", str(CONFIG), *job, *t.overrides, "--address", cluster.address, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    whole, killed = trials["whole"], trials["killed"]
+    assert [e["global_step"] for e in killed.events("loaded")] == [-1, 14]
+    assert [s["global_step"] for s in whole.stats() if s["kl"] == 0] == [0, 10, 20]
+    assert curve(killed.stats()) == curve(whole.stats())
+    assert killed.final_weights() == whole.final_weights()

@@ -23,7 +23,7 @@ class TrainEngine(Protocol):
         """One optimizer step on this rank's shard of the batch; returns loss, grad_norm, lr (and kl)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the full weights on CPU (every rank calls it; rank 0 uses them)."""
+        """Collective: the full weights on CPU on rank 0 (every rank calls it; the others may get nothing)."""
 
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)

@@ -62,7 +62,8 @@ class FSDPEngine:
         self.optimizer.step()
         self.scheduler.step()
         if self.reference is not None and self.reference.refresh_due(global_step):
-            self.reference.refresh(self.full_state_dict())
+            # every rank needs the full weights here (full_state_dict gives them to rank 0 only)
+            self.reference.refresh(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
         loss_avg = loss.detach().clone()
         dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG if self.device.type == "cuda" else dist.ReduceOp.SUM)
         if self.device.type != "cuda":
@@ -70,7 +71,7 @@ class FSDPEngine:
         return {"loss": float(loss_avg), "grad_norm": grad_norm, "lr": lr, **metrics}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank must call it; every rank gets the full weights on CPU."""
+        """Collective: every rank must call it; rank 0 gets the full weights on CPU, the others an empty dict."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _state(self) -> dict:

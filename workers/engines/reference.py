@@ -48,7 +48,10 @@ class ReferencePolicy:
         return self.every is not None and (global_step + 1) % self.every == 0
 
     def refresh(self, full_state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(full_state, strict=False)  # a tied lm_head may be left out
+        """Copy the policy's full weights; only a tied lm_head may be left out."""
+        missing = set(self.model.load_state_dict(full_state, strict=False).missing_keys)
+        if missing - {"lm_head.weight"}:
+            raise RuntimeError(f"reference refresh got no weights for {sorted(missing)[:3]}")
 
     def save(self, recover_root: Path, global_step: int, rank: int) -> None:
         """Rank 0 writes the weights on the step they changed; any other step writes nothing."""
