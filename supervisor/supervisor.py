@@ -414,7 +414,9 @@ class Supervisor:
             files[REFERENCE_PREFIX + ref.name] = {"size": ref.stat().st_size, "sha256": file_digest(ref)}
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
         files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
-        nbytes = sum(f["size"] for f in files.values())
+        # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten
+        nbytes = sum(f["size"] for name, f in files.items()
+                     if not name.startswith(REFERENCE_PREFIX) or ref_step == s.global_step)
         if row is not None:
             secs = time.monotonic() - started
             row.update({"time/saving": row["time/saving"] + secs, "ckpt/bytes": nbytes,
