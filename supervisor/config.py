@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import getpass
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -263,4 +264,7 @@ def load_config(path: Path | str | None = None, overrides: list[str] = ()) -> Co
         config.model.path = resolve_path(config.model.path)
         if not (config.model.path / "config.json").is_file():
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
+    if config.actor.backend is Backend.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("actor.backend: deepspeed is not installed; ./dev.sh installs it "
+                          "(pip install --no-build-isolation deepspeed, after torch)")
     return config

@@ -102,3 +102,13 @@ def test_reference_files_are_pruned_once_no_kept_step_needs_them(tmp_path):
         ["ref_globalstep19.safetensors"]
     ck = store.load_latest().checkpoint
     assert ck.global_step == 24 and ck.manifest["engine"] == "deepspeed"
+
+
+def test_deepspeed_without_the_package_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match="actor.backend: deepspeed is not installed"):
+        load_config(DEFAULT_CONFIG, ["actor.backend=deepspeed"])
+    load_config(DEFAULT_CONFIG, ["actor.backend=fsdp"])
