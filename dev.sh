@@ -3,7 +3,7 @@
 # kills a node mid-run, `./dev.sh run [CONFIG] [KEY=VALUE ...]` runs a job, `./dev.sh test` runs the whole
 # test suite, `./dev.sh relaunch ...` any CLI command. The first call creates .venv:
 # torch first, pinned to the CPU build (2.13.0) unless a GPU is present, so nothing pulls CUDA wheels on a
-# CPU machine; later calls reuse it and take a second.
+# CPU machine, then DeepSpeed against that torch; later calls reuse it and take a second.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${RELAUNCH_VENV:-.venv}
@@ -15,7 +15,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   else
     "$VENV/bin/pip" install -q "torch==2.13.0"
   fi
-  "$VENV/bin/pip" install -q -e ".[test]"
+  # DeepSpeed's setup.py imports torch: build it against the torch above, not an isolated (CUDA) one.
+  "$VENV/bin/pip" install -q setuptools wheel  # --no-build-isolation builds with what the venv has
+  "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.16,<0.20"
+  "$VENV/bin/pip" install -q -e ".[test,deepspeed]"
+  # DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once
+  # (cached in ~/.cache/torch_extensions), never inside a TrainWorker's start-up or a timed step.
+  "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
   touch "$stamp"
 fi
 cmd=${1:-run}

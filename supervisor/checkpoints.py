@@ -9,14 +9,28 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.durable import file_digest, publish_dir, tmp_name
 from supervisor.events import EventLog
 from supervisor.layout import TMP_PREFIX, TrialLayout
-from supervisor.recovery import RUN_CONFIG, Checkpoint, RecoverStore
+from supervisor.recovery import (
+    REFERENCE_PREFIX, RUN_CONFIG, Checkpoint, CheckpointError, RecoverStore, compatibility_error,
+)
 from supervisor.run_state import RunState
 from supervisor.step_info import StepInfo
+from workers.engines.reference import reference_file, reference_step
+
+
+@dataclass
+class Staged:
+    """A recover save whose files every rank has written, not yet published."""
+    path: Path
+    files: dict[str, dict]
+    world_size: int
+    nbytes: int
+    secs: float
 
 
 class Checkpoints:
@@ -41,6 +55,11 @@ class Checkpoints:
         for reason in result.fallbacks:
             self.events.emit("fallback", reason=reason)
         ckpt = result.checkpoint
+        if ckpt is not None:
+            problem = compatibility_error(ckpt.manifest, self.config.actor.backend.value,
+                                          self.config.cluster.n_train_workers)
+            if problem:
+                raise CheckpointError(f"{ckpt.path}: {problem}")
         removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
         if removed:
             self.events.emit("cleanup", removed=[str(p) for p in removed])
@@ -50,20 +69,34 @@ class Checkpoints:
                 self.events.emit("warning", message="the config that matters for resume changed since this checkpoint")
         return ckpt
 
-    def save_recover(self, trainers, state: RunState, loader_state: dict, weights_checksum: str | None) -> float:
-        """Every rank writes its shards, then the store publishes and commits step `state.step`; returns secs."""
-        s, started = state.step, time.monotonic()
+    def write_recover(self, trainers, s: StepInfo, loader_state: dict) -> Staged:
+        """Every rank writes its part of step `s` (rank 0 also the driver state: dataloader and data state)
+        into a staging directory; nothing is published yet."""
+        started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        files = trainers.save_recover(str(staging), s.global_step)
+        files = trainers.save_recover(str(staging), s.global_step,
+                                      {"dataloader": loader_state, "global_step": s.global_step})
+        actor = self.config.actor
+        ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
+        if ref_step is not None:  # the reference weights this step needs, written on the step they changed
+            ref = reference_file(staging.parent, ref_step)
+            files[REFERENCE_PREFIX + ref.name] = {"size": ref.stat().st_size, "sha256": file_digest(ref)}
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
         files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
-        path = self.store.commit(staging, s.global_step, trainers.world_size, self.config.resume_hash(), files,
-                                 state.to_infos(loader_state))
-        secs = time.monotonic() - started
-        self.events.emit("commit", global_step=s.global_step, path=str(path), world_size=trainers.world_size,
-                         weights_checksum=weights_checksum, bytes=sum(f["size"] for f in files.values()),
-                         secs=round(secs, 3))
-        return secs
+        # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten
+        nbytes = sum(f["size"] for name, f in files.items()
+                     if not name.startswith(REFERENCE_PREFIX) or ref_step == s.global_step)
+        return Staged(staging, files, trainers.world_size, nbytes, time.monotonic() - started)
+
+    def commit_recover(self, staged: Staged, state: RunState, loader_state: dict, weights_checksum: str | None):
+        """Publish and commit what `write_recover` staged, with the recover_info of `state`'s step."""
+        s, started = state.step, time.monotonic()
+        path = self.store.commit(staged.path, s.global_step, staged.world_size, self.config.resume_hash(),
+                                 staged.files, state.to_infos(loader_state), engine=self.config.actor.backend.value)
+        secs = staged.secs + time.monotonic() - started
+        self.events.emit("commit", global_step=s.global_step, path=str(path), world_size=staged.world_size,
+                         weights_checksum=weights_checksum, bytes=staged.nbytes, secs=round(secs, 3),
+                         mbps=round(staged.nbytes / max(secs, 1e-9) / 1e6, 3))
 
     def export_hf(self, trainers, s: StepInfo) -> None:
         """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned."""

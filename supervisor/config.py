@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import getpass
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -33,6 +34,7 @@ _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 class Backend(str, enum.Enum):
     FSDP = "fsdp"
+    DEEPSPEED = "deepspeed"
 
 
 class SaveMode(str, enum.Enum):
@@ -104,6 +106,12 @@ class ActorConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up steps")
     grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the gradient norm to this; null does not clip")
+    zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only)")
+    kl_coef: float = Field(0.0, ge=0, description="weight of GRPO's KL(policy || reference) term; 0 keeps no "
+                                                  "reference policy")
+    ref_update_steps: Optional[int] = Field(
+        None, gt=0, description="refresh the reference from the policy every N steps; null keeps the initial "
+                                "policy as the reference")
 
 
 class DataConfig(_Strict):
@@ -191,9 +199,25 @@ class Config(_Strict):
                              f"cluster.n_train_workers = {self.cluster.n_train_workers}")
         if self.recover.mode.enabled and not self.recover.any_set:
             raise ValueError("recover.mode is on but none of recover.freq_epochs/freq_steps/freq_secs is set")
+        self._check_engine()
         if self.cluster.user in ("", ".", "..") or "/" in self.cluster.user:
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
+
+    def _check_engine(self) -> None:
+        actor, recover = self.actor, self.recover
+        if (actor.backend is Backend.DEEPSPEED and recover.min_train_workers is not None
+                and recover.min_train_workers < self.cluster.n_train_workers):
+            raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
+                             f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
+                             f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
+        # The reference weights are written only on the steps where they change, so every such step must
+        # also be a recover step, or a resume could not restore them exactly.
+        if actor.kl_coef and actor.ref_update_steps and recover.mode.enabled and (
+                recover.freq_steps is None or actor.ref_update_steps % recover.freq_steps):
+            raise ValueError(f"actor.ref_update_steps = {actor.ref_update_steps} must be a multiple of "
+                             f"recover.freq_steps = {recover.freq_steps}, so that every reference refresh is "
+                             f"checkpointed and a resume restores the reference exactly")
 
     def resume_hash(self) -> str:
         """Hash of what must not change across a resume (model, data, optimisation, seed)."""
@@ -256,4 +280,7 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
         config.model.path = resolve_path(config.model.path)
         if model_here and not (config.model.path / "config.json").is_file():
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
+    if config.actor.backend is Backend.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("actor.backend: deepspeed is not installed; ./dev.sh installs it "
+                          "(pip install --no-build-isolation deepspeed, after torch)")
     return config

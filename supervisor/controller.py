@@ -240,6 +240,8 @@ class Controller:
         self._roll_back_to(ckpt)
         self.events.emit("loaded", global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
+        if missing:
+            self.events.emit("warning", message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
         replaced = r.engines.replace(())
         if replaced:
             self.events.emit("engines_restarted", replaced=replaced)

@@ -1,8 +1,9 @@
-"""`relaunch export`: a recover checkpoint (DCP shards) -> a HuggingFace model directory, in one process.
+"""`relaunch export`: a recover checkpoint (fsdp's DCP shards or DeepSpeed's ZeRO files) -> a HuggingFace
+model directory, in one process.
 
 No cluster and no process group: the checkpoint is validated against its manifest (its DCP metadata read
 through the safe unpickler), the model's tensors are read straight from the shards of any world size
-(DCP reassembles them), cast to `--dtype` if asked, and written as safetensors, sharded with an index above
+(DCP reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32), cast to `--dtype` if asked, and written as safetensors, sharded with an index above
 `--max-shard-size`, next to config.json, the generation config and the tokenizer. The directory is
 published atomically like every other export.
 """
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from supervisor import safe_dcp
 from supervisor.config import Config
 from supervisor.durable import publish_dir, tmp_name
-from supervisor.recovery import RUN_CONFIG, CheckpointError, read_checkpoint, step_of
+from supervisor.recovery import MANIFEST, RUN_CONFIG, CheckpointError, read_checkpoint, step_of
 
 MODEL_PREFIX = "model."
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints above this
@@ -45,7 +46,7 @@ def validated(checkpoint: Path) -> Config:
     """The run's config of a checkpoint whose every file matches its manifest; ExportError naming the bad file."""
     config = run_config(checkpoint)
     try:
-        read_checkpoint(checkpoint)
+        manifest = read_checkpoint(checkpoint).manifest
     except CheckpointError as e:
         raise ExportError(f"damaged checkpoint: {e}") from e
     return config
@@ -100,7 +101,10 @@ def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = N
     if model_cfg.path is not None and not (model_cfg.path / "config.json").is_file():
         raise ExportError(f"model.path {model_cfg.path} of this run is not here; pass --model DIR "
                           f"(a directory with the model's config.json and tokenizer)")
-    weights = read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
+    if json.loads((checkpoint / MANIFEST).read_text()).get("engine", "fsdp") == "deepspeed":
+        weights = deepspeed_weights(checkpoint, step_of(checkpoint))
+    else:
+        weights = read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
     target = DTYPES[dtype] if dtype else None
     if target is not None:
         weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
@@ -118,3 +122,11 @@ def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = N
     tmp = tmp_name(out)
     save_model_dir(model, tokenizer, model_cfg, tmp, max_shard_size or config.saver.max_shard_size)
     publish_dir(tmp, out)
+
+
+def deepspeed_weights(checkpoint: Path, step: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own zero_to_fp32 merge of every rank's ZeRO partitions (stage 1, 2 or 3). It reads
+    DeepSpeed's optimizer files with a full unpickler: export only DeepSpeed checkpoints you trust."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=f"global_step{step}")

@@ -181,9 +181,9 @@ class TrainGroup(_Members):
             raise
         return pairs[0][0], ray.get(pairs[0][1])
 
-    def save_recover(self, staging: str, global_step: int) -> dict:
+    def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict:
         files = {}
-        for part in self.call_all("save_recover", staging, global_step):
+        for part in self.call_all("save_recover", staging, global_step, driver_state):
             files.update(part)
         return files
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import pickle
+import re
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 RUN_CONFIG = "run_config.json"  # the full config of the run, so `relaunch export` can rebuild the model
 META = "meta"
+REFERENCE_PREFIX = "../reference/"  # manifest entries of a step's reference policy file, shared by later steps
 
 
 class CheckpointError(RuntimeError):
@@ -50,6 +52,20 @@ class Checkpoint:
         return int(self.manifest["world_size"])
 
 
+def compatibility_error(manifest: dict, backend: str, n_train_workers: int) -> str | None:
+    """Why this run cannot load a checkpoint at all (another engine's format, a DeepSpeed world size it
+    cannot reshard), or None. Checkpoints older than the `engine` field were written by fsdp."""
+    engine = manifest.get("engine", "fsdp")
+    if engine != backend:
+        return (f"written by actor.backend {engine}, but this run has actor.backend {backend}; "
+                f"set actor.backend={engine} to resume it, or `relaunch clean-restart CONFIG` to start fresh")
+    world_size = int(manifest.get("world_size", n_train_workers))
+    if engine == "deepspeed" and world_size != n_train_workers:
+        return (f"a DeepSpeed checkpoint of {world_size} ranks cannot be loaded by cluster.n_train_workers = "
+                f"{n_train_workers}; set cluster.n_train_workers={world_size} to resume it")
+    return None
+
+
 @dataclass
 class LoadResult:
     checkpoint: Checkpoint | None
@@ -68,6 +84,11 @@ def _decode_info(name: str, data: bytes):
 
 def step_of(path: Path) -> int | None:
     m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def step_of_reference(name: str) -> int | None:
+    m = re.search(r"ref_globalstep(\d+)\.safetensors$", name)
     return int(m.group(1)) if m else None
 
 
@@ -125,7 +146,7 @@ class RecoverStore:
         return path
 
     def commit(self, staging: Path, global_step: int, world_size: int, config_hash: str,
-               shard_files: dict[str, dict], infos: dict) -> Path:
+               shard_files: dict[str, dict], infos: dict, engine: str = "fsdp") -> Path:
         """Publish a fully written staging directory as the last valid checkpoint of `global_step`.
 
         `shard_files` maps each file the ranks wrote to its {size, sha256}; `infos` holds the contents
@@ -152,7 +173,7 @@ class RecoverStore:
                                      f"(is cluster.fileroot on storage every node sees?)", str(staging))
         fault_point("before_manifest", step=global_step)
         manifest = {"schema_version": SCHEMA_VERSION, "global_step": global_step, "world_size": world_size,
-                    "config_hash": config_hash, "files": files}
+                    "config_hash": config_hash, "engine": engine, "files": files}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         fault_point("before_publish", step=global_step)
         publish_dir(staging, final)
@@ -188,7 +209,24 @@ class RecoverStore:
         for step in doomed:
             fault_point("during_prune", step=step)
             shutil.rmtree(self.layout.step_dir(step), ignore_errors=True)
+        self._prune_references()
         return doomed
+
+    def _prune_references(self) -> None:
+        """Delete reference policy files older than the oldest one a published step still names."""
+        ref_dir = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
+        needed = []
+        for step in self.published_steps():
+            try:
+                files = json.loads((self.layout.step_dir(step) / MANIFEST).read_bytes())["files"]
+            except (OSError, ValueError, KeyError):
+                return  # a step being pruned or damaged: keep everything, try again after the next commit
+            needed += [step_of_reference(n) for n in files if n.startswith(REFERENCE_PREFIX)]
+        if not ref_dir.is_dir() or not needed:
+            return
+        for p in ref_dir.iterdir():
+            if step_of_reference(p.name) is not None and step_of_reference(p.name) < min(needed):
+                p.unlink(missing_ok=True)
 
     def wait_for_pruning(self) -> None:
         self._pruner.submit(lambda: None).result()

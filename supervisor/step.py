@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from supervisor.checkpoints import Checkpoints
+from supervisor.checkpoints import Checkpoints, Staged
 from supervisor.classify import Group, GroupError, StaleWeights
 from supervisor.events import EventLog, StatsLog
 from supervisor.run_state import RunState
@@ -54,6 +54,7 @@ class Owed:
     evaluate: bool
     save: bool
     logged: bool = False
+    staged: Staged | None = None  # the recover save's files, written before the row, committed after it
     paid_secs: dict = field(default_factory=dict)
 
 
@@ -113,7 +114,8 @@ class StepRunner:
             row={"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
                  "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                  "lr": metrics["lr"], "weights_version": s.global_step + 1,
-                 "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout},
+                 "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout,
+                 **({"kl": metrics["kl"]} if "kl" in metrics else {})},  # with actor.kl_coef
             export=self.state.saver.check(s.is_epoch_end, elapsed),
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
@@ -137,18 +139,25 @@ class StepRunner:
             o.row["eval/reward"] = self._evaluate(s)
             o.evaluate = False
             self.fault_point("step.evaluated", s)
-        if not o.logged:
+        nxt = s.next()
+        loader_state = self.loader.state_dict(nxt.epoch, nxt.epoch_step)
+        if o.save and o.staged is None:
+            self.phase = Phase.SAVE
+            o.staged = self.checkpoints.write_recover(self.trainers, s, loader_state)
+        if not o.logged:  # before the commit: a step that is the last valid one always has its row
             self.phase = Phase.LOG
-            o.row["time/saving"] = o.paid_secs.get("export", 0.0)
+            o.row["time/saving"] = o.paid_secs.get("export", 0.0) + (o.staged.secs if o.staged else 0.0)
+            if o.staged:
+                o.row["ckpt/bytes"] = o.staged.nbytes
+                o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
             o.row["time/step"] = time.monotonic() - o.started
             self.stats.append(o.row)
             o.logged = True
             self.fault_point("step.logged", s)
         if o.save:
             self.phase = Phase.SAVE
-            nxt = s.next()
-            self.checkpoints.save_recover(self.trainers, self.state, self.loader.state_dict(nxt.epoch, nxt.epoch_step),
-                                          self.weights.checksum if self.weights else None)
+            self.checkpoints.commit_recover(o.staged, self.state, loader_state,
+                                            self.weights.checksum if self.weights else None)
             o.save = False
             self.fault_point("step.saved", s)
 
@@ -160,7 +169,7 @@ class StepRunner:
             self.owed.export = False
             return "export"
         if self.phase is Phase.SAVE and self.owed.save:
-            self.owed.save = False
+            self.owed.save, self.owed.staged = False, None
             return "recover"
         return None
 

@@ -1,4 +1,4 @@
-"""GRPO's two formulas: group-normalised advantages and the policy-gradient loss."""
+"""GRPO's formulas: group-normalised advantages, the policy-gradient loss and the KL penalty."""
 from __future__ import annotations
 
 import torch
@@ -11,14 +11,25 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return adv.view(-1)
 
 
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t + 1]) under logits[:, t]: one value per predicted token."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def masked_mean(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over generated tokens only (response_mask marks them in input_ids)."""
+    mask = response_mask[:, 1:].float()
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
 def policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
                 advantages: torch.Tensor) -> torch.Tensor:
-    """On-policy GRPO (one update per batch, so the PPO ratio is 1): -A * log p(token), token mean.
+    """On-policy GRPO (one update per batch, so the PPO ratio is 1): -A * log p(token), token mean."""
+    return masked_mean(-advantages.unsqueeze(1) * token_logprobs(logits, input_ids), response_mask)
 
-    logits[:, t] predicts input_ids[:, t + 1]; response_mask marks generated tokens in input_ids.
-    """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    token_logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    mask = response_mask[:, 1:].float()
-    per_token = -advantages.unsqueeze(1) * token_logp * mask
-    return per_token.sum() / mask.sum().clamp(min=1)
+
+def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """GRPO's KL(policy || reference) estimate per token, exp(r - p) - (r - p) - 1 (k3, always >= 0)."""
+    delta = ref_token_logp - token_logp
+    return masked_mean(torch.exp(delta) - delta - 1, response_mask)

@@ -1,22 +1,26 @@
 """TrainWorker: one rank of the TrainGroup, a Ray actor around the training engine.
 
 It joins the group's torch.distributed process group (gloo on CPU, nccl on GPU) and answers the
-Supervisor's collective calls; every rank is called together. Fault points at the entry and exit of every
-method (and between writing the shards and reporting them) let tests kill or hang a rank at exact moments.
+Supervisor's collective calls; every rank is called together. The engine (`actor.backend`) sits behind
+workers/engines/base.py: this file imports no FSDP or DeepSpeed code and knows none of their file names.
+Fault points at the entry and exit of every method (and between writing the shards and reporting them) let
+tests kill or hang a rank at exact moments.
 """
 from __future__ import annotations
 
 import os
 import socket
-import stat
 from pathlib import Path
 
 import ray
 import torch
 
 from supervisor.durable import file_digest
-from supervisor.faults import armed, fault_point, fault_points
+from supervisor.faults import fault_point, fault_points
+from supervisor.recovery import step_of
 from workers.model import weights_checksum
+
+DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
 
 
 @ray.remote
@@ -37,14 +41,13 @@ class TrainWorker:
 
     @fault_points
     def setup(self, master_addr: str, master_port: int) -> None:
-        from workers.engines.fsdp import FSDPEngine, init_process_group  # torch.distributed, transformers
+        from workers.engines.base import make_engine  # torch.distributed, transformers, the chosen engine
 
-        device = init_process_group(self.config, self.rank, self.world_size, master_addr, master_port)
-        self.engine = FSDPEngine(self.config, self.rank, self.world_size, device)
+        self.engine = make_engine(self.config, self.rank, self.world_size, master_addr, master_port)
 
     @fault_points
     def train(self, shard: dict, global_step: int) -> dict:
-        return self.engine.train_step(shard)
+        return self.engine.train_step(shard, global_step)
 
     @fault_points
     def weights(self, global_step: int) -> tuple[dict | None, str | None]:
@@ -54,25 +57,22 @@ class TrainWorker:
         return (full, weights_checksum(full)) if self.rank == 0 else (None, None)
 
     @fault_points
-    def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
-        """Collective; returns {file: {size, sha256}} for the files this rank wrote."""
+    def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:
+        """Collective; returns {file: {size, sha256}} for the files this rank wrote. Rank 0 also writes
+        `driver_state` (the dataloader and data state) once, as driver_state.pt."""
         directory = Path(staging)
-        if armed("dcp_write", step=global_step, rank=self.rank) == "enospc":
-            # A real disk-full inside DCP's writer: this rank's shard file is made to point at /dev/full.
-            if not stat.S_ISCHR(os.stat("/dev/full").st_mode):
-                raise RuntimeError("fault dcp_write:enospc needs the /dev/full device")
-            (directory / f"__{self.rank}_0.distcp").symlink_to("/dev/full")
-        self.engine.save(directory)
+        mine = self.engine.save(directory, global_step)
         fault_point("after_shards", step=global_step, rank=self.rank)
-        mine = [p for p in directory.iterdir() if p.name.startswith(f"__{self.rank}_")]
-        mine.append(directory / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            mine.append(directory / ".metadata")
-        return {p.name: {"size": p.stat().st_size, "sha256": file_digest(p)} for p in mine}
+        if self.rank == 0 and driver_state is not None:
+            torch.save(driver_state, directory / DRIVER_STATE)
+            mine.append(DRIVER_STATE)
+        return {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+                for name in mine}
 
     @fault_points
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
-        return self.engine.load(Path(step_dir), same_world_size=saved_world_size == self.world_size)
+        path = Path(step_dir)
+        return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
 
     @fault_points
     def export_hf(self, directory: str, global_step: int) -> None:

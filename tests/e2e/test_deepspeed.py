@@ -1,0 +1,153 @@
+"""actor.backend deepspeed (ZeRO-2 and ZeRO-3) with a KL reference policy, on real multi-node Ray clusters
+(and, last, the same reference policy on fsdp).
+
+Per stage, two jobs: the default job uninterrupted on the shared cluster, and the same job with a rank
+SIGKILLed mid-update and, later, the whole job (driver and embedded Ray) killed and rerun. Every other
+check (reference file, export, zero_to_fp32, the other backend) reads those runs' outputs.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CONFIG, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
+from supervisor.local_cluster import short_tmp
+
+pytestmark = pytest.mark.e2e
+
+# The default job (60 steps, recover every 5) on DeepSpeed, with a KL term whose reference is refreshed
+# after steps 9, 19, ..., 59; recover checkpoints at steps 4, 9, 14, ...
+DEEPSPEED = ["actor.backend=deepspeed", "actor.kl_coef=0.05", "actor.ref_update_steps=10"]
+RANK_KILL_STEP, JOB_KILL_STEP = 17, 26   # resume from step 14 (ref of step 9), then from 24 (ref of step 19)
+
+
+def curve(stats: list[dict]) -> list[tuple]:
+    return [(r["global_step"], r["reward"], r["loss"], r["grad_norm"], r["kl"]) for r in stats]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def stage(request) -> int:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, stage, tmp_path_factory) -> Trial:
+    t = Trial(tmp_path_factory.mktemp(f"zero{stage}") / "runs")
+    r = relaunch("run", str(CONFIG), *DEEPSPEED, f"actor.zero_stage={stage}", *t.overrides, "--address", cluster.address)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return t
+
+
+@pytest.fixture(scope="module")
+def interrupted(stage, tmp_path_factory) -> Trial:
+    """A rank killed mid-update (restarted inside the job), then the whole job killed and rerun."""
+    tmp = tmp_path_factory.mktemp(f"zero{stage}-broken")
+    t = Trial(tmp / "runs")
+    env = job_env({"RELAUNCH_FAULT": f"TrainWorker.train.enter:kill:step={RANK_KILL_STEP}:rank=1,"
+                                     f"TrainWorker.train.enter:killjob:step={JOB_KILL_STEP}:rank=0",
+                   "RELAUNCH_FAULT_DIR": str(tmp)})
+    codes = []
+    for attempt in range(2):
+        env["RAY_TMPDIR"] = str(short_tmp("rld"))
+        proc = start_relaunch("run", str(CONFIG), *DEEPSPEED, f"actor.zero_stage={stage}", "recover.backoff_secs=0",
+                              *t.overrides, env=env, log=tmp / f"run{attempt}.log")
+        codes.append(proc.wait(timeout=600))
+        kill_session(proc.pid)  # nothing of a killed job may linger
+    assert codes == [-9, 0], (tmp / "run1.log").read_text()[-3000:]
+    return t
+
+
+def test_the_default_job_learns_on_deepspeed(uninterrupted):
+    stats = uninterrupted.stats()
+    assert [s["global_step"] for s in stats] == list(range(60))
+    first, last = (sum(s["reward"] for s in part) / 10 for part in (stats[:10], stats[-10:]))
+    assert last > first + 0.3, (first, last)
+    evals = [s["eval/reward"] for s in stats if "eval/reward" in s]
+    assert evals[-1] > evals[0] + 0.2, evals
+    # the reference is the policy right after each refresh (steps 9, 19, ...), and falls behind it in between
+    assert [s["global_step"] for s in stats if s["kl"] == 0] == list(range(0, 60, 10))
+    saves = [s for s in stats if "ckpt/bytes" in s]
+    assert [s["global_step"] for s in saves] == list(range(4, 60, 5))
+    assert all(s["ckpt/bytes"] > 0 and s["ckpt/MBps"] > 0 and s["time/saving"] > 0 for s in saves)
+
+
+def test_a_killed_rank_and_a_killed_job_end_bit_identical(interrupted, uninterrupted):
+    assert [(e["global_step"], e["cause"]) for e in interrupted.events("failure")] == [(RANK_KILL_STEP, "worker_died")]
+    assert [e["global_step"] for e in interrupted.events("loaded")] == [-1, 14, 24]
+    assert curve(interrupted.stats()) == curve(uninterrupted.stats())  # kl included: the reference came back exactly
+    assert interrupted.final_weights() == uninterrupted.final_weights()
+    assert status_json(interrupted)["state"] == "done"
+
+
+def test_the_reference_is_written_only_on_its_update_steps(interrupted, uninterrupted):
+    for trial in (uninterrupted, interrupted):
+        recover = trial.root / "default" / "recover_checkpoint"
+        # keep_last 2 leaves steps 54 and 59, which need the references of steps 49 and 59; older ones are pruned
+        assert sorted(p.name for p in (recover / "reference").iterdir()) == \
+            ["ref_globalstep49.safetensors", "ref_globalstep59.safetensors"]
+        manifest = json.loads((recover / "globalstep54" / "manifest.json").read_text())
+        assert "../reference/ref_globalstep49.safetensors" in manifest["files"]
+        ref49 = recover / "reference" / "ref_globalstep49.safetensors"
+        assert ref49.stat().st_mtime_ns < (recover / "globalstep54" / "manifest.json").stat().st_mtime_ns
+        ds = recover / "globalstep59"
+        assert (ds / "latest").read_text() == "global_step59" and (ds / "global_step59").is_dir()
+        assert len(list(ds.glob("driver_state.pt"))) == 1 and len(list(ds.rglob("rng_rank*.pt"))) == 2
+    for name in ("ref_globalstep49.safetensors", "ref_globalstep59.safetensors"):
+        a = uninterrupted.root / "default" / "recover_checkpoint" / "reference" / name
+        b = interrupted.root / "default" / "recover_checkpoint" / "reference" / name
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_export_and_zero_to_fp32_read_the_deepspeed_checkpoint(uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    step_dir = uninterrupted.root / "default" / "recover_checkpoint" / "globalstep59"
+    out = tmp_path / "hf"
+    r = relaunch("export", str(step_dir), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    exported = load_file(out / "model.safetensors")
+    saver = load_file(uninterrupted.exports()[-1] / "model.safetensors")  # the job's own export of step 59
+    assert exported.keys() == saver.keys() and all(torch.equal(exported[k], saver[k]) for k in saver)
+    model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    ids = tok("7 3 =", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=1, do_sample=False)
+    assert tok.decode(generated[0, -1:]).strip() in [str(d) for d in range(10)]
+    # DeepSpeed's own script, as it wrote it into our step directory, reads the step directory as it is
+    fp32 = tmp_path / "fp32"
+    # (its --safe_serialization refuses the tied embedding, so the torch format)
+    z = subprocess.run([sys.executable, str(step_dir / "zero_to_fp32.py"), str(step_dir), str(fp32)],
+                       capture_output=True, text=True, timeout=300)
+    assert z.returncode == 0, z.stderr[-2000:]
+    merged = torch.load(next(fp32.glob("*.bin")), weights_only=True)
+    assert all(torch.equal(merged[k], saver[k]) for k in saver)
+
+
+def test_a_deepspeed_checkpoint_given_to_fsdp_stops_with_exit_2(cluster, uninterrupted):
+    before = sorted(p.name for p in (uninterrupted.root / "default" / "recover_checkpoint").iterdir())
+    r = relaunch("run", str(CONFIG), *DEEPSPEED, "actor.backend=fsdp",
+                 *uninterrupted.overrides, "--address", cluster.address)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "written by actor.backend deepspeed, but this run has actor.backend fsdp" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in (uninterrupted.root / "default" / "recover_checkpoint").iterdir()) == before
+
+
+def test_the_fsdp_engine_restores_its_reference_exactly(cluster, tmp_path):
+    """The KL reference on fsdp: a rank killed between two refreshes resumes bit-identical (kl included)."""
+    job = ["total_train_epochs=2", "actor.kl_coef=0.05", "actor.ref_update_steps=10", "recover.backoff_secs=0"]
+    trials = {}
+    for name, fault in (("whole", None), ("killed", f"TrainWorker.train.enter:kill:step={RANK_KILL_STEP}:rank=1")):
+        trials[name] = t = Trial(tmp_path / name / "runs")
+        env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)} if fault else None)
+        r = relaunch("run", str(CONFIG), *job, *t.overrides, "--address", cluster.address, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    whole, killed = trials["whole"], trials["killed"]
+    assert [e["global_step"] for e in killed.events("loaded")] == [-1, 14]
+    assert [s["global_step"] for s in whole.stats() if s["kl"] == 0] == [0, 10, 20]
+    assert curve(killed.stats()) == curve(whole.stats())
+    assert killed.final_weights() == whole.final_weights()

@@ -1,0 +1,114 @@
+"""Pure pieces behind the engines: the reference schedule, GRPO's KL term, which checkpoint an engine can
+load, reference file retention, and the config rules that keep a DeepSpeed or KL run restorable."""
+import pytest
+import torch
+
+from supervisor.config import DEFAULT_CONFIG, Backend, ConfigError, load_config
+from supervisor.layout import TrialLayout
+from supervisor.recovery import RecoverStore, compatibility_error
+from workers.engines.reference import reference_file, reference_step
+from workers.grpo import kl_penalty, policy_loss
+
+
+@pytest.mark.parametrize("step, every, expected", [
+    (0, None, None), (100, None, None),     # never refreshed: the initial policy
+    (0, 10, None), (8, 10, None),           # before the first refresh
+    (9, 10, 9), (14, 10, 9), (19, 10, 19),  # refreshed after steps 9, 19, ...
+    (0, 1, 0), (5, 1, 5),
+])
+def test_reference_step_is_the_last_refresh_at_or_before_a_step(step, every, expected):
+    assert reference_step(step, every) == expected
+
+
+def test_kl_penalty_is_zero_for_the_same_policy_and_positive_otherwise():
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.3]]))
+    mask = torch.tensor([[0, 1, 1, 1]])
+    assert kl_penalty(logp, logp, mask) == 0
+    assert kl_penalty(logp, logp + 0.1, mask) > 0 and kl_penalty(logp, logp - 0.1, mask) > 0
+    assert kl_penalty(logp, logp + 5.0, torch.zeros_like(mask)) == 0  # only generated tokens count
+
+
+def test_policy_loss_is_minus_advantage_times_logprob_over_generated_tokens():
+    logits = torch.zeros(1, 3, 4)  # uniform: log p = -log 4 for every token
+    loss = policy_loss(logits, torch.tensor([[0, 1, 2]]), torch.tensor([[0, 0, 1]]), torch.tensor([2.0]))
+    assert torch.isclose(loss, torch.tensor(2.0) * torch.log(torch.tensor(4.0)))
+
+
+@pytest.mark.parametrize("manifest, backend, n, fragment", [
+    ({"engine": "fsdp", "world_size": 2}, "fsdp", 2, None),
+    ({"world_size": 2}, "fsdp", 2, None),  # written before the engine was recorded: fsdp
+    ({"engine": "fsdp", "world_size": 2}, "fsdp", 1, None),  # DCP reshards
+    ({"engine": "deepspeed", "world_size": 2}, "deepspeed", 2, None),
+    ({"engine": "deepspeed", "world_size": 2}, "fsdp", 2, "written by actor.backend deepspeed, but this run has "
+                                                          "actor.backend fsdp"),
+    ({"engine": "fsdp", "world_size": 2}, "deepspeed", 2, "written by actor.backend fsdp, but this run has "
+                                                          "actor.backend deepspeed"),
+    ({"world_size": 2}, "deepspeed", 2, "actor.backend fsdp"),
+    ({"engine": "deepspeed", "world_size": 2}, "deepspeed", 4, "cluster.n_train_workers = 4"),
+])
+def test_compatibility_of_a_checkpoint_with_the_run(manifest, backend, n, fragment):
+    problem = compatibility_error(manifest, backend, n)
+    assert problem is None if fragment is None else fragment in problem
+
+
+def test_deepspeed_and_its_stages_are_accepted():
+    c = load_config(DEFAULT_CONFIG, ["actor.backend=deepspeed", "actor.zero_stage=3"])
+    assert c.actor.backend is Backend.DEEPSPEED and c.actor.zero_stage == 3
+
+
+@pytest.mark.parametrize("overrides, keys", [
+    (["actor.zero_stage=4"], ["actor.zero_stage"]),
+    (["actor.backend=deepspeed", "recover.min_train_workers=1"], ["recover.min_train_workers", "actor.backend"]),
+    (["actor.kl_coef=0.1", "actor.ref_update_steps=7"], ["actor.ref_update_steps", "recover.freq_steps"]),
+    (["actor.kl_coef=0.1", "actor.ref_update_steps=10", "recover.freq_steps=null", "recover.freq_epochs=1"],
+     ["actor.ref_update_steps", "recover.freq_steps"]),
+])
+def test_configs_that_cannot_be_restored_exactly_are_rejected_naming_the_keys(overrides, keys):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT_CONFIG, overrides)
+    assert all(k in str(e.value) for k in keys) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["actor.kl_coef=0.1", "actor.ref_update_steps=10"],  # recover every 5 steps: every refresh is saved
+    ["actor.kl_coef=0.1"],                               # the reference never changes
+    ["actor.kl_coef=0.1", "actor.ref_update_steps=7", "recover.mode=off"],
+    ["actor.backend=deepspeed", "recover.min_train_workers=2"],
+])
+def test_restorable_reference_and_engine_configs_are_accepted(overrides):
+    load_config(DEFAULT_CONFIG, overrides)
+
+
+def test_reference_files_are_pruned_once_no_kept_step_needs_them(tmp_path):
+    from supervisor.durable import file_digest
+
+    store = RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=2)
+    infos = {"step_info.json": {}, "saver_info.json": {}, "evaluator_info.json": {},
+             "stats_logger_info.json": {}, "dataloader_info.pkl": {}}
+    for step in (4, 9, 14, 19, 24):
+        staging = store.staging_dir(step)
+        ref_step = reference_step(step, 10)
+        files = {}
+        if ref_step is not None:
+            ref = reference_file(staging.parent, ref_step)
+            if not ref.exists():  # written only on the step where it changes
+                ref.parent.mkdir(exist_ok=True)
+                ref.write_bytes(b"weights of step %d" % ref_step)
+            files[f"../reference/{ref.name}"] = {"size": ref.stat().st_size, "sha256": file_digest(ref)}
+        store.commit(staging, step, 2, "hash", files, infos, engine="deepspeed")
+        store.wait_for_pruning()
+    assert store.published_steps() == [19, 24]
+    assert sorted(p.name for p in (store.layout.recover_checkpoint / "reference").iterdir()) == \
+        ["ref_globalstep19.safetensors"]
+    ck = store.load_latest().checkpoint
+    assert ck.global_step == 24 and ck.manifest["engine"] == "deepspeed"
+
+
+def test_deepspeed_without_the_package_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match="actor.backend: deepspeed is not installed"):
+        load_config(DEFAULT_CONFIG, ["actor.backend=deepspeed"])
+    load_config(DEFAULT_CONFIG, ["actor.backend=fsdp"])

@@ -1,0 +1,61 @@
+"""The one interface the TrainWorker drives, whatever the engine (`actor.backend`: fsdp | deepspeed).
+
+An engine owns one rank's share of the policy, its optimizer, LR scheduler, RNGs and (with `actor.kl_coef`)
+the reference policy. The file names it writes into a recover step directory are its own business: `save`
+returns them, so the worker can report their sizes and digests without knowing the format.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+ENGINES = {"fsdp": "workers.engines.fsdp:FSDPEngine", "deepspeed": "workers.engines.deepspeed:DeepSpeedEngine"}
+
+
+class TrainEngine(Protocol):
+    def train_step(self, batch: dict, global_step: int) -> dict:
+        """One optimizer step on this rank's shard of the batch; returns loss, grad_norm, lr (and kl)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the full weights on CPU on rank 0 (every rank calls it; the others may get nothing)."""
+
+    def save(self, directory: Path, global_step: int) -> list[str]:
+        """Collective: this step's recover state into `directory`; returns the paths (relative to it)
+        this rank wrote, so that together the ranks report every file exactly once."""
+
+    def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
+        """Collective: restore a recover step directory; returns the names of state it lacked."""
+
+    def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
+        """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
+
+
+def init_process_group(config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
+    """Join the group's process group: nccl on GPU, gloo on CPU. Collectives time out well after a hung step
+    does, so the Supervisor decides what a hang is, not gloo or NCCL (as on main since f0af01d)."""
+    use_gpu = config.cluster.gpus_per_worker > 0
+    # DeepSpeed (and torchrun-style code) reads the rendezvous from the environment; this actor is one rank.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    dist.init_process_group(
+        "nccl" if use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=2 * config.recover.step_timeout_secs + 60))
+    return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+
+
+def lr_scheduler(optimizer, warmup: int):
+    """Linear warm-up over `warmup` steps, then constant: the same schedule for every engine."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+
+
+def make_engine(config, rank: int, world_size: int, master_addr: str, master_port: int) -> TrainEngine:
+    """Join the process group and build the engine `actor.backend` names (imported only when chosen)."""
+    device = init_process_group(config, rank, world_size, master_addr, master_port)
+    module, cls = ENGINES[config.actor.backend.value].split(":")
+    return getattr(importlib.import_module(module), cls)(config, rank, world_size, device)

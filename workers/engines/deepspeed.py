@@ -1,0 +1,114 @@
+"""The DeepSpeed training engine: ZeRO stage 1, 2 or 3 (`actor.zero_stage`) on gloo (CPU) or nccl (GPU).
+
+The optimizer is a plain `torch.optim.AdamW` handed to `deepspeed.initialize` (DeepSpeed's own CPU Adam is a
+C++ op built on first use; AdamW needs no build and steps the same way on every rank), with the same LR
+schedule as the FSDP engine. Recover checkpoints are DeepSpeed's native format: `save_checkpoint` with tag
+`global_step{G}` and its `latest` file inside our step directory, which relaunch publishes atomically (so
+DeepSpeed's non-atomic `latest` never is the commit point), plus one RNG file per rank. Loading names the
+tag explicitly. DeepSpeed's `zero_to_fp32` reads the step directory as it is.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from workers.engines.base import lr_scheduler
+from workers.engines.export import write_hf
+from workers.engines.reference import ReferencePolicy
+from workers.engines.rng import load_rng, save_rng
+from workers.grpo import policy_loss
+from workers.model import build_model, build_tokenizer, forward_logits
+
+RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
+
+
+def checkpoint_tag(global_step: int) -> str:
+    return f"global_step{global_step}"
+
+
+def ds_config(config, world_size: int) -> dict:
+    actor, samples = config.actor, config.data.batch_size * config.data.group_size
+    return {
+        "train_micro_batch_size_per_gpu": samples // world_size, "gradient_accumulation_steps": 1,
+        "gradient_clipping": actor.grad_clip or 0.0, "zero_optimization": {"stage": actor.zero_stage},
+        "zero_allow_untested_optimizer": True, "steps_per_print": 2**31, "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedEngine:
+    def __init__(self, config, rank: int, world_size: int, device: torch.device):
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.tokenizer = build_tokenizer(config.model)
+        model = build_model(config.model, self.tokenizer, config.seed).to(device)
+        self.reference = ReferencePolicy(config, self.tokenizer, device) if config.actor.kl_coef else None
+        actor = config.actor
+        optimizer = torch.optim.AdamW(model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, actor.warmup_steps),
+            config=ds_config(config, world_size), dist_init_required=False)
+
+    def train_step(self, batch: dict, global_step: int) -> dict:
+        """One optimizer step on this rank's shard of the batch; DeepSpeed averages the gradients."""
+        self.engine.train()
+        ids = batch["input_ids"].to(self.device)
+        mask = batch["attention_mask"].to(self.device)
+        logits = forward_logits(self.engine, ids, mask)
+        loss = policy_loss(logits, ids, batch["response_mask"].to(self.device), batch["advantages"].to(self.device))
+        metrics = {}
+        if self.reference is not None:
+            kl = self.reference.kl(logits, batch, self.device)
+            loss = loss + self.reference.coef * kl
+            metrics["kl"] = float(kl.detach())
+        self.engine.backward(loss)
+        lr = self.scheduler.get_last_lr()[0]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if self.reference is not None and self.reference.refresh_due(global_step):
+            self.reference.refresh(self.full_state_dict())
+        loss_avg = loss.detach().clone()
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)
+        return {"loss": float(loss_avg / self.world_size), "lr": lr, **metrics,
+                "grad_norm": float(norm) if norm is not None else float("nan")}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank gets the full weights on CPU (ZeRO-3 gathers its partitions first)."""
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.config.actor.zero_stage == 3):
+            return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+
+    def save(self, directory: Path, global_step: int) -> list[str]:
+        """Collective: DeepSpeed's checkpoint (tag global_step{G}, `latest`) and this rank's RNG file.
+
+        Each rank reports its own `zero_pp_rank_{r}_*` shards and RNG file; rank 0 also the shared files
+        (`latest`, ZeRO-1/2's model states, DeepSpeed's zero_to_fp32.py)."""
+        tag = checkpoint_tag(global_step)
+        self.engine.save_checkpoint(str(directory), tag=tag)
+        written = [save_rng(directory, self.rank)]
+        dist.barrier()  # every rank's files are on disk before rank 0 lists the shared ones
+        written += [f"{tag}/{p.name}" for p in (directory / tag).iterdir() if RANK_FILE.format(self.rank) in p.name]
+        if self.rank == 0:
+            written += [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()
+                        and "zero_pp_rank_" not in p.name and not p.name.startswith("rng_rank")]
+        if self.reference is not None:
+            self.reference.save(directory.parent, global_step, self.rank)
+        return written
+
+    def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
+        """Collective: model, optimizer and LR scheduler from the named tag (never from `latest`)."""
+        if not same_world_size:
+            raise ValueError(f"{directory}: a DeepSpeed checkpoint loads only with the world size it was saved with")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=checkpoint_tag(global_step),
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"{directory / checkpoint_tag(global_step)}: DeepSpeed found no checkpoint")
+        if self.reference is not None:
+            self.reference.load(directory.parent, global_step)
+        return load_rng(directory, self.rank, same_world_size)
+
+    def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
+        write_hf(self.config.model, self.tokenizer, full_state, directory)

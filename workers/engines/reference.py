@@ -1,0 +1,70 @@
+"""The reference policy of GRPO's KL term (`actor.kl_coef`), refreshed from the policy every
+`actor.ref_update_steps` steps, for every engine.
+
+Every rank holds a frozen full copy (no gradients, not sharded). Its weights are checkpointed only on the
+steps where they change: rank 0 writes `recover_checkpoint/reference/ref_globalstep{U}.safetensors` when a
+recover save falls on update step U (config validation makes every update step a recover step), and each
+step directory's manifest names the file it needs. Before the first refresh the reference is the initial
+policy, which the engine rebuilds exactly from the config; nothing is written for it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from supervisor.durable import write_atomic
+from workers.grpo import kl_penalty, token_logprobs
+from workers.model import build_model, forward_logits
+
+REFERENCE_DIR = "reference"
+
+
+def reference_step(global_step: int, every: int | None) -> int | None:
+    """The last step <= global_step after whose update the reference was refreshed; None: the initial policy."""
+    if every is None:
+        return None
+    step = (global_step + 1) // every * every - 1
+    return step if step >= 0 else None
+
+
+def reference_file(recover_root: Path, step: int) -> Path:
+    return recover_root / REFERENCE_DIR / f"ref_globalstep{step}.safetensors"
+
+
+class ReferencePolicy:
+    def __init__(self, config, tokenizer, device: torch.device):
+        self.every = config.actor.ref_update_steps
+        self.coef = config.actor.kl_coef
+        self.model = build_model(config.model, tokenizer, config.seed).to(device).eval().requires_grad_(False)
+
+    def kl(self, policy_logits: torch.Tensor, batch: dict, device: torch.device) -> torch.Tensor:
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        with torch.no_grad():
+            ref_logp = token_logprobs(forward_logits(self.model, ids, mask), ids)
+        return kl_penalty(token_logprobs(policy_logits, ids), ref_logp, batch["response_mask"].to(device))
+
+    def refresh_due(self, global_step: int) -> bool:
+        return self.every is not None and (global_step + 1) % self.every == 0
+
+    def refresh(self, full_state: dict[str, torch.Tensor]) -> None:
+        """Copy the policy's full weights; only a tied lm_head may be left out."""
+        missing = set(self.model.load_state_dict(full_state, strict=False).missing_keys)
+        if missing - {"lm_head.weight"}:
+            raise RuntimeError(f"reference refresh got no weights for {sorted(missing)[:3]}")
+
+    def save(self, recover_root: Path, global_step: int, rank: int) -> None:
+        """Rank 0 writes the weights on the step they changed; any other step writes nothing."""
+        if rank != 0 or reference_step(global_step, self.every) != global_step:
+            return
+        from safetensors.torch import save
+
+        state = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
+        write_atomic(reference_file(recover_root, global_step), save(state))
+
+    def load(self, recover_root: Path, global_step: int) -> None:
+        step = reference_step(global_step, self.every)
+        if step is not None:
+            from safetensors.torch import load_file
+
+            self.refresh(load_file(reference_file(recover_root, step)))
