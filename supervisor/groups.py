@@ -171,9 +171,9 @@ class TrainGroup(_Members):
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
         return self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
 
-    def weights(self, global_step: int) -> tuple[ray.ObjectRef, str]:
-        """(reference to rank 0's full state dict, its checksum); the dict stays in the object store."""
-        pairs = [m.handle.weights.options(num_returns=2).remote(global_step) for m in self.members]
+    def weights(self, global_step: int, checksum: bool = False) -> tuple[ray.ObjectRef, str | None]:
+        """(reference to rank 0's full state dict, its checksum if asked); the dict stays in the object store."""
+        pairs = [m.handle.weights.options(num_returns=2).remote(global_step, checksum) for m in self.members]
         try:
             self.gather([c for _, c in pairs])
         except GroupError:

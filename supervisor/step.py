@@ -41,7 +41,7 @@ class Weights:
     """The trainer's full weights in the object store, tagged with the version they are used for."""
     ref: Any
     version: int
-    checksum: str
+    checksum: str | None  # computed only where it is checked (resyncs, commits)
 
 
 @dataclass
@@ -156,8 +156,7 @@ class StepRunner:
             self.fault_point("step.logged", s)
         if o.save:
             self.phase = Phase.SAVE
-            self.checkpoints.commit_recover(o.staged, self.state, loader_state,
-                                            self.weights.checksum if self.weights else None)
+            self.checkpoints.commit_recover(o.staged, self.state, loader_state, self.weights_checksum())
             o.save = False
             self.fault_point("step.saved", s)
 
@@ -181,13 +180,21 @@ class StepRunner:
         return float(torch.tensor(score(self.reward_fn, rows, out["completions"])).mean())
 
     # ---- the engines' weights -----------------------------------------------------------------------
+    def weights_checksum(self) -> str:
+        """The checksum of the trainer's current weights, gathered again if this step's push went without."""
+        version = self.state.step.global_step + 1
+        if self.weights is None or self.weights.version != version or not self.weights.checksum:
+            ref, checksum = self.trainers.weights(version - 1, checksum=True)
+            self.weights = Weights(ref, version, checksum)
+        return self.weights.checksum
+
     def sync_engines(self, gate: bool, pull: bool = False) -> None:
         """Bring every engine to the trainer's version. With `gate` (after a repair), push only to the engines
         that do not hold it already and require every engine to report the trainer's version and checksum."""
         self.engine_version = None
         version = self.state.step.global_step + 1
-        if pull or self.weights is None or self.weights.version != version:
-            ref, checksum = self.trainers.weights(version - 1)
+        if pull or self.weights is None or self.weights.version != version or (gate and not self.weights.checksum):
+            ref, checksum = self.trainers.weights(version - 1, checksum=gate)
             self.weights = Weights(ref, version, checksum)
         want = (self.weights.version, self.weights.checksum)
         if not gate:

@@ -50,11 +50,14 @@ class TrainWorker:
         return self.engine.train_step(shard, global_step)
 
     @fault_points
-    def weights(self, global_step: int) -> tuple[dict | None, str | None]:
-        """Collective; rank 0 returns (full state dict, checksum), the others (None, None). `global_step` is
-        the last step the weights were updated by (-1: none yet)."""
+    def weights(self, global_step: int, checksum: bool = False) -> tuple[dict | None, str | None]:
+        """Collective; rank 0 returns (full state dict, its checksum if asked), the others (None, None).
+        `global_step` is the last step the weights were updated by (-1: none yet). The checksum hashes every
+        byte of the model, so it is asked for only where it is checked: resyncs and commits."""
         full = self.engine.full_state_dict()
-        return (full, weights_checksum(full)) if self.rank == 0 else (None, None)
+        if self.rank != 0:
+            return None, None
+        return full, weights_checksum(full) if checksum else None
 
     @fault_points
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:

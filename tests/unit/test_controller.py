@@ -47,6 +47,7 @@ class World:
         self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
         self.storage_full = self.reward_raises = False
         self.train_groups = 0
+        self.checksums = 0  # how often the trainers hashed their full weights
 
     def strike(self, phase: str, step: int) -> None:
         fault = self.armed.pop((phase, step), None)
@@ -100,9 +101,10 @@ class FakeTrainers:
         self.history.append(global_step)
         return [{"loss": float(global_step), "grad_norm": 1.0, "lr": 0.1}]
 
-    def weights(self, global_step):
+    def weights(self, global_step, checksum=False):
         self._check("weights", global_step)
-        return (id(self), len(self.history), tuple(self.history)), digest(self.history)
+        self.world.checksums += int(checksum)
+        return (id(self), len(self.history), tuple(self.history)), digest(self.history) if checksum else None
 
     def save_recover(self, staging, global_step, driver_state=None):
         self._check("save", global_step)
@@ -223,6 +225,7 @@ def clean(tmp_path_factory):
     world = World()
     result, layout, engines, controller = run(tmp_path_factory.mktemp("clean"), world)
     assert result.exit_code == 0
+    assert world.checksums == 1 + 4  # the first resync and the 4 commits hash the weights; other steps do not
     return read_jsonl(layout.stats_log), engines.generated
 
 
