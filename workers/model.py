@@ -47,8 +47,10 @@ def model_config(model_cfg, tokenizer):
 def build_model(model_cfg, tokenizer, seed: int) -> torch.nn.Module:
     """Identical on every rank: loaded weights, or a random init seeded by `seed`."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     if model_cfg.path is not None:
+        hf_logging.disable_progress_bar()  # one bar per worker would interleave with the job's own progress bar
         return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(model_config(model_cfg, tokenizer), dtype=torch.float32)

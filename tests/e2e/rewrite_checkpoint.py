@@ -18,13 +18,14 @@ def rank_main(rank: int, world_size: int, port: int, source: Path, staging: Path
     import torch.distributed as dist
 
     from supervisor.export import run_config
+    from supervisor.recovery import step_of
     from workers.engines.fsdp import FSDPEngine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     engine = FSDPEngine(run_config(source), rank, world_size, torch.device("cpu"))
-    engine.load(source, same_world_size=False)
-    engine.save(staging)
+    engine.load(source, step_of(source), same_world_size=False)
+    engine.save(staging, step_of(source))
     dist.barrier()
     dist.destroy_process_group()
 
