@@ -110,7 +110,8 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
 
 @pytest.mark.timeout(900)
 def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_path):
-    """SIGKILL and SIGSTOP of random actors at random moments; RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
+    """Up to 8 SIGKILLs and SIGSTOPs of random actors at random moments (the Supervisor only killed: a
+    stopped Supervisor is not detected); RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
     import ray
 
     seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
@@ -124,14 +125,12 @@ def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_p
     try:
         trial.wait_for_step(0, proc)
         supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
-        while len(done) < 6 and proc.poll() is None:
-            time.sleep(rng.uniform(1.0, 6.0))
+        while len(done) < 8 and proc.poll() is None:
+            time.sleep(rng.uniform(0.5, 3.0))
             try:
                 p = ray.get(supervisor.progress.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - the Supervisor is being restarted
                 continue
-            if p["global_step"] >= 20:
-                break
             targets = [w for w in p["workers"] if w["pid"]] + [{"name": "Supervisor", "pid": p["supervisor_pid"]}]
             target = rng.choice(targets)
             sig = signal.SIGKILL if target["name"] == "Supervisor" or rng.random() < 0.5 else signal.SIGSTOP
@@ -154,7 +153,7 @@ def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_p
             proc.kill()
     log = (tmp_path / "job.log").read_text()
     assert code == 0, f"seed {seed}, faults {done}\n{log[-4000:]}"
-    assert done, f"seed {seed}: the job ended before any fault"
+    assert len(done) >= 3, f"seed {seed}: the job ended after {done}"
     assert_exact(trial, reference)
 
 
