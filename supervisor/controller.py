@@ -189,9 +189,10 @@ class Controller:
         if self.recovery is None:
             return
         rec, self.recovery = self.recovery, None
-        parts = {k: round(v, 3) for k, v in rec.items() if isinstance(v, float) and k != "seen"}
-        parts["total"] = round(time.time() - rec["seen"] + rec["detection"], 3)
-        parts["first_step"] = round(time.time() - rec.pop("resynced", rec["seen"]), 3)
+        seen, resynced = rec.pop("seen"), rec.pop("resynced", None)
+        parts = {k: round(v, 3) for k, v in rec.items() if isinstance(v, float)}
+        parts["total"] = round(time.time() - seen + rec["detection"], 3)
+        parts["first_step"] = round(time.time() - (resynced or seen), 3)
         self.events.emit("recovery", cause=rec["cause"], what=rec["what"], **parts)
 
     def _time(self, part: str, since: float) -> float:
