@@ -7,6 +7,7 @@ are written by the TrainGroup and published by recovery.py; this module only ord
 """
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,13 +38,11 @@ class Checkpoints:
     def __init__(self, config, layout: TrialLayout, events: EventLog):
         self.config, self.layout, self.events = config, layout, events
         self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None
+        self._reference_entries: dict[int, dict] = {}  # reference step -> its manifest entry
 
     @property
     def enabled(self) -> bool:
         return self.store is not None
-
-    def committed_step(self) -> int | None:
-        return self.store.committed_step() if self.store else None
 
     def load_last_valid(self) -> Checkpoint | None:
         """The last valid checkpoint (falling back past damaged ones), after cleaning up interrupted saves.
@@ -80,7 +79,12 @@ class Checkpoints:
         ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
         if ref_step is not None:  # the reference weights this step needs, written on the step they changed
             ref = reference_file(staging.parent, ref_step)
-            files[REFERENCE_PREFIX + ref.name] = {"size": ref.stat().st_size, "sha256": file_digest(ref)}
+            if not ref.is_file():
+                raise OSError(errno.EIO, "rank 0 did not write the reference weights (is cluster.fileroot on "
+                                         "storage every node sees?)", str(ref))
+            if ref_step not in self._reference_entries:  # hashed once, not on every save that names it
+                self._reference_entries = {ref_step: {"size": ref.stat().st_size, "sha256": file_digest(ref)}}
+            files[REFERENCE_PREFIX + ref.name] = self._reference_entries[ref_step]
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
         files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten

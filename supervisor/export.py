@@ -3,9 +3,10 @@ model directory, in one process.
 
 No cluster and no process group: the checkpoint is validated against its manifest (its DCP metadata read
 through the safe unpickler), the model's tensors are read straight from the shards of any world size
-(DCP reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32), cast to `--dtype` if asked, and written as safetensors, sharded with an index above
-`--max-shard-size`, next to config.json, the generation config and the tokenizer. The directory is
-published atomically like every other export.
+(DCP reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32), cast to `--dtype`
+if asked, and written as safetensors, sharded with an index above `--max-shard-size`, next to
+config.json, the generation config and the tokenizer. The directory is published atomically like every
+other export.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def validated(checkpoint: Path) -> Config:
     """The run's config of a checkpoint whose every file matches its manifest; ExportError naming the bad file."""
     config = run_config(checkpoint)
     try:
-        manifest = read_checkpoint(checkpoint).manifest
+        read_checkpoint(checkpoint)
     except CheckpointError as e:
         raise ExportError(f"damaged checkpoint: {e}") from e
     return config
@@ -101,10 +102,7 @@ def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = N
     if model_cfg.path is not None and not (model_cfg.path / "config.json").is_file():
         raise ExportError(f"model.path {model_cfg.path} of this run is not here; pass --model DIR "
                           f"(a directory with the model's config.json and tokenizer)")
-    if json.loads((checkpoint / MANIFEST).read_text()).get("engine", "fsdp") == "deepspeed":
-        weights = deepspeed_weights(checkpoint, step_of(checkpoint))
-    else:
-        weights = read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
+    weights = checkpoint_weights(checkpoint)
     target = DTYPES[dtype] if dtype else None
     if target is not None:
         weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
@@ -122,6 +120,13 @@ def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = N
     tmp = tmp_name(out)
     save_model_dir(model, tokenizer, model_cfg, tmp, max_shard_size or config.saver.max_shard_size)
     publish_dir(tmp, out)
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The full model weights of a validated recover checkpoint, whichever engine wrote it."""
+    if json.loads((checkpoint / MANIFEST).read_text()).get("engine", "fsdp") == "deepspeed":
+        return deepspeed_weights(checkpoint, step_of(checkpoint))
+    return read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
 
 
 def deepspeed_weights(checkpoint: Path, step: int) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.recovery import MANIFEST, META, RUN_CONFIG, CheckpointError, read_checkpoint, step_of
+from supervisor.recovery import MANIFEST, META, REFERENCE_PREFIX, RUN_CONFIG, CheckpointError, read_checkpoint, step_of
 
 
 def _json(path: Path) -> dict | None:
@@ -73,11 +73,17 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
         note = "" if name in listed or name == MANIFEST else "  (not in manifest)"
         lines.append(f"  {name:<36} {_size(p.stat().st_size):>10}{note}")
     for name in sorted(set(listed) - {str(p.relative_to(checkpoint)) for p in files}):
-        lines.append(f"  {name:<36} {'MISSING':>10}")
+        shared = checkpoint / name  # a file shared by several steps (the KL reference), next to the step dirs
+        state = _size(shared.stat().st_size) if name.startswith(REFERENCE_PREFIX) and shared.is_file() else "MISSING"
+        lines.append(f"  {name:<36} {state:>10}")
     if valid:
         loader = loaded.infos["dataloader_info.pkl"]
         lines.append("a resume would load:")
-        lines += [f"  {line}" for line in _state_summary(checkpoint)]
+        if manifest.get("engine", "fsdp") == "deepspeed":  # ZeRO files are read by DeepSpeed's own unpickler
+            lines.append(f"  DeepSpeed ZeRO partitions of tag global_step{loaded.global_step} "
+                         f"(trusted files: DeepSpeed loads them with a full unpickler)")
+        else:
+            lines += [f"  {line}" for line in _state_summary(checkpoint)]
         lines.append(f"  RNG states of {len(list(checkpoint.glob('rng_rank*.pt')))} ranks, the six recover_info "
                      f"files of step {loaded.global_step} from {META}/")
         lines.append(f"  dataloader at epoch {loader.get('epoch')}, epoch step {loader.get('epoch_step')}; "

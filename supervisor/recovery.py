@@ -280,7 +280,8 @@ class RecoverStore:
     def leftovers(self, keep_step: int | None) -> list[Path]:
         """Temporary directories of interrupted saves and HF exports, and step directories never committed."""
         found = []
-        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root):
+        reference = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
+        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root, reference):
             if root.is_dir():
                 found += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
         if self.layout.recover_info.is_dir():

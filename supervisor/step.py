@@ -143,22 +143,31 @@ class StepRunner:
         loader_state = self.loader.state_dict(nxt.epoch, nxt.epoch_step)
         if o.save and o.staged is None:
             self.phase = Phase.SAVE
-            o.staged = self.checkpoints.write_recover(self.trainers, s, loader_state)
+            try:
+                o.staged = self.checkpoints.write_recover(self.trainers, s, loader_state)
+            except Exception:
+                self._log_row(o)  # the step was trained: its row is owed whatever becomes of its save
+                raise
         if not o.logged:  # before the commit: a step that is the last valid one always has its row
             self.phase = Phase.LOG
-            o.row["time/saving"] = o.paid_secs.get("export", 0.0) + (o.staged.secs if o.staged else 0.0)
-            if o.staged:
-                o.row["ckpt/bytes"] = o.staged.nbytes
-                o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
-            o.row["time/step"] = time.monotonic() - o.started
-            self.stats.append(o.row)
-            o.logged = True
+            self._log_row(o)
             self.fault_point("step.logged", s)
         if o.save:
             self.phase = Phase.SAVE
             self.checkpoints.commit_recover(o.staged, self.state, loader_state, self.weights_checksum())
             o.save = False
             self.fault_point("step.saved", s)
+
+    def _log_row(self, o: Owed) -> None:
+        if o.logged:
+            return
+        o.row["time/saving"] = o.paid_secs.get("export", 0.0) + (o.staged.secs if o.staged else 0.0)
+        if o.staged:
+            o.row["ckpt/bytes"] = o.staged.nbytes
+            o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
+        o.row["time/step"] = time.monotonic() - o.started
+        self.stats.append(o.row)
+        o.logged = True
 
     def skip_failed_save(self) -> str | None:
         """After a save or export failed on storage: give it up for this step; returns what was skipped."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from supervisor.export import ExportError, read_model_weights, validated
+from supervisor.export import ExportError, checkpoint_weights, validated
 from supervisor.recovery import step_of
 
 TIED_OUTPUT = "lm_head.weight"
@@ -55,7 +55,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             validated(path)
         except ExportError as e:
             raise VerifyError(str(e)) from e
-        return read_model_weights(path)
+        return checkpoint_weights(path)
     if path.is_dir():
         return read_hf_weights(path)
     raise VerifyError(f"{path}: neither a HuggingFace directory nor a recover checkpoint (globalstep<N>)")

@@ -111,4 +111,4 @@ class DeepSpeedEngine:
         return load_rng(directory, self.rank, same_world_size)
 
     def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
-        write_hf(self.config.model, self.tokenizer, full_state, directory)
+        write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size)

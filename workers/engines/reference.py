@@ -54,13 +54,15 @@ class ReferencePolicy:
             raise RuntimeError(f"reference refresh got no weights for {sorted(missing)[:3]}")
 
     def save(self, recover_root: Path, global_step: int, rank: int) -> None:
-        """Rank 0 writes the weights on the step they changed; any other step writes nothing."""
-        if rank != 0 or reference_step(global_step, self.every) != global_step:
+        """Rank 0 writes the weights on the step they changed; any other step writes nothing, unless the
+        file is missing (the save of the step that changed them failed): the weights are the same since."""
+        step = reference_step(global_step, self.every)
+        if rank != 0 or step is None or (step != global_step and reference_file(recover_root, step).is_file()):
             return
         from safetensors.torch import save
 
         state = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
-        write_atomic(reference_file(recover_root, global_step), save(state))
+        write_atomic(reference_file(recover_root, step), save(state))
 
     def load(self, recover_root: Path, global_step: int) -> None:
         step = reference_step(global_step, self.every)
