@@ -127,6 +127,11 @@ def test_export_and_zero_to_fp32_read_the_deepspeed_checkpoint(uninterrupted, tm
     assert z.returncode == 0, z.stderr[-2000:]
     merged = torch.load(next(fp32.glob("*.bin")), weights_only=True)
     assert all(torch.equal(merged[k], saver[k]) for k in saver)
+    # the checkpoint tools read it too: verify against the export, inspect names the engine and the reference
+    assert relaunch("verify", str(out), "--against", str(step_dir)).returncode == 0
+    inspected = relaunch("inspect", str(step_dir))
+    assert inspected.returncode == 0, inspected.stdout + inspected.stderr
+    assert "valid        yes" in inspected.stdout and "MISSING" not in inspected.stdout
 
 
 def test_a_deepspeed_checkpoint_given_to_fsdp_stops_with_exit_2(cluster, uninterrupted):
