@@ -79,7 +79,9 @@ def test_the_default_job_learns_on_deepspeed(uninterrupted):
 
 
 def test_a_killed_rank_and_a_killed_job_end_bit_identical(interrupted, uninterrupted):
-    assert [(e["global_step"], e["cause"]) for e in interrupted.events("failure")] == [(RANK_KILL_STEP, "worker_died")]
+    failures = [(e["global_step"], e["cause"]) for e in interrupted.events("failure")]
+    # the rank kill; the job kill may also be seen by the dying Supervisor (Ray ends the job's ranks first)
+    assert failures[0] == (RANK_KILL_STEP, "worker_died") and all(step == JOB_KILL_STEP for step, _ in failures[1:])
     assert [e["global_step"] for e in interrupted.events("loaded")] == [-1, 14, 24]
     assert curve(interrupted.stats()) == curve(uninterrupted.stats())  # kl included: the reference came back exactly
     assert interrupted.final_weights() == uninterrupted.final_weights()
