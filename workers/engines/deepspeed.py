@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from workers.engines.base import lr_scheduler
 from workers.engines.export import write_hf
-from workers.engines.reference import ReferencePolicy
+from workers.engines.reference import ReferencePolicy, grpo_loss
 from workers.engines.rng import load_rng, save_rng
-from workers.grpo import policy_loss
 from workers.model import build_model, build_tokenizer, forward_logits
 
 RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
@@ -58,12 +57,7 @@ class DeepSpeedEngine:
         ids = batch["input_ids"].to(self.device)
         mask = batch["attention_mask"].to(self.device)
         logits = forward_logits(self.engine, ids, mask)
-        loss = policy_loss(logits, ids, batch["response_mask"].to(self.device), batch["advantages"].to(self.device))
-        metrics = {}
-        if self.reference is not None:
-            kl = self.reference.kl(logits, batch, self.device)
-            loss = loss + self.reference.coef * kl
-            metrics["kl"] = float(kl.detach())
+        loss, metrics = grpo_loss(logits, batch, self.device, self.reference)
         self.engine.backward(loss)
         lr = self.scheduler.get_last_lr()[0]
         self.engine.step()

@@ -24,9 +24,8 @@ from supervisor import safe_dcp
 from supervisor.faults import armed
 from workers.engines.base import lr_scheduler
 from workers.engines.export import write_hf
-from workers.engines.reference import ReferencePolicy
+from workers.engines.reference import ReferencePolicy, grpo_loss
 from workers.engines.rng import load_rng, save_rng
-from workers.grpo import policy_loss
 from workers.model import build_model, build_tokenizer, forward_logits
 
 
@@ -57,12 +56,7 @@ class FSDPEngine:
         ids = batch["input_ids"].to(self.device)
         mask = batch["attention_mask"].to(self.device)
         logits = forward_logits(self.model, ids, mask)
-        loss = policy_loss(logits, ids, batch["response_mask"].to(self.device), batch["advantages"].to(self.device))
-        metrics = {}
-        if self.reference is not None:
-            kl = self.reference.kl(logits, batch, self.device)
-            loss = loss + self.reference.coef * kl
-            metrics["kl"] = float(kl.detach())
+        loss, metrics = grpo_loss(logits, batch, self.device, self.reference)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float("nan")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from supervisor.durable import write_atomic
-from workers.grpo import kl_penalty, token_logprobs
+from workers.grpo import kl_penalty, policy_loss, token_logprobs
 from workers.model import build_model, forward_logits
 
 REFERENCE_DIR = "reference"
@@ -70,3 +70,14 @@ class ReferencePolicy:
             from safetensors.torch import load_file
 
             self.refresh(load_file(reference_file(recover_root, step)))
+
+
+def grpo_loss(logits: torch.Tensor, batch: dict, device: torch.device,
+              reference: "ReferencePolicy | None") -> tuple[torch.Tensor, dict]:
+    """GRPO's loss on this rank's shard of the batch, with the KL term to the reference when there is one."""
+    ids = batch["input_ids"].to(device)
+    loss = policy_loss(logits, ids, batch["response_mask"].to(device), batch["advantages"].to(device))
+    if reference is None:
+        return loss, {}
+    kl = reference.kl(logits, batch, device)
+    return loss + reference.coef * kl, {"kl": float(kl.detach())}
