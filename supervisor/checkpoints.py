@@ -19,19 +19,24 @@ from supervisor.layout import TMP_PREFIX, TrialLayout
 from supervisor.recovery import (
     REFERENCE_PREFIX, RUN_CONFIG, Checkpoint, CheckpointError, RecoverStore, compatibility_error,
 )
-from supervisor.run_state import RunState
 from supervisor.step_info import StepInfo
 from workers.engines.reference import reference_file, reference_step
 
 
 @dataclass
 class Staged:
-    """A recover save whose files every rank has written, not yet published."""
+    """A recover save that every rank has begun or written, not yet published. A background save's `files`
+    lack the ranks' shards until `collect_recover` finds them durable."""
     path: Path
+    global_step: int
     files: dict[str, dict]
     world_size: int
     nbytes: int
-    secs: float
+    secs: float                  # training blocked this long (the whole write, for a synchronous save)
+    background: bool = False
+    infos: dict | None = None    # the recover_info of the save's step, captured when it was staged
+    started: float = 0.0         # time.monotonic() when it began
+    checksum: str | None = None  # of the step's weights, for the commit event
 
 
 class Checkpoints:
@@ -68,13 +73,18 @@ class Checkpoints:
                 self.events.emit("warning", message="the config that matters for resume changed since this checkpoint")
         return ckpt
 
-    def write_recover(self, trainers, s: StepInfo, loader_state: dict) -> Staged:
+    def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
         """Every rank writes its part of step `s` (rank 0 also the driver state: dataloader and data state)
-        into a staging directory; nothing is published yet."""
+        into a staging directory; nothing is published yet. With `background`, returns once the ranks have
+        staged their state in CPU memory: `collect_recover` tells when the write is durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        files = trainers.save_recover(str(staging), s.global_step,
-                                      {"dataloader": loader_state, "global_step": s.global_step})
+        driver_state = {"dataloader": infos["dataloader_info.pkl"], "global_step": s.global_step}
+        if background:
+            trainers.begin_save(str(staging), s.global_step, driver_state)
+            files = {}
+        else:
+            files = trainers.save_recover(str(staging), s.global_step, driver_state)
         actor = self.config.actor
         ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
         if ref_step is not None:  # the reference weights this step needs, written on the step they changed
@@ -90,16 +100,28 @@ class Checkpoints:
         # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten
         nbytes = sum(f["size"] for name, f in files.items()
                      if not name.startswith(REFERENCE_PREFIX) or ref_step == s.global_step)
-        return Staged(staging, files, trainers.world_size, nbytes, time.monotonic() - started)
+        return Staged(staging, s.global_step, files, trainers.world_size, nbytes, time.monotonic() - started,
+                      background, infos, started)
 
-    def commit_recover(self, staged: Staged, state: RunState, loader_state: dict, weights_checksum: str | None):
-        """Publish and commit what `write_recover` staged, with the recover_info of `state`'s step."""
-        s, started = state.step, time.monotonic()
-        path = self.store.commit(staged.path, s.global_step, staged.world_size, self.config.resume_hash(),
-                                 staged.files, state.to_infos(loader_state), engine=self.config.actor.backend.value)
-        secs = staged.secs + time.monotonic() - started
-        self.events.emit("commit", global_step=s.global_step, path=str(path), world_size=staged.world_size,
+    def collect_recover(self, trainers, staged: Staged, block: bool) -> bool:
+        """For a background save: True once every rank's part is durable (added to `staged.files`); with
+        `block`, waits for it. Raises what a rank's write raised."""
+        parts = trainers.save_result(staged.global_step, block)
+        if parts is None:
+            return False
+        staged.files.update(parts)
+        staged.nbytes += sum(f["size"] for f in parts.values())
+        return True
+
+    def commit_recover(self, staged: Staged, weights_checksum: str | None) -> None:
+        """Publish and commit a fully written save with the recover_info captured at its step."""
+        s, started = staged.global_step, time.monotonic()
+        path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
+                                 staged.files, staged.infos, engine=self.config.actor.backend.value)
+        secs = (started - staged.started if staged.background else staged.secs) + time.monotonic() - started
+        self.events.emit("commit", global_step=s, path=str(path), world_size=staged.world_size,
                          weights_checksum=weights_checksum, bytes=staged.nbytes, secs=round(secs, 3),
+                         blocked_secs=round(staged.secs, 3), background=staged.background,
                          mbps=round(staged.nbytes / max(secs, 1e-9) / 1e6, 3))
 
     def export_hf(self, trainers, s: StepInfo) -> None:

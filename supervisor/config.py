@@ -43,6 +43,9 @@ class SaveMode(str, enum.Enum):
     ASYNC = "async"
 
 
+ASYNC_SAVE_BACKENDS = (Backend.FSDP,)  # engines whose recover saves can be written in the background
+
+
 class RecoverMode(str, enum.Enum):
     ON = "on"
     AUTO = "auto"
@@ -133,7 +136,8 @@ class RewardConfig(_Strict):
 
 
 class SaverConfig(Frequency):
-    mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async (async runs synchronously for now)")
+    mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async (HF exports are written synchronously "
+                                                      "for now: async and auto behave as sync)")
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
     max_shard_size: Union[int, str] = Field(
         "2GB", description="HF exports: weights above this size are split into several safetensors files "
@@ -148,6 +152,10 @@ class SaveErrorAction(str, enum.Enum):
 class RecoverConfig(Frequency):
     mode: RecoverMode = Field(RecoverMode.DISABLED, description="on | auto: write recover checkpoints and resume "
                                                                   "from them; off | disabled: neither")
+    write_mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async: async blocks training only while "
+                                                            "the state is copied to CPU memory and writes it in "
+                                                            "the background; auto = async where the engine can "
+                                                            "(fsdp), sync otherwise")
     on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
@@ -204,8 +212,17 @@ class Config(_Strict):
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
 
+    @property
+    def async_recover(self) -> bool:
+        """Recover saves are written in the background (recover.write_mode async, or auto on an engine that can)."""
+        mode = self.recover.write_mode
+        return mode is SaveMode.ASYNC or (mode is SaveMode.AUTO and self.actor.backend in ASYNC_SAVE_BACKENDS)
+
     def _check_engine(self) -> None:
         actor, recover = self.actor, self.recover
+        if recover.write_mode is SaveMode.ASYNC and actor.backend not in ASYNC_SAVE_BACKENDS:
+            raise ValueError(f"recover.write_mode = async needs actor.backend fsdp (DCP's async_save); "
+                             f"actor.backend {actor.backend.value} saves synchronously: use auto or sync")
         if (actor.backend is Backend.DEEPSPEED and recover.min_train_workers is not None
                 and recover.min_train_workers < self.cluster.n_train_workers):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "

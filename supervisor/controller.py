@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -147,7 +148,9 @@ class Controller:
         if fault.kind is FaultKind.STORAGE_ERROR and saving:
             # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
             removed = self.checkpoints.discard_failed_save() if fault.settled else []
-            self.events.emit("save_failed", global_step=step, error=fault.message, what=self.runner.phase.value,
+            background = self.runner.in_flight if self.runner.failed_in_flight else None
+            self.events.emit("save_failed", global_step=background.global_step if background else step,
+                             error=fault.message, what="background save" if background else self.runner.phase.value,
                              action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
             details = ""
@@ -225,14 +228,18 @@ class Controller:
             r.trainers.shutdown()  # survivors may be stuck in a collective, or still writing a save
             r.trainers = None
         r.owed, r.weights = None, None
+        r.in_flight, r.failed_in_flight = None, False  # a background save dies unpublished with its ranks
         t = self._time("teardown", t)
-        ckpt = self.checkpoints.load_last_valid()  # cleans up interrupted saves: only once no rank writes
-        t = self._time("validate", t)
         if r.engines is None:
             r.engines = self.make_rollout_group()  # starts while the TrainGroup does
         started = t
-        r.trainers = self._new_train_group()
-        for part, secs in r.trainers.timings.items():
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate") as pool:
+            # the checkpoint is validated (hashed, unless this Supervisor committed it) while the new group
+            # starts; it cleans up interrupted saves, which is safe: no rank of either group writes now
+            validated = pool.submit(self._validate)
+            r.trainers = self._new_train_group()
+            ckpt, secs = validated.result()
+        for part, secs in [*r.trainers.timings.items(), ("validate", secs)]:
             if self.recovery is not None:
                 self.recovery[part] = self.recovery.get(part, 0.0) + secs
         t = time.monotonic()
@@ -251,6 +258,10 @@ class Controller:
         self._time("resync", t)
         if self.recovery is not None:
             self.recovery["resynced"] = time.time()
+
+    def _validate(self) -> tuple[Checkpoint | None, float]:
+        t = time.monotonic()
+        return self.checkpoints.load_last_valid(), time.monotonic() - t
 
     def _restart_engines(self, fault: Fault) -> None:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""

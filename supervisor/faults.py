@@ -7,7 +7,8 @@ call is its `global_step` argument, or for `load_weights` the step whose update 
 (version - 1); `where`, `setup`, `load_recover` and `weight_status` run at (re)starts and have none, so a
 point armed there without `step=` fires at the first call. Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
-`step.saved`), and the recover store one at every write of a checkpoint.
+`step.saved`), and the recover store one at every write of a checkpoint. `background_write` fires in a
+TrainWorker's writer thread while a background recover save is being written.
 
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
 (sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole

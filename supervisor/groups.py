@@ -187,6 +187,16 @@ class TrainGroup(_Members):
             files.update(part)
         return files
 
+    def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
+        self.call_all("begin_save", staging, global_step, driver_state)
+
+    def save_result(self, global_step: int, block: bool) -> dict | None:
+        """Every rank's files of the background save once all are durable, else None (see TrainWorker)."""
+        parts = self.call_all("save_result", global_step, block)
+        if any(p is None for p in parts):
+            return None
+        return {name: entry for part in parts for name, entry in part.items()}
+
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
         return self.call_all("load_recover", step_dir, saved_world_size)[0]
 

@@ -135,7 +135,7 @@ class RecoverStore:
         self.layout = layout
         self.keep_last = keep_last
         self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prune")
-        self._committed: dict[int, dict] = {}  # step -> manifest, for the steps this process committed
+        self._committed: dict[int, dict] = {}  # step -> manifest, for the steps this process committed or hashed
 
     # ---- writing -------------------------------------------------------------------------------
     def staging_dir(self, global_step: int) -> Path:
@@ -250,8 +250,11 @@ class RecoverStore:
             return None
 
     def validate(self, step: int) -> Checkpoint:
-        """Validate a published step; one this process committed itself is not hashed again."""
-        return read_checkpoint(self.layout.step_dir(step), trusted=self._committed.get(step))
+        """Validate a published step; one this process committed, or already hashed in full, is not hashed
+        again (a job's start validates the checkpoint, then its TrainGroup's start would)."""
+        ckpt = read_checkpoint(self.layout.step_dir(step), trusted=self._committed.get(step))
+        self._committed[step] = json.loads(json.dumps(ckpt.manifest))
+        return ckpt
 
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""

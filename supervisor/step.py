@@ -6,6 +6,11 @@ and what the step still owes is written down (`Owed`): the weight push to the en
 the HF export, the evaluation, the stats row and the recover save. A fault after the commit never replays
 the update: once the faulty group is repaired, `settle` pays what is still owed, each item exactly once.
 A fault that restarts the TrainGroup rolls back to the last valid checkpoint instead, which drops `owed`.
+
+A recover save written in the background (`recover.write_mode`) is paid when its state is staged; it is
+committed, with the recover_info captured at its step, at the first step boundary after every rank's part
+is durable. One is in flight at a time; a fault that restarts the TrainGroup drops it unpublished, so the
+run falls back to the previous committed step.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ class Owed:
     evaluate: bool
     save: bool
     logged: bool = False
-    staged: Staged | None = None  # the recover save's files, written before the row, committed after it
+    staged: Staged | None = None  # the recover save's files, written (or begun) before the row, committed after it
     paid_secs: dict = field(default_factory=dict)
 
 
@@ -71,19 +76,30 @@ class StepRunner:
         self.weights: Weights | None = None
         self.engine_version: int | None = None  # the version every engine holds, when known
         self.owed: Owed | None = None
+        self.in_flight: Staged | None = None  # a recover save being written in the background
+        self.failed_in_flight = False         # it raised: the controller skips it (recover.on_save_error)
         self.phase: Phase | None = None
         self.last_reward: float | None = None
 
     @property
     def finished(self) -> bool:
-        return self.owed is None and self.state.step.global_step + 1 >= self.total_steps
+        return self.owed is None and self.in_flight is None and self.state.step.global_step + 1 >= self.total_steps
 
     def advance(self) -> None:
-        """Pay what the last committed step owes, or run the next step to its commit and then pay."""
-        if self.owed is None:
+        """Pay what the last committed step owes, or run the next step to its commit and then pay; commit a
+        background save once it is durable (after the last step, wait for it)."""
+        self.collect_save(block=False)
+        if self.owed is None and not self.finished_training:
             self._until_commit(self.state.step.next())
-        self._settle(self.owed)
-        self.owed = None
+        if self.owed is not None:
+            self._settle(self.owed)
+            self.owed = None
+        if self.finished_training:
+            self.collect_save(block=True)
+
+    @property
+    def finished_training(self) -> bool:
+        return self.owed is None and self.state.step.global_step + 1 >= self.total_steps
 
     # ---- before the commit: a fault here replays the step -------------------------------------------
     def _until_commit(self, s: StepInfo) -> None:
@@ -139,12 +155,13 @@ class StepRunner:
             o.row["eval/reward"] = self._evaluate(s)
             o.evaluate = False
             self.fault_point("step.evaluated", s)
-        nxt = s.next()
-        loader_state = self.loader.state_dict(nxt.epoch, nxt.epoch_step)
         if o.save and o.staged is None:
             self.phase = Phase.SAVE
+            self.collect_save(block=True)  # one save in flight
+            nxt = s.next()
+            infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
             try:
-                o.staged = self.checkpoints.write_recover(self.trainers, s, loader_state)
+                o.staged = self.checkpoints.write_recover(self.trainers, s, infos, self.config.async_recover)
             except Exception:
                 self._log_row(o)  # the step was trained: its row is owed whatever becomes of its save
                 raise
@@ -154,15 +171,37 @@ class StepRunner:
             self.fault_point("step.logged", s)
         if o.save:
             self.phase = Phase.SAVE
-            self.checkpoints.commit_recover(o.staged, self.state, loader_state, self.weights_checksum())
+            if o.staged.background:
+                o.staged.checksum = self.weights_checksum()  # of this step's weights, for the commit event
+                self.in_flight = o.staged
+            else:
+                self.checkpoints.commit_recover(o.staged, self.weights_checksum())
             o.save = False
             self.fault_point("step.saved", s)
+
+    def collect_save(self, block: bool) -> None:
+        """Commit the background save once every rank's part of it is durable (with `block`, wait for it)."""
+        staged = self.in_flight
+        if staged is None:
+            return
+        previous, self.phase = self.phase, Phase.SAVE
+        try:
+            if not self.checkpoints.collect_recover(self.trainers, staged, block):
+                self.phase = previous
+                return
+            self.checkpoints.commit_recover(staged, staged.checksum)
+        except Exception:
+            self.failed_in_flight = True  # the controller restarts the TrainGroup or skips this save
+            raise
+        self.in_flight, self.phase = None, previous
 
     def _log_row(self, o: Owed) -> None:
         if o.logged:
             return
         o.row["time/saving"] = o.paid_secs.get("export", 0.0) + (o.staged.secs if o.staged else 0.0)
-        if o.staged:
+        if o.staged and o.staged.background:
+            o.row["ckpt/blocked_secs"] = o.staged.secs  # the write's own figures come with its commit event
+        elif o.staged:
             o.row["ckpt/bytes"] = o.staged.nbytes
             o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
         o.row["time/step"] = time.monotonic() - o.started
@@ -171,6 +210,9 @@ class StepRunner:
 
     def skip_failed_save(self) -> str | None:
         """After a save or export failed on storage: give it up for this step; returns what was skipped."""
+        if self.failed_in_flight:
+            self.in_flight, self.failed_in_flight = None, False
+            return "recover (background)"
         if self.owed is None:
             return None
         if self.phase is Phase.EXPORT and self.owed.export:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import ray
@@ -29,6 +30,9 @@ class TrainWorker:
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
         self.config, self.rank, self.world_size = config, rank, world_size
         self.engine = None
+        self.background: Future | None = None  # the recover save being written in the background, if any
+        self.background_step: int | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
 
     @fault_points
     def where(self) -> dict:
@@ -66,11 +70,40 @@ class TrainWorker:
         directory = Path(staging)
         mine = self.engine.save(directory, global_step)
         fault_point("after_shards", step=global_step, rank=self.rank)
-        if self.rank == 0 and driver_state is not None:
-            torch.save(driver_state, directory / DRIVER_STATE)
-            mine.append(DRIVER_STATE)
-        return {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
-                for name in mine}
+        return _digests(directory, mine + self._save_driver_state(directory, driver_state))
+
+    @fault_points
+    def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
+        """Collective; returns once this rank's state is staged in CPU memory: the engine writes it in the
+        background, and `save_result` reports it when it is durable. One save in flight at a time."""
+        if self.background is not None:
+            wait([self.background])  # the Supervisor waits for the previous one first; this is a backstop
+        directory = Path(staging)
+        now, shards = self.engine.save_async(directory, global_step)
+        now += self._save_driver_state(directory, driver_state)
+
+        def finish() -> dict[str, dict]:
+            fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
+            return _digests(directory, now + shards.result())
+
+        self.background, self.background_step = self._writer.submit(finish), global_step
+
+    @fault_points
+    def save_result(self, global_step: int, block: bool) -> dict[str, dict] | None:
+        """{file: {size, sha256}} of the background save of `global_step` once every file of it is durable;
+        None while it is still being written (with `block`, waits until it is). Raises the write's error if
+        it failed. Asking again gives the same answer, so the Supervisor can poll every rank until all are done."""
+        if self.background is None or self.background_step != global_step:
+            raise RuntimeError(f"no recover save of step {global_step} was begun on this rank")
+        if not block and not self.background.done():
+            return None
+        return self.background.result()
+
+    def _save_driver_state(self, directory: Path, driver_state: dict | None) -> list[str]:
+        if self.rank != 0 or driver_state is None:
+            return []
+        torch.save(driver_state, directory / DRIVER_STATE)
+        return [DRIVER_STATE]
 
     @fault_points
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
@@ -83,3 +116,8 @@ class TrainWorker:
         full = self.engine.full_state_dict()
         if self.rank == 0:
             self.engine.export_hf(Path(directory), full)
+
+
+def _digests(directory: Path, names: list[str]) -> dict[str, dict]:
+    return {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+            for name in names}

@@ -73,12 +73,14 @@ def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, tria
     assert r.returncode == 0, r.stdout + r.stderr
     failed = trial.events("save_failed")
     assert len(failed) == 1 and "No space left" in failed[0]["error"] and failed[0]["global_step"] == 9
+    assert failed[0]["what"] == "background save"  # recover.write_mode auto: fsdp writes in the background
     assert 9 not in [e["global_step"] for e in trial.events("commit")]
     assert_recovered_exactly(trial, reference, restarts=0)
 
 
 def test_disk_full_with_stop_ends_cleanly_keeping_the_last_valid_checkpoint(cluster, trial, tmp_path):
-    r = run_with_fault(cluster, trial, tmp_path, "after_shards:enospc:step=9:rank=1", "recover.on_save_error=stop")
+    r = run_with_fault(cluster, trial, tmp_path, "after_shards:enospc:step=9:rank=1", "recover.on_save_error=stop",
+                       "recover.write_mode=sync")
     assert r.returncode == 1
     assert "No space left" in r.stderr.strip().splitlines()[-1]
     st = status_json(trial)
@@ -98,26 +100,46 @@ MATRIX = {
 }
 # Where each interruption resumes: the last commit before it (commits every 5 steps and every epoch).
 RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
-MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0"]
+# Synchronous saves: a step is committed when its save returns, so every resume point is exact.
+MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0",
+              "recover.write_mode=sync"]
 
 
-def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, trial, tmp_path):
+def run_until_done(trial: Trial, tmp_path, faults: list[str], job: list[str], kills: int) -> list[int]:
+    """Run the job again after every whole-job kill, until it finishes; the exit codes of the runs."""
     from conftest import short_tmp
 
-    env = job_env({"RELAUNCH_FAULT": ",".join(MATRIX.values()),
-                   "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    env = job_env({"RELAUNCH_FAULT": ",".join(faults), "RELAUNCH_FAULT_DIR": str(tmp_path)})
     codes = []
-    for attempt in range(len(MATRIX) + 2):
+    for attempt in range(kills + 2):
         env["RAY_TMPDIR"] = str(short_tmp("rlm"))
-        proc = start_relaunch("run", str(CONFIG), *MATRIX_JOB, *trial.overrides, env=env,
+        proc = start_relaunch("run", str(CONFIG), *job, *trial.overrides, env=env,
                               log=tmp_path / f"run{attempt}.log")
         codes.append(proc.wait(timeout=600))
         kill_session(proc.pid)  # nothing of a killed job may linger
         if codes[-1] == 0:
             break
-    assert codes == [-9] * len(MATRIX) + [0], (tmp_path / f"run{len(codes) - 1}.log").read_text()[-3000:]
+    assert codes == [-9] * kills + [0], (tmp_path / f"run{len(codes) - 1}.log").read_text()[-3000:]
+    return codes
+
+
+def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, trial, tmp_path):
+    run_until_done(trial, tmp_path, list(MATRIX.values()), MATRIX_JOB, kills=len(MATRIX))
     assert [e["global_step"] for e in trial.events("loaded")] == RESUMED_FROM
     assert_recovered_exactly(trial, reference, restarts=0)
+
+
+def test_background_saves_in_flight_are_never_published_by_a_kill(reference, trial, tmp_path):
+    """Recover saves written in the background (the default on fsdp), killed before they are durable: the
+    whole job while step 9's is written and right after step 14's is staged, then the writer thread of one
+    rank mid-write at step 19. Each resume starts from the save committed before (4, 11, then 14)."""
+    faults = ["background_write:killjob:step=9:rank=0", "step.saved:killjob:step=14",
+              "background_write:kill:step=19:rank=1"]
+    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async"], kills=2)
+    assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4, 11, 14]
+    commits = [e for e in trial.events("commit")]
+    assert all(e["background"] for e in commits) and [e["global_step"] for e in commits][-1] == 23
+    assert_recovered_exactly(trial, reference, restarts=1)
 
 
 def _strip_newer_keys(step_dir: Path) -> None:

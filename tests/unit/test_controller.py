@@ -21,7 +21,7 @@ from supervisor.classify import Group, GroupError, StaleWeights
 from supervisor.config import load_config
 from supervisor.controller import EXIT_FAILED, Controller, Outcome, Result, State, transition
 from supervisor.events import EventLog, StatsLog, read_jsonl
-from supervisor.layout import TrialLayout
+from supervisor.layout import TMP_PREFIX, TrialLayout
 from supervisor.policy import RestartPolicy
 from supervisor.step import StepRunner
 from workers.data import PromptLoader
@@ -111,6 +111,24 @@ class FakeTrainers:
         self._storage()
         path = Path(staging) / "model.json"
         path.write_text(json.dumps(self.history))
+        return {"model.json": {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+
+    def begin_save(self, staging, global_step, driver_state=None):
+        """A background save: staged now, written when asked for its result the second time (or at once)."""
+        self._check("save", global_step)
+        self._storage()
+        self.background, self.polls = (Path(staging), list(self.history), global_step), 0
+
+    def save_result(self, global_step, block):
+        staging, history, step = self.background
+        assert step == global_step
+        self._check("background", step)
+        self._storage()
+        self.polls += 1
+        if not block and self.polls == 1:
+            return None  # still being written: the run goes on, the save stays in flight a step
+        path = staging / "model.json"
+        path.write_text(json.dumps(history))
         return {"model.json": {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
 
     def load_recover(self, path, world_size):
@@ -229,7 +247,8 @@ def clean(tmp_path_factory):
     return read_jsonl(layout.stats_log), engines.generated
 
 
-PHASES = ["rollout", "score", "train", "weights", "push", "export", "evaluate", "save"]
+PHASES = ["rollout", "score", "train", "weights", "push", "export", "evaluate", "save", "background"]
+MODES = ["recover.write_mode=async", "recover.write_mode=sync"]
 TRAIN_FAULTS = ["rank_death", "rank_hang", "peer_collective"]
 ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object"]
 
@@ -248,12 +267,15 @@ def assert_complete_and_exact(layout, clean_stats):
     assert final_history(layout) == list(range(STEPS))                  # no step trained twice, none dropped
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("fault", TRAIN_FAULTS)
-def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, clean, phase, fault):
+def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, clean, phase, fault, mode):
+    if phase == "background" and mode.endswith("sync") and not mode.endswith("async"):
+        pytest.skip("a synchronous save has no background write")
     world = World()
     world.armed[(phase, 3)] = fault
-    result, layout, engines, controller = run(tmp_path, world)
+    result, layout, engines, controller = run(tmp_path, world, mode)
     assert result.exit_code == 0, result.message
     assert_complete_and_exact(layout, clean[0])
     events = read_jsonl(layout.events_log)
@@ -286,16 +308,19 @@ def test_an_engine_fault_at_any_phase_replaces_engines_alone_and_never_retrains(
     assert all(version == step + int(greedy) for step, version, greedy in engines.generated)
 
 
-@pytest.mark.parametrize("phase", ["export", "save"])
-def test_a_storage_error_skips_that_save_and_trains_on(tmp_path, clean, phase):
+@pytest.mark.parametrize("phase, mode", [("export", MODES[0]), ("save", MODES[0]), ("save", MODES[1]),
+                                         ("background", MODES[0])])
+def test_a_storage_error_skips_that_save_and_trains_on(tmp_path, clean, phase, mode):
     world = World()
     world.armed[(phase, 3)] = "storage"
-    result, layout, engines, controller = run(tmp_path, world)
+    result, layout, engines, controller = run(tmp_path, world, mode)
     assert result.exit_code == 0, result.message
     assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(STEPS))
     events = read_jsonl(layout.events_log)
     failed = [e for e in events if e["event"] == "save_failed"]
-    assert len(failed) == 1 and failed[0]["global_step"] == 3 and failed[0]["what"] == phase
+    what = {"background": "background save"}.get(phase, phase)
+    assert len(failed) == 1 and failed[0]["global_step"] == 3 and failed[0]["what"] == what
+    assert not list(layout.recover_checkpoint.glob(f"{TMP_PREFIX}*"))  # nothing left behind
     assert not [e for e in events if e["event"] == "restart"]  # spends no retry
     exported = [e["global_step"] for e in events if e["event"] == "export"]
     committed = [e["global_step"] for e in events if e["event"] == "commit"]

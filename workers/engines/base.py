@@ -29,6 +29,10 @@ class TrainEngine(Protocol):
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)
         this rank wrote, so that together the ranks report every file exactly once."""
 
+    # Engines in config.ASYNC_SAVE_BACKENDS also have
+    #   save_async(directory, global_step) -> (files written now, Future of the files written in the background)
+    # which returns once the state is staged in CPU memory; the future is done when the rest is durable.
+
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
         """Collective: restore a recover step directory; returns the names of state it lacked."""
 

@@ -3,12 +3,15 @@
 The model is built identically on every rank, then each decoder layer and the root are `fully_shard`ed.
 Recover checkpoints are DCP (sharded model + optimizer + scheduler; DCP reshards on load) plus one small
 RNG file per rank, loaded with weights_only. Full weights are gathered for the inference engines and
-for HuggingFace exports.
+for HuggingFace exports. A background save (`save_async`, DCP's async_save) blocks only while the shards
+are copied to CPU memory (pinned on CUDA, the buffers reused from save to save); a writer thread with a
+gloo group of its own, so its collectives never interleave with training's, writes and fsyncs them.
 """
 from __future__ import annotations
 
 import os
 import stat
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -18,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import fully_shard
 
 from supervisor import safe_dcp
@@ -49,6 +53,11 @@ class FSDPEngine:
         actor = config.actor
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
+        if config.async_recover:  # collective: every rank makes the background writer's group here
+            self.writer_group = dist.new_group(backend="gloo")
+            cuda = device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=False, use_non_blocking_copy=False))
 
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; gradients are averaged by FSDP."""
@@ -85,19 +94,44 @@ class FSDPEngine:
 
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: DCP shards (`__{rank}_*.distcp`, rank 0's `.metadata`) and this rank's RNG file."""
+        self._arm_dcp_write(directory, global_step)
+        dcp.save(self._state(), checkpoint_id=str(directory))
+        return self._shards(directory) + self._save_small(directory, global_step)
+
+    def save_async(self, directory: Path, global_step: int) -> tuple[list[str], Future]:
+        """Collective: like `save`, but returns once the shards are staged in CPU memory. Returns the files
+        written now (RNG, reference) and a future of the shard files, done when they are durable."""
+        self._arm_dcp_write(directory, global_step)
+        upload = dcp.async_save(self._state(), checkpoint_id=str(directory), process_group=self.writer_group,
+                                async_stager=self.stager)
+        shards: Future = Future()
+
+        def written(f: Future) -> None:
+            try:
+                f.result()
+                shards.set_result(self._shards(directory))
+            except BaseException as e:  # noqa: BLE001 - the write's error is the future's
+                shards.set_exception(e)
+
+        upload.add_done_callback(written)
+        return self._save_small(directory, global_step), shards
+
+    def _shards(self, directory: Path) -> list[str]:
+        written = [p.name for p in directory.iterdir() if p.name.startswith(f"__{self.rank}_")]
+        return written + [".metadata"] if self.rank == 0 else written
+
+    def _save_small(self, directory: Path, global_step: int) -> list[str]:
+        """This rank's RNG file (and, on the steps it changed, the reference weights beside the step)."""
+        if self.reference is not None:
+            self.reference.save(directory.parent, global_step, self.rank)
+        return [save_rng(directory, self.rank)]
+
+    def _arm_dcp_write(self, directory: Path, global_step: int) -> None:
         if armed("dcp_write", step=global_step, rank=self.rank) == "enospc":
             # test instrumentation: a real disk-full inside DCP's writer, through a shard that is /dev/full
             if not stat.S_ISCHR(os.stat("/dev/full").st_mode):
                 raise RuntimeError("fault dcp_write:enospc needs the /dev/full device")
             (directory / f"__{self.rank}_0.distcp").symlink_to("/dev/full")
-        dcp.save(self._state(), checkpoint_id=str(directory))
-        written = [p.name for p in directory.iterdir() if p.name.startswith(f"__{self.rank}_")]
-        written.append(save_rng(directory, self.rank))
-        if self.rank == 0:
-            written.append(".metadata")
-        if self.reference is not None:
-            self.reference.save(directory.parent, global_step, self.rank)
-        return written
 
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
         """Collective: load a DCP checkpoint (resharding if the world size changed); returns RNG gaps."""
