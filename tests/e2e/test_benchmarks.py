@@ -30,3 +30,9 @@ def test_recovery_benchmark(cluster, tmp_path):
     figures = bench("recovery", "--address", cluster.address, tmp_path=tmp_path)
     assert figures["identical"] and figures["recovery"]["total"] > 0
     assert "failure -> next completed step" in figures["stdout"]
+
+
+def test_save_benchmark(tmp_path):
+    figures = bench("save", "--dir", str(tmp_path), tmp_path=tmp_path)
+    assert figures["bytes"] > 0 and 0 < figures["async_steady_blocked_secs"] <= figures["async_steady_total_secs"]
+    assert "sync save bandwidth / raw" in figures["stdout"]
