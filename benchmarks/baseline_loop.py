@@ -8,6 +8,7 @@ step's time. As a torchrun entry point:
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -104,7 +105,8 @@ def torchrun_loop(run_dir: Path, steps: int, kill_at: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # a bounded collective timeout: a rank stuck after a peer's death fails, and torchrun restarts the group
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     log, marker, path = run_dir / "log.jsonl", run_dir / "killed", run_dir / "state.pt"
     model, optim, vocab = build()

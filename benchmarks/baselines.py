@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,13 +80,19 @@ def torchrun(root: Path, steps: int, kill_at: int) -> dict:
     run_dir = root / "torchrun"
     run_dir.mkdir()
     started = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "3", str(HERE / "baseline_loop.py"), str(run_dir), str(steps), str(kill_at)],
-                       cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)])),
-                       capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "3", str(HERE / "baseline_loop.py"), str(run_dir), str(steps), str(kill_at)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)])),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started: the session this call made
+        proc.communicate()
+        return {"system": "torchrun", "error": "did not finish within 300 s (a restarted group hung)"}
     wall = time.monotonic() - started
-    if r.returncode != 0:
-        return {"system": "torchrun", "error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}"}
+    if proc.returncode != 0:
+        return {"system": "torchrun", "error": f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}"}
     import torch
 
     return {"system": f"torchrun (torch {torch.__version__})", "recovery_secs": dead_to_next_step(run_dir / "log.jsonl"),

@@ -7,7 +7,7 @@ by pid, N seconds after the first step and every N seconds after that. Useful ti
 over the final stats rows (each step once: rows of steps trained again are cut back on resume); wall time runs
 from the job's `start` event to its `done` event. Faults N seconds apart are isolated faults, not a crash loop,
 so the job runs with recover.quiet_secs = N / 2 (every restart immediate) and retries to spare; pass
-`recover.quiet_secs=...` to see the back-off instead. `--quick` is 2 epochs and a kill every 8 s (CI).
+`recover.quiet_secs=...` to see the back-off instead. `--quick` is 3 epochs and a kill every 3 s (CI).
 """
 from __future__ import annotations
 
@@ -59,12 +59,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=25, help="total_train_epochs (12 steps each)")
-    parser.add_argument("--quick", action="store_true", help="2 epochs, a kill every 8 s (CI)")
+    parser.add_argument("--quick", action="store_true", help="3 epochs, a kill every 3 s (CI)")
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    every, epochs = (8.0, 2) if args.quick else (args.every, args.epochs)
+    every, epochs = (3.0, 3) if args.quick else (args.every, args.epochs)
     overrides = [f"total_train_epochs={epochs}", f"recover.quiet_secs={every / 2:g}", "recover.retries=100",
                  *args.overrides]
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-goodput-"))

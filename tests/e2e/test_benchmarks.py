@@ -44,7 +44,7 @@ def test_baselines_benchmark(cluster, tmp_path):
 
 def test_goodput_benchmark(cluster, tmp_path):
     figures = bench("goodput", "--address", cluster.address, tmp_path=tmp_path)
-    assert figures["faults"] >= 1 and figures["restarts"] >= 1 and figures["steps"] == 24
+    assert figures["faults"] >= 1 and figures["restarts"] >= 1 and figures["steps"] == 36
     assert 0 < figures["goodput"] < 1
     assert "goodput" in figures["stdout"]
 
