@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/goodput.py [--every 60] [--epochs 25] [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
 
 A timer thread asks the running Supervisor for its workers (`progress()`) and SIGKILLs a random TrainWorker
-by pid, N seconds after the first step and every N seconds after that. Useful time is the sum of `time/step`
+by pid, N seconds after the first step and, after each kill, N seconds after training is past the killed step
+(so that a slow recovery is not killed again before it trains). Useful time is the sum of `time/step`
 over the final stats rows (each step once: rows of steps trained again are cut back on resume); wall time runs
 from the job's `start` event to its `done` event. Faults N seconds apart are isolated faults, not a crash loop,
 so the job runs with recover.quiet_secs = N / 2 (every restart immediate) and retries to spare; pass
@@ -31,9 +32,10 @@ from supervisor.local_cluster import LocalCluster
 
 
 def kill_every(every: float, name: str, stop: threading.Event, killed: list) -> None:
-    """SIGKILL a random TrainWorker every `every` seconds once the job trains (pids from the Supervisor)."""
+    """SIGKILL a random TrainWorker (pids from the Supervisor) `every` seconds after training first runs and,
+    after each kill, `every` seconds after training has moved past the killed step again."""
     rng = random.Random(0)
-    deadline = None
+    deadline, after_step = None, -1
     while not stop.wait(0.2):
         if not ray.is_initialized():  # the job connects inside run_job
             continue
@@ -41,18 +43,18 @@ def kill_every(every: float, name: str, stop: threading.Event, killed: list) -> 
             progress = ray.get(ray.get_actor(name, namespace=NAMESPACE).progress.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - not started yet, or restarting
             continue
-        if progress["global_step"] < 0:
+        if progress["global_step"] <= after_step or progress["phase"] in ("repairing", "starting"):
             continue
         deadline = deadline or time.monotonic() + every
         pids = [w["pid"] for w in progress["workers"] if w["name"].startswith("TrainWorker") and w["pid"]]
-        if time.monotonic() >= deadline and pids and progress["phase"] not in ("repairing", "starting"):
+        if time.monotonic() >= deadline and pids:
             pid = rng.choice(pids)
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed.append({"time": time.time(), "pid": pid, "global_step": progress["global_step"]})
             except ProcessLookupError:
                 continue
-            deadline = time.monotonic() + every
+            killed.append({"time": time.time(), "pid": pid, "global_step": progress["global_step"]})
+            deadline, after_step = None, progress["global_step"]
 
 
 def main() -> None:
