@@ -18,7 +18,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # DeepSpeed's setup.py imports torch: build it against the torch above, not an isolated (CUDA) one.
   "$VENV/bin/pip" install -q setuptools wheel  # --no-build-isolation builds with what the venv has
   "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.16,<0.20"
-  "$VENV/bin/pip" install -q -e ".[test,deepspeed]"
+  "$VENV/bin/pip" install -q -e ".[test,deepspeed,bench]"  # bench: Ray Train, for benchmarks/baselines.py
   # DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once
   # (cached in ~/.cache/torch_extensions), never inside a TrainWorker's start-up or a timed step.
   "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null

@@ -32,6 +32,18 @@ def run(address: str, fileroot: Path, trial: str, overrides: list[str]) -> tuple
     return time.monotonic() - started, TrialLayout.from_config(config)
 
 
+def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int) -> tuple[float, TrialLayout]:
+    """The job with rank 1 SIGKILLed as it enters the update of step `kill_at` (once)."""
+    fault_dir = fileroot / f"faults-{trial}"
+    fault_dir.mkdir()
+    os.environ.update(RELAUNCH_FAULT=f"TrainWorker.train.enter:kill:step={kill_at}:rank=1",
+                      RELAUNCH_FAULT_DIR=str(fault_dir))
+    try:
+        return run(address, fileroot, trial, overrides)
+    finally:
+        del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
+
+
 def final_weights(layout: TrialLayout) -> bytes:
     exports = sorted(layout.export_root.glob("epoch*"), key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
     return (exports[-1] / "model.safetensors").read_bytes()
@@ -48,15 +60,11 @@ def main() -> None:
     overrides, kill_at = (["total_train_epochs=1", *args.overrides], 6) if args.quick else \
         (args.overrides, args.kill_at_step)
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
-    fault_dir = fileroot / "faults"
-    fault_dir.mkdir()
     cluster = None if args.address else LocalCluster()
     address = args.address or cluster.address
     try:
         clean_secs, clean = run(address, fileroot, "uninterrupted", overrides)
-        os.environ.update(RELAUNCH_FAULT=f"TrainWorker.train.enter:kill:step={kill_at}:rank=1",
-                          RELAUNCH_FAULT_DIR=str(fault_dir))
-        faulty_secs, faulty = run(address, fileroot, "killed", overrides)
+        faulty_secs, faulty = killed_run(address, fileroot, "killed", overrides, kill_at)
     finally:
         if cluster:
             cluster.shutdown()

@@ -156,6 +156,9 @@ class RecoverConfig(Frequency):
                                                             "the state is copied to CPU memory and writes it in "
                                                             "the background; auto = async where the engine can "
                                                             "(fsdp), sync otherwise")
+    freq_secs: Optional[Union[float, str]] = Field(
+        None, description="every N seconds of wall time, or auto: the Young/Daly interval from the measured save "
+                          "stall and the trial's observed time between failures (supervisor/interval.py)")
     on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")
@@ -173,6 +176,15 @@ class RecoverConfig(Frequency):
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
 
     _bool_mode = field_validator("mode", mode="before")(_yaml_bool_to_mode)
+
+    @field_validator("freq_secs", mode="before")
+    @classmethod
+    def _number_or_auto(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"must be a number of seconds greater than 0, or auto (got {value!r})")
+        return float(value)
 
 
 class EvaluatorConfig(Frequency):

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from supervisor.durable import write_atomic
 
@@ -37,10 +38,13 @@ def read_jsonl(path: Path) -> list[dict]:
 class EventLog:
     def __init__(self, path: Path, attempt: int = 0, job: str | None = None):
         self.path, self.attempt, self.job = path, attempt, job
+        self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (auto intervals)
 
     def emit(self, event: str, **fields) -> dict:
         row = {"event": event, "time": time.time(), "job": self.job, "attempt": self.attempt, **fields}
         _append(self.path, row)
+        for listener in self.listeners:
+            listener(row)
         return row
 
 

@@ -4,7 +4,8 @@ Fires when any of its epoch/step/time conditions is met. Each condition keeps it
 only itself, so "every 5 steps and every epoch" saves at steps 4, 9, 14, ... and at every epoch's end,
 an epoch save does not shift the step schedule. Its saved state holds only counters and the
 time since it last fired, never the frequencies: the config in force wins over a checkpoint's (AReaL
-stored the frequencies, so changing freq_steps before a resume had no effect).
+stored the frequencies, so changing freq_steps before a resume had no effect). With `recover.freq_secs: auto`
+the runner sets `freq_secs` before every check (supervisor/interval.py); the configured value stays "auto".
 """
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ class FreqCtl:
     epochs_since: int = 0
     steps_since: int = 0
     secs_since: float = 0.0
+    secs_auto: bool = False  # freq_secs is set from outside before each check
 
     @classmethod
     def from_config(cls, freq) -> "FreqCtl":
-        return cls(freq.freq_epochs, freq.freq_steps, freq.freq_secs)
+        auto = freq.freq_secs == "auto"
+        return cls(freq.freq_epochs, freq.freq_steps, None if auto else freq.freq_secs, secs_auto=auto)
+
+    def configured(self) -> dict:
+        """The frequencies as configured (recorded in checkpoints, compared on resume)."""
+        return {"freq_epochs": self.freq_epochs, "freq_steps": self.freq_steps,
+                "freq_secs": "auto" if self.secs_auto else self.freq_secs}
 
     def check(self, epoch_end: bool, elapsed_secs: float) -> bool:
         """Account one completed step (that took `elapsed_secs`); True when a condition fires."""

@@ -44,8 +44,14 @@ def _steps_text(steps: list[int]) -> str:
 def _rule_text(freq: Frequency) -> str:
     parts = [f"every {freq.freq_epochs} epochs" if freq.freq_epochs else "",
              f"every {freq.freq_steps} steps" if freq.freq_steps else "",
-             f"every {freq.freq_secs:g} s" if freq.freq_secs else ""]
+             _secs_text(freq.freq_secs)]
     return " or ".join(p for p in parts if p) or "off"
+
+
+def _secs_text(secs) -> str:
+    if secs == "auto":
+        return "every Young/Daly interval (auto: from the measured save stall and the time between failures)"
+    return f"every {secs:g} s" if secs else ""
 
 
 def _schedule(name: str, freq: Frequency, steps_per_epoch: int, total_steps: int, plan: Plan,
@@ -55,11 +61,13 @@ def _schedule(name: str, freq: Frequency, steps_per_epoch: int, total_steps: int
         return
     steps = fire_steps(freq, steps_per_epoch, total_steps)
     when = _steps_text(steps)
-    if freq.freq_secs:
+    if freq.freq_secs and freq.freq_secs != "auto":
         when += (f", and whenever {freq.freq_secs:g} s have passed since the last one (for one to fire by time "
                  f"alone, steps must take {freq.freq_secs / total_steps:.0f} s on average)")
     plan.lines.append(f"{name:<10} {when} [{_rule_text(freq)}]{extra}")
-    if not steps and freq.freq_secs:
+    if not steps and freq.freq_secs == "auto":
+        pass  # the interval is decided while the job runs
+    elif not steps and freq.freq_secs:
         plan.warnings.append(
             f"{name}.freq_secs={freq.freq_secs:g} is its only trigger within these {total_steps} steps: it fires only "
             f"if a step takes {freq.freq_secs / total_steps:.0f} s or more on average; add {name}.freq_steps")

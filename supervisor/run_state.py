@@ -13,7 +13,6 @@ from supervisor.freq import FreqCtl
 from supervisor.recovery import SCHEMA_VERSION
 from supervisor.step_info import StepInfo
 
-FREQ_KEYS = ("freq_epochs", "freq_steps", "freq_secs")
 # recover_info file -> the RunState frequency control it carries
 CONTROLS = {"saver_info.json": "saver", "evaluator_info.json": "evaluator", "checkpoint_info.json": "recover"}
 
@@ -38,7 +37,7 @@ class RunState:
         """Contents of the recover_info files for this step (checkpoint_info.json is completed on commit)."""
         def ctl(c: FreqCtl) -> dict:
             return {"schema_version": SCHEMA_VERSION, "freq": c.state_dict(),
-                    "configured": {k: getattr(c, k) for k in FREQ_KEYS}}
+                    "configured": c.configured()}
 
         return {
             "step_info.json": {"schema_version": SCHEMA_VERSION, **self.step.to_dict()},
@@ -76,7 +75,7 @@ class RunState:
                     warnings.append(f"{name} lacks {', '.join(missing)}; defaulting to zero")
                 ctl.load_state_dict(saved)
             configured = info.get("configured")
-            now = {k: getattr(ctl, k) for k in FREQ_KEYS}
+            now = ctl.configured()
             if configured is not None and configured != now:
                 warnings.append(f"{name}: the config's frequencies {now} differ from the checkpoint's {configured}; "
                                 f"the config wins")

@@ -37,6 +37,7 @@ def trial_status(config, n_events: int = 10) -> dict:
         "state": ended or ("unknown" if job else "never run"),
         "last_step": stats[-1] if stats else None,
         "last_recovery": next((e for e in reversed(events) if e["event"] == "recovery"), None),
+        "recover_interval": next((e for e in reversed(this_job) if e["event"] == "recover_interval"), None),
         "events": events[-n_events:],
         "live": None,
     }
@@ -65,6 +66,11 @@ def format_status(st: dict) -> str:
                  "resync", "first_step")
         lines.append(f"recovery   {rec['cause']} -> {rec['what']} in {rec['total']:.1f}s: " +
                      ", ".join(f"{p} {rec[p]:.2f}s" for p in parts if p in rec))
+    ri = st.get("recover_interval")
+    if ri:
+        cost = f"{ri['save_cost_secs']:.3f}s" if ri["save_cost_secs"] is not None else "not measured yet"
+        lines.append(f"interval   recover save every {ri['secs']:.1f}s (auto: save stall {cost}, "
+                     f"MTBF {ri['mtbf_secs']:.0f}s after {ri['failures']} failures)")
     if st["last_step"]:
         ls = st["last_step"]
         lines.append(f"last step  {ls['global_step']}: reward {ls['reward']:.3f} loss {ls['loss']:.4f}")

@@ -23,7 +23,8 @@ import torch
 
 from supervisor.checkpoints import Checkpoints, Staged
 from supervisor.classify import Group, GroupError, StaleWeights
-from supervisor.events import EventLog, StatsLog
+from supervisor.events import EventLog, StatsLog, read_jsonl
+from supervisor.interval import AutoInterval
 from supervisor.run_state import RunState
 from supervisor.step_info import StepInfo
 from workers.data import PromptLoader
@@ -80,6 +81,10 @@ class StepRunner:
         self.failed_in_flight = False         # it raised: the controller skips it (recover.on_save_error)
         self.phase: Phase | None = None
         self.last_reward: float | None = None
+        self.interval = None  # recover.freq_secs: auto; it sees the trial's past and every new event
+        if config.recover.freq_secs == "auto":
+            self.interval = AutoInterval.from_history(read_jsonl(events.path))
+            events.listeners.append(self.interval.observe)
 
     @property
     def finished(self) -> bool:
@@ -125,6 +130,7 @@ class StepRunner:
         self.last_reward = float(rewards.mean())
         elapsed = t_train - t0
         last = s.global_step + 1 >= self.total_steps
+        self._set_recover_interval()
         self.owed = Owed(
             step=s, started=t0,
             row={"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
@@ -137,6 +143,18 @@ class StepRunner:
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
         )  # from here on, a fault never replays the update: `settle` pays what is owed
         self.fault_point("step.trained", s)
+
+    def _set_recover_interval(self) -> None:
+        """The Young/Daly interval for this step's recover check; an event when it moved."""
+        if self.interval is None:
+            return
+        now = time.time()
+        secs, moved = self.interval.update(now)
+        self.state.recover.freq_secs = secs
+        if moved:
+            cost = self.interval.save_cost
+            self.events.emit("recover_interval", secs=round(secs, 3), mtbf_secs=round(self.interval.mtbf(now), 1),
+                             save_cost_secs=None if cost is None else round(cost, 4), failures=self.interval.failures)
 
     # ---- after the commit: each item is paid exactly once -------------------------------------------
     def _settle(self, o: Owed) -> None:

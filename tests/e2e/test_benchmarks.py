@@ -36,3 +36,26 @@ def test_save_benchmark(tmp_path):
     figures = bench("save", "--dir", str(tmp_path), tmp_path=tmp_path)
     assert figures["bytes"] > 0 and 0 < figures["async_steady_blocked_secs"] <= figures["async_steady_total_secs"]
     assert "sync save bandwidth / raw" in figures["stdout"]
+
+
+def test_baselines_benchmark(cluster, tmp_path):
+    """relaunch, Ray Train and torchrun each recover from the same kill, or the table says which could not run."""
+    figures = bench("baselines", "--address", cluster.address, tmp_path=tmp_path)
+    rows = {r["system"].split(" ")[0]: r for r in figures["rows"]}
+    assert set(rows) == {"relaunch", "Ray", "torchrun"}
+    assert rows["relaunch"]["recovery_secs"] > 0 and rows["torchrun"]["recovery_secs"] > 0
+    assert rows["Ray"].get("recovery_secs", 0) > 0 or rows["Ray"]["error"].startswith("not run")
+    assert "dead worker -> next step" in figures["stdout"]
+
+
+def test_goodput_benchmark(cluster, tmp_path):
+    figures = bench("goodput", "--address", cluster.address, tmp_path=tmp_path)
+    assert figures["faults"] >= 1 and figures["restarts"] >= 1 and figures["steps"] == 36
+    assert 0 < figures["goodput"] < 1
+    assert "goodput" in figures["stdout"]
+
+
+def test_overhead_benchmark(cluster, tmp_path):
+    figures = bench("overhead", "--address", cluster.address, tmp_path=tmp_path)
+    assert figures["steps"] == 12 and figures["bare_step_secs"][0] > 0 and figures["supervisor_step_secs"][0] > 0
+    assert "Supervisor overhead" in figures["stdout"]

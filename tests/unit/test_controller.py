@@ -410,3 +410,16 @@ def test_a_restarted_supervisor_is_a_counted_fault_that_rebuilds_from_disk(tmp_p
 def test_transitions(state, outcome, expected):
     assert transition(state, Result(outcome)) is expected
 
+
+
+def test_an_auto_interval_follows_the_save_cost_and_the_failures(tmp_path, clean):
+    world = World()
+    world.armed[("train", 5)] = "rank_death"
+    result, layout, engines, controller = run(tmp_path, world, "recover.freq_secs=auto", "recover.freq_steps=null")
+    assert result.exit_code == 0, result.message
+    events = read_jsonl(layout.events_log)
+    intervals = [e for e in events if e["event"] == "recover_interval"]
+    assert intervals[0]["save_cost_secs"] is None and intervals[0]["secs"] == 10.0  # first save not measured yet
+    commits = [e["global_step"] for e in events if e["event"] == "commit"]
+    assert commits[-1] == STEPS - 1  # the last step always saves
+    assert controller.runner.interval.failures == 1

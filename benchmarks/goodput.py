@@ -1,0 +1,107 @@
+"""Goodput of the default job with a TrainWorker SIGKILLed every N seconds: useful step time over wall time.
+
+    .venv/bin/python benchmarks/goodput.py [--every 60] [--epochs 25] [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
+
+A timer thread asks the running Supervisor for its workers (`progress()`) and SIGKILLs a random TrainWorker
+by pid, N seconds after the first step and, after each kill, N seconds after training is past the killed step
+(so that a slow recovery is not killed again before it trains). Useful time is the sum of `time/step`
+over the final stats rows (each step once: rows of steps trained again are cut back on resume); wall time runs
+from the job's `start` event to its `done` event. Faults N seconds apart are isolated faults, not a crash loop,
+so the job runs with recover.quiet_secs = N / 2 (every restart immediate) and retries to spare; pass
+`recover.quiet_secs=...` to see the back-off instead. `--quick` is 3 epochs and a kill every 3 s (CI).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from recovery import run
+
+from supervisor.events import read_jsonl
+from supervisor.launch import NAMESPACE
+from supervisor.local_cluster import LocalCluster
+
+
+def kill_every(every: float, name: str, stop: threading.Event, killed: list) -> None:
+    """SIGKILL a random TrainWorker (pids from the Supervisor) `every` seconds after training first runs and,
+    after each kill, `every` seconds after training has moved past the killed step again."""
+    rng = random.Random(0)
+    deadline, after_step = None, -1
+    while not stop.wait(0.2):
+        if not ray.is_initialized():  # the job connects inside run_job
+            continue
+        try:
+            progress = ray.get(ray.get_actor(name, namespace=NAMESPACE).progress.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - not started yet, or restarting
+            continue
+        if progress["global_step"] <= after_step or progress["phase"] in ("repairing", "starting"):
+            continue
+        deadline = deadline or time.monotonic() + every
+        pids = [w["pid"] for w in progress["workers"] if w["name"].startswith("TrainWorker") and w["pid"]]
+        if time.monotonic() >= deadline and pids:
+            pid = rng.choice(pids)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append({"time": time.time(), "pid": pid, "global_step": progress["global_step"]})
+            deadline, after_step = None, progress["global_step"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=float, default=60.0, help="seconds between faults")
+    parser.add_argument("--epochs", type=int, default=25, help="total_train_epochs (12 steps each)")
+    parser.add_argument("--quick", action="store_true", help="3 epochs, a kill every 3 s (CI)")
+    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    every, epochs = (3.0, 3) if args.quick else (args.every, args.epochs)
+    overrides = [f"total_train_epochs={epochs}", f"recover.quiet_secs={every / 2:g}", "recover.retries=100",
+                 *args.overrides]
+    fileroot = Path(tempfile.mkdtemp(prefix="relaunch-goodput-"))
+    cluster = None if args.address else LocalCluster()
+    address = args.address or cluster.address
+    stop, killed = threading.Event(), []
+    timer = threading.Thread(target=kill_every, args=(every, "tiny-grpo/goodput", stop, killed), daemon=True)
+    try:
+        timer.start()
+        _, layout = run(address, fileroot, "goodput", overrides)
+    finally:
+        stop.set()
+        timer.join()
+        if cluster:
+            cluster.shutdown()
+    events, stats = read_jsonl(layout.events_log), read_jsonl(layout.stats_log)
+    wall = next(e["time"] for e in events if e["event"] == "done") - next(e["time"] for e in events
+                                                                         if e["event"] == "start")
+    useful = sum(r["time/step"] for r in stats)
+    recoveries = [e["total"] for e in events if e["event"] == "recovery"]
+    figures = {"benchmark": "goodput", "every_secs": every, "steps": len(stats), "faults": len(killed),
+               "restarts": sum(e["event"] == "restart" for e in events), "wall_secs": wall, "useful_secs": useful,
+               "goodput": useful / wall, "recovery_secs": recoveries}
+    rows = [("fault every", f"{every:g} s (SIGKILL of a random TrainWorker)"),
+            ("steps", f"{len(stats)}"), ("faults injected, restarts", f"{len(killed)}, {figures['restarts']}"),
+            ("recoveries (failure -> next step)", ", ".join(f"{r:.1f} s" for r in recoveries) or "-"),
+            ("wall time (start -> done)", f"{wall:.1f} s"), ("useful step time", f"{useful:.1f} s"),
+            ("goodput", f"{figures['goodput'] * 100:.1f}%")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

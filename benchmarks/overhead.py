@@ -1,0 +1,113 @@
+"""The Supervisor's per-step overhead against a bare loop doing the same work with the same actors.
+
+    .venv/bin/python benchmarks/overhead.py [--epochs 5] [--repeats 2] [--quick] [--address ADDR] [--json FILE]
+
+Both run the default job's steps with no saves, exports or evaluations (recover.mode=off): generate on a
+RolloutWorker, score, train on the TrainWorkers, push the weights. The bare loop drives supervisor/groups.py's
+TrainGroup and RolloutGroup directly, without events, stats rows, frequency checks or checksums. Each side is
+timed from its first step to the end of its groups' shutdown: for the Supervisor, from its `state running`
+event to its `done` event. Runs alternate (bare, Supervisor, ...) and the medians are compared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from recovery import run as run_job_timed
+
+from supervisor.config import load_config
+from supervisor.events import read_jsonl
+from supervisor.groups import RolloutGroup, TrainGroup
+from supervisor.launch import connect
+from supervisor.local_cluster import LocalCluster
+from workers.data import PromptLoader, read_prompts
+from workers.grpo import group_advantages
+from workers.rewards import load_reward_fn, score
+
+NO_SAVES = ["recover.mode=off", "saver.freq_epochs=null", "evaluator.freq_epochs=null"]
+
+
+def bare(address: str, overrides: list[str]) -> tuple[float, int]:
+    """(seconds from the first step to the groups' shutdown, steps)."""
+    cfg = load_config(None, [*NO_SAVES, *overrides])
+    loader = PromptLoader(read_prompts(cfg.data.path), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
+    reward_fn, group = load_reward_fn(cfg.reward.fn), cfg.data.group_size
+    steps = loader.steps_per_epoch * cfg.total_train_epochs
+    connect(cfg, address)
+    try:
+        engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)
+        trainers = TrainGroup(cfg, cfg.cluster.n_train_workers, cfg.recover.step_timeout_secs)
+        engines.push(trainers.weights(-1)[0], 0)
+        started = time.monotonic()
+        for g in range(steps):
+            rows = [r for r in loader.batch(g // loader.steps_per_epoch, g % loader.steps_per_epoch)
+                    for _ in range(group)]
+            rollout = engines.generate([r["prompt"] for r in rows], g, version=g)
+            advantages = group_advantages(torch.tensor(score(reward_fn, rows, rollout["completions"])), group)
+            n = trainers.world_size
+            shards = [dict({k: rollout[k].chunk(n)[r] for k in ("input_ids", "attention_mask", "response_mask")},
+                           advantages=advantages.chunk(n)[r]) for r in range(n)]
+            trainers.train(shards, g)
+            engines.push(trainers.weights(g)[0], g + 1)
+        trainers.shutdown()
+        engines.shutdown()
+        return time.monotonic() - started, steps
+    finally:
+        ray.shutdown()
+
+
+def supervised(address: str, fileroot: Path, trial: str, overrides: list[str]) -> tuple[float, int]:
+    _, layout = run_job_timed(address, fileroot, trial, [*NO_SAVES, *overrides])
+    events = read_jsonl(layout.events_log)
+    running = next(e["time"] for e in events if e["event"] == "state" and e["state"] == "running")
+    done = next(e["time"] for e in events if e["event"] == "done")
+    return done - running, len(read_jsonl(layout.stats_log))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="one epoch, one run of each (CI)")
+    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    epochs, repeats = (1, 1) if args.quick else (args.epochs, args.repeats)
+    overrides = [f"total_train_epochs={epochs}"]
+    fileroot = Path(tempfile.mkdtemp(prefix="relaunch-overhead-"))
+    cluster = None if args.address else LocalCluster()
+    address = args.address or cluster.address
+    per_step = {"bare": [], "supervisor": []}
+    try:
+        for i in range(repeats):
+            secs, steps = bare(address, overrides)
+            per_step["bare"].append(secs / steps)
+            secs, steps = supervised(address, fileroot, f"run{i}", overrides)
+            per_step["supervisor"].append(secs / steps)
+    finally:
+        if cluster:
+            cluster.shutdown()
+    b, s = statistics.median(per_step["bare"]), statistics.median(per_step["supervisor"])
+    overhead = (s - b) / b * 100
+    rows = [("steps per run", f"{steps}"), ("runs of each", f"{repeats}"),
+            ("bare loop, per step", f"{b * 1000:.0f} ms  {[round(x * 1000) for x in per_step['bare']]}"),
+            ("Supervisor, per step", f"{s * 1000:.0f} ms  {[round(x * 1000) for x in per_step['supervisor']]}"),
+            ("Supervisor overhead", f"{s * 1000 - b * 1000:+.0f} ms a step = {overhead:+.1f}% of a step")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "overhead", "steps": steps, "bare_step_secs": per_step["bare"],
+                       "supervisor_step_secs": per_step["supervisor"], "overhead_percent": overhead}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
