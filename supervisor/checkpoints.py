@@ -80,6 +80,8 @@ class Checkpoints:
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
         driver_state = {"dataloader": infos["dataloader_info.pkl"], "global_step": s.global_step}
+        (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))  # before the ranks write
+        run_config = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         if background:
             trainers.begin_save(str(staging), s.global_step, driver_state)
             files = {}
@@ -95,8 +97,7 @@ class Checkpoints:
             if ref_step not in self._reference_entries:  # hashed once, not on every save that names it
                 self._reference_entries = {ref_step: {"size": ref.stat().st_size, "sha256": file_digest(ref)}}
             files[REFERENCE_PREFIX + ref.name] = self._reference_entries[ref_step]
-        (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))
-        files[RUN_CONFIG] = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
+        files[RUN_CONFIG] = run_config
         # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten
         nbytes = sum(f["size"] for name, f in files.items()
                      if not name.startswith(REFERENCE_PREFIX) or ref_step == s.global_step)
@@ -142,10 +143,15 @@ class Checkpoints:
             for old in exports[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def discard_failed_save(self) -> list[Path]:
-        """Remove what a save or export that failed left behind; the last valid checkpoint is untouched."""
+    def committed_step(self) -> int | None:
+        """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
+        return self.store.committed_step() if self.store is not None else None
+
+    def discard_failed_save(self, in_flight: Path | None = None) -> list[Path]:
+        """Remove what a save or export that failed left behind, but for the staging directory of a background
+        save still being written (`in_flight`); the last valid checkpoint is untouched."""
         if self.store is not None:
-            return self.store.remove_leftovers(self.store.committed_step())
+            return self.store.remove_leftovers(self.store.committed_step(), spare=in_flight)
         removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*")] if self.layout.export_root.is_dir() else []
         for p in removed:
             shutil.rmtree(p, ignore_errors=True)

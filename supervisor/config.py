@@ -228,7 +228,8 @@ class Config(_Strict):
     def async_recover(self) -> bool:
         """Recover saves are written in the background (recover.write_mode async, or auto on an engine that can)."""
         mode = self.recover.write_mode
-        return mode is SaveMode.ASYNC or (mode is SaveMode.AUTO and self.actor.backend in ASYNC_SAVE_BACKENDS)
+        return self.recover.mode.enabled and (
+            mode is SaveMode.ASYNC or (mode is SaveMode.AUTO and self.actor.backend in ASYNC_SAVE_BACKENDS))
 
     def _check_engine(self) -> None:
         actor, recover = self.actor, self.recover

@@ -138,6 +138,8 @@ class Controller:
         saving = self.state is State.RUNNING and self.runner.phase in (Phase.EXPORT, Phase.SAVE)
         fault = replace(fault, in_save=saving)
         step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
+        if self.runner.failed_in_flight:  # the background save of an earlier step failed
+            step = self.runner.in_flight.global_step
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
@@ -147,10 +149,11 @@ class Controller:
               f"{decision.reason}", flush=True)
         if fault.kind is FaultKind.STORAGE_ERROR and saving:
             # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
-            removed = self.checkpoints.discard_failed_save() if fault.settled else []
-            background = self.runner.in_flight if self.runner.failed_in_flight else None
-            self.events.emit("save_failed", global_step=background.global_step if background else step,
-                             error=fault.message, what="background save" if background else self.runner.phase.value,
+            r = self.runner
+            background = r.in_flight if r.failed_in_flight else None
+            live = r.in_flight.path if r.in_flight is not None and background is None else None
+            removed = self.checkpoints.discard_failed_save(in_flight=live) if fault.settled else []
+            self.events.emit("save_failed", global_step=step, error=fault.message, what="background save" if background else self.runner.phase.value,
                              action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
             details = ""
@@ -173,6 +176,11 @@ class Controller:
 
     # ---- starting and repairing -----------------------------------------------------------------------
     def _start(self) -> Result:
+        committed = self.checkpoints.committed_step()
+        complete = committed is not None and committed + 1 >= self.runner.total_steps
+        if not (complete or self.supervisor_restarted):
+            self._restart_train_group()  # validates the checkpoint while the group starts
+            return Result(Outcome.OK)
         ckpt = self.checkpoints.load_last_valid()
         if ckpt is not None and ckpt.global_step + 1 >= self.runner.total_steps:
             self._roll_back_to(ckpt)

@@ -135,7 +135,7 @@ class RecoverStore:
         self.layout = layout
         self.keep_last = keep_last
         self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prune")
-        self._committed: dict[int, dict] = {}  # step -> manifest, for the steps this process committed or hashed
+        self._committed: dict[int, dict] = {}  # step -> manifest, for the steps this process committed
 
     # ---- writing -------------------------------------------------------------------------------
     def staging_dir(self, global_step: int) -> Path:
@@ -250,11 +250,8 @@ class RecoverStore:
             return None
 
     def validate(self, step: int) -> Checkpoint:
-        """Validate a published step; one this process committed, or already hashed in full, is not hashed
-        again (a job's start validates the checkpoint, then its TrainGroup's start would)."""
-        ckpt = read_checkpoint(self.layout.step_dir(step), trusted=self._committed.get(step))
-        self._committed[step] = json.loads(json.dumps(ckpt.manifest))
-        return ckpt
+        """Validate a published step; one this process committed itself is not hashed again."""
+        return read_checkpoint(self.layout.step_dir(step), trusted=self._committed.get(step))
 
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""
@@ -294,11 +291,12 @@ class RecoverStore:
                 found.append(self.layout.step_dir(step))
         return found
 
-    def remove_leftovers(self, keep_step: int | None) -> list[Path]:
+    def remove_leftovers(self, keep_step: int | None, spare: Path | None = None) -> list[Path]:
         """Clean up before training on from `keep_step`. A damaged committed step directory newer than it
-        is moved aside as `damaged.globalstep{G}` for inspection, not deleted; the rest is removed."""
+        is moved aside as `damaged.globalstep{G}` for inspection, not deleted; the rest is removed, but for
+        `spare` (the staging directory of a background save still being written)."""
         committed = self.committed_step()
-        removed = self.leftovers(keep_step)
+        removed = [p for p in self.leftovers(keep_step) if p != spare]
         for p in removed:
             step = step_of(p)
             if step is not None and committed is not None and step <= committed:

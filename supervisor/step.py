@@ -161,7 +161,7 @@ class StepRunner:
         s = o.step
         if self.engine_version != s.global_step + 1:
             self.phase = Phase.PUSH
-            self.sync_engines(gate=False)
+            self.sync_engines(gate=False, checksum=o.save)  # a saved step's commit names its checksum
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
@@ -257,13 +257,14 @@ class StepRunner:
             self.weights = Weights(ref, version, checksum)
         return self.weights.checksum
 
-    def sync_engines(self, gate: bool, pull: bool = False) -> None:
+    def sync_engines(self, gate: bool, pull: bool = False, checksum: bool = False) -> None:
         """Bring every engine to the trainer's version. With `gate` (after a repair), push only to the engines
-        that do not hold it already and require every engine to report the trainer's version and checksum."""
+        that do not hold it already and require every engine to report the trainer's version and checksum.
+        With `checksum`, the weights are hashed in the same gather (for a commit), not gathered twice."""
         self.engine_version = None
         version = self.state.step.global_step + 1
         if pull or self.weights is None or self.weights.version != version or (gate and not self.weights.checksum):
-            ref, checksum = self.trainers.weights(version - 1, checksum=gate)
+            ref, checksum = self.trainers.weights(version - 1, checksum=gate or checksum)
             self.weights = Weights(ref, version, checksum)
         want = (self.weights.version, self.weights.checksum)
         if not gate:

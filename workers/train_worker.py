@@ -79,12 +79,15 @@ class TrainWorker:
         if self.background is not None:
             wait([self.background])  # the Supervisor waits for the previous one first; this is a backstop
         directory = Path(staging)
-        now, shards = self.engine.save_async(directory, global_step)
-        now += self._save_driver_state(directory, driver_state)
+        driver = self._save_driver_state(directory, driver_state)
+        now, shards = self.engine.save_async(directory, global_step)  # nothing may raise from here to `submit`
 
         def finish() -> dict[str, dict]:
-            fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
-            return _digests(directory, now + shards.result())
+            try:
+                fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
+            finally:
+                written = shards.result()  # the write is over before this future is, whatever happened
+            return _digests(directory, driver + now + written)
 
         self.background, self.background_step = self._writer.submit(finish), global_step
 

@@ -48,6 +48,7 @@ class World:
         self.storage_full = self.reward_raises = False
         self.train_groups = 0
         self.checksums = 0  # how often the trainers hashed their full weights
+        self.write_polls = 1  # a background save is reported unfinished to this many polls
 
     def strike(self, phase: str, step: int) -> None:
         fault = self.armed.pop((phase, step), None)
@@ -125,8 +126,8 @@ class FakeTrainers:
         self._check("background", step)
         self._storage()
         self.polls += 1
-        if not block and self.polls == 1:
-            return None  # still being written: the run goes on, the save stays in flight a step
+        if not block and self.polls <= self.world.write_polls:
+            return None  # still being written: the run goes on, the save stays in flight a step or more
         path = staging / "model.json"
         path.write_text(json.dumps(history))
         return {"model.json": {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
@@ -325,6 +326,18 @@ def test_a_storage_error_skips_that_save_and_trains_on(tmp_path, clean, phase, m
     exported = [e["global_step"] for e in events if e["event"] == "export"]
     committed = [e["global_step"] for e in events if e["event"] == "commit"]
     assert (exported, committed) == (([1, 5, 7], [1, 3, 5, 7]) if phase == "export" else ([1, 3, 5, 7], [1, 5, 7]))
+    assert final_history(layout) == list(range(STEPS))
+
+
+def test_a_failed_export_leaves_the_background_save_in_flight_alone(tmp_path):
+    world = World()
+    world.write_polls = 3  # step 2's save is still being written when step 3's export fails
+    world.armed[("export", 3)] = "storage"
+    result, layout, *_ = run(tmp_path, world, "recover.freq_steps=1")
+    assert result.exit_code == 0, result.message
+    events = read_jsonl(layout.events_log)
+    assert [e["what"] for e in events if e["event"] == "save_failed"] == ["export"]
+    assert [e["global_step"] for e in events if e["event"] == "commit"] == list(range(STEPS))
     assert final_history(layout) == list(range(STEPS))
 
 

@@ -49,8 +49,13 @@ def init_process_group(config, rank: int, world_size: int, master_addr: str, mas
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     dist.init_process_group(
         "nccl" if use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=2 * config.recover.step_timeout_secs + 60))
+        rank=rank, world_size=world_size, timeout=collective_timeout(config))
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+
+
+def collective_timeout(config) -> datetime.timedelta:
+    """Well after a hung step is seen (recover.step_timeout_secs): the Supervisor, not gloo, decides what a hang is."""
+    return datetime.timedelta(seconds=2 * config.recover.step_timeout_secs + 60)
 
 
 def lr_scheduler(optimizer, warmup: int):

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from supervisor import safe_dcp
 from supervisor.faults import armed
-from workers.engines.base import lr_scheduler
+from workers.engines.base import collective_timeout, lr_scheduler
 from workers.engines.export import write_hf
 from workers.engines.reference import ReferencePolicy, grpo_loss
 from workers.engines.rng import load_rng, save_rng
@@ -54,7 +54,7 @@ class FSDPEngine:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
         if config.async_recover:  # collective: every rank makes the background writer's group here
-            self.writer_group = dist.new_group(backend="gloo")
+            self.writer_group = dist.new_group(backend="gloo", timeout=collective_timeout(config))
             cuda = device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=False))
