@@ -1,0 +1,113 @@
+"""Warm spare TrainWorkers: processes started ahead of need, so a restart skips their start-up.
+
+A spare has done its imports and built the unsharded model (TrainWorker.warm) but is in no process group:
+it learns its rank when a new TrainGroup takes it. It holds one rank's resources, on a node chosen away
+from the ranks (spare_plan.py), by a soft node affinity so that it still starts if that node filled up.
+`take` hands out live spares at once and skips dead ones (lost with their node) after a short probe; the
+Supervisor refills the pool after the first step the new group completed, so warming never competes with
+the restart itself. Spares are named per trial, so a Supervisor that died leaves none behind for long.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import ray
+from ray._private.state import available_resources_per_node
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from supervisor.groups import KILL_WAIT_SECS, drain
+from supervisor.spare_plan import choose_nodes, rank_resources
+from workers.train_worker import TrainWorker
+
+PROBE_SECS = 2.0  # how long a warm spare may take to answer before it counts as dead
+
+
+@dataclass
+class Spare:
+    handle: ray.actor.ActorHandle
+    name: str
+    node: str        # the node it was placed on (soft: it may have started elsewhere)
+    warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
+
+
+def spare_prefix(config) -> str:
+    return f"relaunch/{config.experiment_name}/{config.trial_name}/spare/"
+
+
+def remove_leftover_spares(config) -> int:
+    """Kill this trial's spares left by a Supervisor that died (named actors, found by their prefix)."""
+    removed = 0
+    for name in ray.util.list_named_actors():
+        if name.startswith(spare_prefix(config)):
+            try:
+                ray.kill(ray.get_actor(name), no_restart=True)
+                removed += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return removed
+
+
+class SparePool:
+    def __init__(self, config, size: int):
+        self.config, self.size = config, size
+        self.spares: list[Spare] = []
+        self.orphans: list[ray.ObjectRef] = []
+
+    def __len__(self) -> int:
+        return len(self.spares)
+
+    def take(self, n: int) -> list[tuple[ray.actor.ActorHandle, dict]]:
+        """Up to `n` live spares as (handle, where) pairs, removed from the pool. A spare that is dead, or
+        warm but silent for PROBE_SECS, is killed and dropped; one still warming stays for the next take."""
+        if n <= 0 or not self.spares:
+            return []
+        probes = {s.name: s.handle.warm.remote() for s in self.spares}
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=PROBE_SECS)
+        ready = set(ready)
+        taken, broken, kept = [], [], []
+        for s in self.spares:
+            probe = probes[s.name]
+            if probe not in ready:
+                warmed = bool(ray.wait([s.warm], timeout=0)[0])
+                (broken if warmed else kept).append(s)  # silent after its warm-up: stopped or unreachable
+                self.orphans.append(probe)
+                continue
+            try:
+                where = ray.get(probe)
+            except Exception:  # noqa: BLE001 - a dead spare (its node lost, or killed): skipped
+                broken.append(s)
+                continue
+            (taken.append((s.handle, where)) if len(taken) < n else kept.append(s))
+        self._kill(broken)
+        self.spares = kept
+        return taken
+
+    def refill(self, avoid: list[str | None]) -> list[str]:
+        """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
+        nodes they were placed on. Not waited for: each is checked when it is next taken."""
+        need = rank_resources(self.config.cluster)
+        nodes = choose_nodes(available_resources_per_node(), {n for n in avoid if n}, need,
+                             self.size - len(self.spares))
+        for node in nodes:
+            name = spare_prefix(self.config) + uuid.uuid4().hex[:8]
+            handle = TrainWorker.options(
+                name=name, num_cpus=self.config.cluster.cpus_per_worker, num_gpus=self.config.cluster.gpus_per_worker,
+                max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+            ).remote(self.config)
+            self.spares.append(Spare(handle, name, node, handle.warm.remote()))
+        return nodes
+
+    def _kill(self, spares: list[Spare]) -> None:
+        for s in spares:
+            try:
+                ray.kill(s.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        # the killed ones are waited for (a bounded while), so their resources are free for a cold rank
+        self.orphans = drain(self.orphans, 0)[0] + drain([s.warm for s in spares], KILL_WAIT_SECS)[0]
+
+    def shutdown(self) -> None:
+        spares, self.spares = self.spares, []
+        self._kill(spares)
+        self.orphans = []
