@@ -146,7 +146,7 @@ class TrainGroup(_Members):
         started = time.monotonic()
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
-        self.members = [Member(handle, "", w["node_id"], w["pid"]) for handle, w in taken]
+        self.members = [Member(handle, "") for handle, _ in taken]
         self.pg = placement_group([dict(bundle) for _ in range(cold)], strategy="PACK",
                                   name=placement_group_name(config)) if cold else None
         try:

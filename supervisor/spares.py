@@ -57,31 +57,33 @@ class SparePool:
     def __len__(self) -> int:
         return len(self.spares)
 
-    def take(self, n: int) -> list[tuple[ray.actor.ActorHandle, dict]]:
-        """Up to `n` live spares as (handle, where) pairs, removed from the pool. A spare that is dead, or
-        warm but silent for PROBE_SECS, is killed and dropped; one still warming stays for the next take."""
+    def take(self, n: int) -> list[tuple[ray.actor.ActorHandle, dict | None]]:
+        """Up to `n` spares as (handle, where) pairs, removed from the pool: warm ones that answer a probe
+        within PROBE_SECS, then ones still warming (where None: their setup waits for the warm-up, which is
+        still sooner than a cold start). A dead or silent warm spare is killed and dropped."""
         if n <= 0 or not self.spares:
             return []
-        probes = {s.name: s.handle.warm.remote() for s in self.spares}
-        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=PROBE_SECS)
-        ready = set(ready)
-        taken, broken, kept = [], [], []
+        warmed = set(ray.wait([s.warm for s in self.spares], num_returns=len(self.spares), timeout=0)[0])
+        probes = {s.name: s.handle.warm.remote() for s in self.spares if s.warm in warmed}
+        ready = set(ray.wait(list(probes.values()), num_returns=len(probes), timeout=PROBE_SECS)[0]) \
+            if probes else set()
+        live, warming, broken = [], [], []
         for s in self.spares:
-            probe = probes[s.name]
-            if probe not in ready:
-                warmed = bool(ray.wait([s.warm], timeout=0)[0])
-                (broken if warmed else kept).append(s)  # silent after its warm-up: stopped or unreachable
-                self.orphans.append(probe)
-                continue
-            try:
-                where = ray.get(probe)
-            except Exception:  # noqa: BLE001 - a dead spare (its node lost, or killed): skipped
+            if s.warm not in warmed:
+                warming.append((s, None))
+            elif probes[s.name] not in ready:  # warm but silent: stopped, or its node unreachable
                 broken.append(s)
-                continue
-            (taken.append((s.handle, where)) if len(taken) < n else kept.append(s))
+                self.orphans.append(probes[s.name])
+            else:
+                try:
+                    live.append((s, ray.get(probes[s.name])))
+                except Exception:  # noqa: BLE001 - a dead spare (lost with its node, or killed): skipped
+                    broken.append(s)
+        taken = (live + warming)[:n]
+        self.orphans += [s.warm for s, where in taken if where is None]  # retrieved later, so Ray stays quiet
         self._kill(broken)
-        self.spares = kept
-        return taken
+        self.spares = [s for s, _ in (live + warming)[n:]]
+        return [(s.handle, where) for s, where in taken]
 
     def refill(self, avoid: list[str | None]) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
