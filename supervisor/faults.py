@@ -6,7 +6,8 @@ TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit
 call is its `global_step` argument, or for `load_weights` the step whose update made the weights
 (version - 1); `where`, `setup`, `load_recover` and `weight_status` run at (re)starts and have none, so a
 point armed there without `step=` fires at the first call. A TrainWorker's rank is the one it has (or, in
-`where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has no rank. Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
+`where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has no rank.
+Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
 `step.saved`), and the recover store one at every write of a checkpoint.
 

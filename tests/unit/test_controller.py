@@ -428,6 +428,7 @@ def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_st
               for e in read_jsonl(layout.events_log) if e["event"] == "spares"]
     # the first group starts cold; the pool fills after its first step; the restart takes the spare for one
     # rank and starts the other cold; the pool is full again after the new group's first step
-    assert spares == [("taken", 0, 2, 0), ("refilled", None, None, 1), ("taken", 1, 1, 0), ("refilled", None, None, 1)]
+    assert spares == [("taken", 0, 2, 0), ("refilled", None, None, 1),
+                      ("taken", 1, 1, 0), ("refilled", None, None, 1)]
     assert pool.refills == [["n1", "n1"], ["n1", "n1"]]  # away from the ranks' nodes
     assert len(pool) == 0  # the pool is shut down with the job
