@@ -36,7 +36,6 @@ PROBE_SECS = 2.0  # how long a warm spare may take to answer before it counts as
 class Spare:
     handle: ray.actor.ActorHandle
     name: str
-    node: str        # the node it was placed on (soft: it may have started elsewhere)
     warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
 
 
@@ -106,7 +105,7 @@ class SparePool:
                 name=name, num_cpus=self.config.cluster.cpus_per_worker, num_gpus=self.config.cluster.gpus_per_worker,
                 max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
             ).remote(self.config)
-            self.spares.append(Spare(handle, name, node, handle.warm.remote()))
+            self.spares.append(Spare(handle, name, handle.warm.remote()))
         return nodes
 
     def _kill(self, spares: list[Spare]) -> None:
@@ -115,8 +114,10 @@ class SparePool:
                 ray.kill(s.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        # the killed ones are waited for (a bounded while), so their resources are free for a cold rank
-        self.orphans = drain(self.orphans, 0)[0] + drain([s.warm for s in spares], KILL_WAIT_SECS)[0]
+        # a call on each killed one fails once it is gone: waited for (a bounded while), so that its resources
+        # are free for a cold rank
+        gone = [s.warm for s in spares] + [s.handle.warm.remote() for s in spares]
+        self.orphans = drain(self.orphans, 0)[0] + drain(gone, KILL_WAIT_SECS)[0]
 
     def shutdown(self) -> None:
         spares, self.spares = self.spares, []
