@@ -1,11 +1,14 @@
-"""What a failure costs: the default job run twice side by side on one local 3-node Ray cluster, once
-uninterrupted and once with a TrainWorker SIGKILLed mid-update, and the figures from their events.
+"""What a failure costs: the default job run side by side on one local 3-node Ray cluster, once
+uninterrupted and then with a TrainWorker SIGKILLed mid-update, once per warm spare pool size
+(`recover.spare_workers`, default 0, 1 and 2), and the figures from their events.
 
-    .venv/bin/python benchmarks/recovery.py [--kill-at-step 30] [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
+    .venv/bin/python benchmarks/recovery.py [--kill-at-step 30] [--spares 0,1,2] [--quick] [--address ADDR]
+                                            [--json FILE] [KEY=VALUE ...]
 
-Prints wall times and their ratio, how long detection, restart and resync took and where the recovery's
-time went, how many steps were trained again, what the recover checkpoints cost, and whether the final
-weights are identical. `--quick` runs one epoch and kills at step 6 (CI runs it so that it cannot rot).
+Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took
+and where the recovery's time went, how many ranks came from spares, how many steps were trained again,
+what the recover checkpoints cost, and whether the final weights are identical. `--quick` runs one epoch,
+kills at step 10, with 0 and 2 spares (CI runs it so that it cannot rot).
 """
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ def run(address: str, fileroot: Path, trial: str, overrides: list[str]) -> tuple
     return time.monotonic() - started, TrialLayout.from_config(config)
 
 
+def final_weights(layout: TrialLayout) -> bytes:
+    exports = sorted(layout.export_root.glob("epoch*"), key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
+    return (exports[-1] / "model.safetensors").read_bytes()
+
+
 def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int) -> tuple[float, TrialLayout]:
     """The job with rank 1 SIGKILLed as it enters the update of step `kill_at` (once)."""
     fault_dir = fileroot / f"faults-{trial}"
@@ -44,62 +52,95 @@ def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], k
         del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
 
 
-def final_weights(layout: TrialLayout) -> bytes:
-    exports = sorted(layout.export_root.glob("epoch*"), key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
-    return (exports[-1] / "model.safetensors").read_bytes()
+PARTS = ("detection", "backoff", "teardown", "validate", "scheduling", "process_start", "rendezvous", "load",
+         "resync", "first_step")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kill-at-step", type=int, default=30)
-    parser.add_argument("--quick", action="store_true", help="one epoch, the kill at step 6")
-    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
-    parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    overrides, kill_at = (["total_train_epochs=1", *args.overrides], 6) if args.quick else \
-        (args.overrides, args.kill_at_step)
-    fileroot = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
-    cluster = None if args.address else LocalCluster()
-    address = args.address or cluster.address
-    try:
-        clean_secs, clean = run(address, fileroot, "uninterrupted", overrides)
-        faulty_secs, faulty = killed_run(address, fileroot, "killed", overrides, kill_at)
-    finally:
-        if cluster:
-            cluster.shutdown()
+def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_secs: float) -> dict:
+    """The killed run's figures from its events: detection, the restart, its breakdown, the spares it took."""
     events = read_jsonl(faulty.events_log)
     failure = next(e for e in events if e["event"] == "failure")
     after = [e for e in events if e["time"] >= failure["time"]]
     loaded = next(e for e in after if e["event"] == "loaded")
     resync = next(e for e in after if e["event"] == "resync")
     recovery = next(e for e in after if e["event"] == "recovery")
-    parts = ("detection", "backoff", "teardown", "validate", "scheduling", "process_start", "rendezvous", "load",
-             "resync", "first_step")
-    commits = [e for e in read_jsonl(clean.events_log) if e["event"] == "commit"]
-    rows = [
-        ("wall time, uninterrupted job", f"{clean_secs:.1f} s"),
-        ("wall time, job with a TrainWorker killed", f"{faulty_secs:.1f} s"),
-        ("ratio killed / uninterrupted", f"{faulty_secs / clean_secs:.2f}"),
-        ("fault detected after", f"{failure['detect_secs']:.2f} s ({failure['cause']})"),
-        ("failure -> new TrainGroup loaded", f"{loaded['time'] - failure['time']:.1f} s (load {loaded['secs']:.1f} s)"),
-        ("failure -> engines resynced", f"{resync['time'] - failure['time']:.1f} s"),
-        ("failure -> next completed step", f"{recovery['total']:.1f} s"),
-        *((f"  {p}", f"{recovery[p]:.2f} s") for p in parts if p in recovery),
-        ("steps trained again", f"{failure['global_step'] - loaded['global_step'] - 1}"),
+    taken = next((e for e in after if e["event"] == "spares" and e["action"] == "taken"), None)
+    return {"killed_secs": faulty_secs, "ratio": faulty_secs / clean_secs, "detect_secs": failure["detect_secs"],
+            "cause": failure["cause"], "loaded_secs": loaded["time"] - failure["time"], "load_secs": loaded["secs"],
+            "resynced_secs": resync["time"] - failure["time"], "recovery": recovery,
+            "ranks_from_spares": taken["taken"] if taken else 0,
+            "cold_ranks": taken["cold"] if taken else len(loaded["nodes"]),
+            "replayed_steps": failure["global_step"] - loaded["global_step"] - 1,
+            "identical": final_weights(clean) == final_weights(faulty)}
+
+
+def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list[tuple[str, ...]]:
+    """One row per figure, one column per spare pool size."""
+    cols = list(runs.values())
+
+    def row(label: str, fmt) -> tuple[str, ...]:
+        return (label, *(fmt(f) for f in cols))
+
+    return [
+        ("recover.spare_workers", *(str(n) for n in runs)),
+        ("wall time, uninterrupted job", *(f"{clean_secs:.1f} s" for _ in cols)),
+        row("wall time, job with a TrainWorker killed", lambda f: f"{f['killed_secs']:.1f} s"),
+        row("ratio killed / uninterrupted", lambda f: f"{f['ratio']:.2f}"),
+        row("fault detected after", lambda f: f"{f['detect_secs']:.2f} s ({f['cause']})"),
+        row("ranks from spares / cold", lambda f: f"{f['ranks_from_spares']} / {f['cold_ranks']}"),
+        row("failure -> new TrainGroup loaded", lambda f: f"{f['loaded_secs']:.1f} s"),
+        row("failure -> engines resynced", lambda f: f"{f['resynced_secs']:.1f} s"),
+        row("failure -> next completed step", lambda f: f"{f['recovery']['total']:.1f} s"),
+        *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
+        row("steps trained again", lambda f: str(f["replayed_steps"])),
         ("recover checkpoint: count, mean time, size",
-         f"{len(commits)}, {statistics.mean(c['secs'] for c in commits) * 1000:.0f} ms, "
-         f"{commits[-1]['bytes'] / 1e6:.2f} MB"),
-        ("final weights identical", str(final_weights(clean) == final_weights(faulty))),
+         *(f"{len(commits)}, {statistics.mean(c['secs'] for c in commits) * 1000:.0f} ms, "
+           f"{commits[-1]['bytes'] / 1e6:.2f} MB" for _ in cols)),
+        row("final weights identical", lambda f: str(f["identical"])),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kill-at-step", type=int, default=30)
+    parser.add_argument("--spares", default="0,1,2",
+                        help="recover.spare_workers of each killed run, side by side (--quick: 0,2)")
+    parser.add_argument("--quick", action="store_true", help="one epoch, the kill at step 10, spares 0 and 2")
+    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    # quick: the kill at step 10 gives the spares, started after step 0, time to warm up on a small machine
+    overrides, kill_at = (["total_train_epochs=1", *args.overrides], 10) if args.quick else \
+        (args.overrides, args.kill_at_step)
+    spares = [int(n) for n in ("0,2" if args.quick and args.spares == parser.get_default("spares")
+                               else args.spares).split(",")]
+    fileroot = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
+    cluster = None if args.address else LocalCluster()
+    address = args.address or cluster.address
+    runs = {}
+    try:
+        clean_secs, clean = run(address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"])
+        for n in spares:
+            faulty_secs, faulty = killed_run(address, fileroot, f"killed-spares{n}",
+                                             [*overrides, f"recover.spare_workers={n}"], kill_at)
+            runs[n] = figures(clean, faulty, faulty_secs, clean_secs)
+    finally:
+        if cluster:
+            cluster.shutdown()
+    commits = [e for e in read_jsonl(clean.events_log) if e["event"] == "commit"]
+    rows = table(runs, clean_secs, commits)
+    width = max(len(r[0]) for r in rows)
+    cell = max(len(c) for r in rows for c in r[1:])
+    for label, *cells in rows:
+        print(f"{label:<{width}}  " + "  ".join(f"{c:>{cell}}" for c in cells))
     print(f"(runs under {fileroot})")
     if args.json:
+        first = runs[spares[0]]
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "recovery", "uninterrupted_secs": clean_secs, "killed_secs": faulty_secs,
-                       "recovery": recovery, "identical": final_weights(clean) == final_weights(faulty)}, f, indent=1)
+            json.dump({"benchmark": "recovery", "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],
+                       "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
+                       "runs": [{"spare_workers": n, **r} for n, r in runs.items()]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -171,6 +171,10 @@ class RecoverConfig(Frequency):
     start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
                                                                 "model build, rendezvous) is hung")
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
+    spare_workers: Union[int, Literal["auto"]] = Field(
+        "auto", description="warm TrainWorker processes kept ready (imports done, model built, in no process "
+                            "group) to replace ranks at a restart; auto: 1 when the cluster has room for it beside "
+                            "the TrainGroup and the engines, else 0")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
@@ -185,6 +189,13 @@ class RecoverConfig(Frequency):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"must be a number of seconds greater than 0, or auto (got {value!r})")
         return float(value)
+
+    @field_validator("spare_workers")
+    @classmethod
+    def _non_negative(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be an integer >= 0 or 'auto'")
+        return value
 
 
 class EvaluatorConfig(Frequency):

@@ -79,7 +79,7 @@ class JobResult:
 class Controller:
     def __init__(self, config, runner: StepRunner, checkpoints: Checkpoints, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
-                 sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False):
+                 sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
         self.events, self.stats, self.sleep = events, stats, sleep
         self.make_train_group, self.make_rollout_group = make_train_group, make_rollout_group
@@ -87,6 +87,8 @@ class Controller:
         self.state = State.STARTING
         self.pending: Result | None = None  # the decision REPAIRING applies
         self.recovery: dict | None = None   # where the time of the repair in progress went, in seconds
+        self.spares = spares                # the warm spare pool (supervisor/spares.py), or None
+        self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
 
     # ---- the loop -------------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -124,6 +126,7 @@ class Controller:
                 if not self.runner.finished:
                     self.runner.advance()
                     self._recovered()
+                    self._refill_spares()
                 return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
             return self._repair(self.pending)
         except CheckpointError as e:  # every checkpoint damaged, or one that cannot fit this run
@@ -206,6 +209,17 @@ class Controller:
         parts["first_step"] = round(time.time() - (resynced or seen), 3)
         self.events.emit("recovery", cause=rec["cause"], what=rec["what"], **parts)
 
+    def _refill_spares(self) -> None:
+        """After the first step of a new TrainGroup: start spares up to the pool's size, away from its ranks.
+        Not earlier, so that warming them never competes with the restart for the CPUs."""
+        if not self.refill_due or self.spares is None:
+            return
+        self.refill_due = False
+        if len(self.spares) < self.spares.size:
+            nodes = self.spares.refill(self.runner.trainers.nodes)
+            self.events.emit("spares", action="refilled", started=len(nodes), nodes=nodes, pool=len(self.spares),
+                             size=self.spares.size)
+
     def _time(self, part: str, since: float) -> float:
         """Add the seconds since `since` to the recovery breakdown's `part`; returns now."""
         now = time.monotonic()
@@ -247,6 +261,11 @@ class Controller:
             validated = pool.submit(self._validate)
             r.trainers = self._new_train_group()
             ckpt, secs = validated.result()
+        if self.spares is not None:
+            taken = r.trainers.from_spares
+            self.events.emit("spares", action="taken", taken=taken, cold=len(r.trainers.nodes) - taken,
+                             pool=len(self.spares), size=self.spares.size)
+            self.refill_due = True
         for part, secs in [*r.trainers.timings.items(), ("validate", secs)]:
             if self.recovery is not None:
                 self.recovery[part] = self.recovery.get(part, 0.0) + secs
@@ -322,7 +341,7 @@ class Controller:
         return state
 
     def _shutdown(self) -> None:
-        for group in (self.runner.trainers, self.runner.engines):
+        for group in (self.runner.trainers, self.runner.engines, self.spares):
             if group is not None:
                 try:
                     group.shutdown()

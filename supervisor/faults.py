@@ -5,7 +5,9 @@ TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit
 `RolloutWorker.generate.exit`, ...); `rank=` is the TrainWorker's rank or the engine's index. The step of a
 call is its `global_step` argument, or for `load_weights` the step whose update made the weights
 (version - 1); `where`, `setup`, `load_recover` and `weight_status` run at (re)starts and have none, so a
-point armed there without `step=` fires at the first call. Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
+point armed there without `step=` fires at the first call. A TrainWorker's rank is the one it has (or, in
+`where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has no rank.
+Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
 `step.saved`), and the recover store one at every write of a checkpoint. `background_write` fires in a
 TrainWorker's writer thread while a background recover save is being written.
@@ -100,8 +102,10 @@ def fault_points(method):
     def wrapper(self, *args, **kwargs):
         if not os.environ.get("RELAUNCH_FAULT"):
             return method(self, *args, **kwargs)
-        step = _call_step(name, signature.bind(self, *args, **kwargs))
-        rank = getattr(self, "rank", None)
+        bound = signature.bind(self, *args, **kwargs)
+        step = _call_step(name, bound)
+        # a TrainWorker learns its rank when it joins a group: `where` and `setup` are given it
+        rank = bound.arguments.get("rank", getattr(self, "rank", None))
         fault_point(f"{point}.enter", step, rank)
         result = method(self, *args, **kwargs)
         fault_point(f"{point}.exit", step, rank)

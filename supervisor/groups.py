@@ -127,11 +127,15 @@ def remove_leftover_placement_groups(config) -> int:
 
 
 class TrainGroup(_Members):
-    """A placement group plus N TrainWorker ranks sharing one torch.distributed process group."""
+    """A placement group plus N TrainWorker ranks sharing one torch.distributed process group.
+
+    Ranks come first from `spares` (a SparePool: warm processes, already placed, so they need no bundle),
+    the rest start cold in a placement group of one bundle each. Every rank is new: survivors of the group
+    this one replaces are not reused (supervisor/spares.py says why)."""
 
     group = Group.TRAIN
 
-    def __init__(self, config, world_size: int, timeout: float):
+    def __init__(self, config, world_size: int, timeout: float, spares=None):
         super().__init__(timeout)
         self.config, self.world_size = config, world_size
         cluster = config.cluster
@@ -140,29 +144,35 @@ class TrainGroup(_Members):
             bundle["GPU"] = cluster.gpus_per_worker
         self.timings: dict[str, float] = {}  # seconds spent in each part of the start, for the recovery breakdown
         started = time.monotonic()
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
-                                  name=placement_group_name(config))
+        taken = spares.take(world_size) if spares is not None else []
+        self.from_spares, cold = len(taken), world_size - len(taken)
+        self.members = [Member(handle, "") for handle, _ in taken]
+        self.pg = placement_group([dict(bundle) for _ in range(cold)], strategy="PACK",
+                                  name=placement_group_name(config)) if cold else None
         try:
-            if not self.pg.wait(config.recover.capacity_timeout_secs):
+            if self.pg is not None and not self.pg.wait(config.recover.capacity_timeout_secs):
                 raise CapacityError(
-                    f"the cluster did not offer {world_size} x {bundle} for the TrainGroup within "
+                    f"the cluster did not offer {cold} x {bundle} for the TrainGroup within "
                     f"recover.capacity_timeout_secs={config.recover.capacity_timeout_secs:g}s "
                     f"(available now: {ray.available_resources()})")
-            self.members = [
+            self.members += [
                 Member(TrainWorker.options(
                     num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-                ).remote(config, r, world_size), f"TrainWorker[rank {r}]")
-                for r in range(world_size)
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b),
+                ).remote(config), "")
+                for b in range(cold)
             ]
+            for r, m in enumerate(self.members):
+                m.name = f"TrainWorker[rank {r}]"
             # Start-up (imports, model build, rendezvous) is not a step: it gets a bound of its own.
             setup_timeout = config.recover.start_timeout_secs
             self.timings["scheduling"] = time.monotonic() - started
-            where = self.call_all("where", timeout=setup_timeout)
+            where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], setup_timeout)
             for m, w in zip(self.members, where):
                 m.node_id, m.pid = w["node_id"], w["pid"]
             self.timings["process_start"] = time.monotonic() - started - self.timings["scheduling"]
-            self.call_all("setup", where[0]["ip"], where[0]["port"], timeout=setup_timeout)
+            self.gather([m.handle.setup.remote(where[0]["ip"], where[0]["port"], r, world_size)
+                         for r, m in enumerate(self.members)], setup_timeout)
             self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
         except BaseException:
             self.shutdown()  # a failed start leaves no actor and no placement group behind
@@ -206,7 +216,8 @@ class TrainGroup(_Members):
     def shutdown(self) -> None:
         """Kill every rank (survivors may be stuck in a collective with a dead one) and free the bundles."""
         self._kill(self.members)
-        remove_placement_group(self.pg)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
         self.orphans = []
 
 

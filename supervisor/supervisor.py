@@ -18,6 +18,8 @@ from supervisor.events import EventLog, StatsLog, read_jsonl
 from supervisor.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.layout import TrialLayout
 from supervisor.policy import RestartPolicy
+from supervisor.spare_plan import spare_count
+from supervisor.spares import SparePool, remove_leftover_spares
 from supervisor.step import StepRunner
 from supervisor.step_info import StepInfo
 from workers.data import PromptLoader, read_prompts
@@ -70,15 +72,17 @@ class Supervisor:
             self.events.emit("failed", reason=str(e))
             return JobResult(EXIT_BAD_INPUT, str(e)).__dict__
         if self.attempt > 0:
-            removed = remove_leftover_placement_groups(cfg)
-            if removed:
-                self.events.emit("cleanup", placement_groups=removed)
+            removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
+            if removed or spares:
+                self.events.emit("cleanup", placement_groups=removed, spares=spares)
+        size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster)
+        pool = SparePool(cfg, size) if size else None
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
-            make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs),
+            make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
-            supervisor_restarted=self.attempt > 0)
+            supervisor_restarted=self.attempt > 0, spares=pool)
         try:
             result = self.controller.run()
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver

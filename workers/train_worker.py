@@ -26,17 +26,40 @@ DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state
 
 @ray.remote
 class TrainWorker:
-    def __init__(self, config, rank: int, world_size: int):
+    """Started cold as a rank of a new TrainGroup, or ahead of need as a warm spare (supervisor/spares.py):
+    it learns its rank and world size only when it joins a group (`setup`)."""
+
+    def __init__(self, config):
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
-        self.config, self.rank, self.world_size = config, rank, world_size
+        self.config = config
+        self.rank: int | None = None
+        self.world_size: int | None = None
         self.engine = None
         self.background: Future | None = None  # the recover save being written in the background, if any
         self.background_step: int | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
+        self.parts = None  # what warm() built, until setup hands it to the engine
 
     @fault_points
-    def where(self) -> dict:
-        """The node this rank runs on, and (for rank 0) a free port for the rendezvous."""
+    def warm(self) -> dict:
+        """Everything that needs no process group: imports (transformers, the engine's module) and the
+        unsharded model built from the config and seed. Idempotent; returns where this process runs."""
+        self._warm()
+        return self._where()
+
+    def _warm(self) -> None:
+        if self.parts is None and self.engine is None:
+            from workers.engines.base import build_parts
+
+            self.parts = build_parts(self.config)
+
+    @fault_points
+    def where(self, rank: int | None = None) -> dict:
+        """The node this process runs on, and a free port for the rendezvous (used from rank 0). `rank` is
+        the rank it is about to take, so that fault points can name it."""
+        return self._where()
+
+    def _where(self) -> dict:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -44,10 +67,14 @@ class TrainWorker:
                 "pid": os.getpid(), "port": port}
 
     @fault_points
-    def setup(self, master_addr: str, master_port: int) -> None:
-        from workers.engines.base import make_engine  # torch.distributed, transformers, the chosen engine
+    def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+        """Join the group as `rank` of `world_size` and build the engine (warming first if not yet warm)."""
+        from workers.engines.base import make_engine  # torch.distributed and the chosen engine
 
-        self.engine = make_engine(self.config, self.rank, self.world_size, master_addr, master_port)
+        self._warm()
+        self.rank, self.world_size = rank, world_size
+        parts, self.parts = self.parts, None
+        self.engine = make_engine(self.config, rank, world_size, master_addr, master_port, parts)
 
     @fault_points
     def train(self, shard: dict, global_step: int) -> dict:

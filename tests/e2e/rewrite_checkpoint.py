@@ -19,11 +19,13 @@ def rank_main(rank: int, world_size: int, port: int, source: Path, staging: Path
 
     from supervisor.export import run_config
     from supervisor.recovery import step_of
+    from workers.engines.base import build_parts
     from workers.engines.fsdp import FSDPEngine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    engine = FSDPEngine(run_config(source), rank, world_size, torch.device("cpu"))
+    config = run_config(source)
+    engine = FSDPEngine(config, rank, world_size, torch.device("cpu"), *build_parts(config))
     engine.load(source, step_of(source), same_world_size=False)
     engine.save(staging, step_of(source))
     dist.barrier()

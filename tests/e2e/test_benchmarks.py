@@ -29,6 +29,9 @@ def test_generation_benchmark(tmp_path):
 def test_recovery_benchmark(cluster, tmp_path):
     figures = bench("recovery", "--address", cluster.address, tmp_path=tmp_path)
     assert figures["identical"] and figures["recovery"]["total"] > 0
+    # side by side: without spares both ranks start cold; with two, both come from the pool
+    runs = [(r["spare_workers"], r["ranks_from_spares"], r["cold_ranks"]) for r in figures["runs"]]
+    assert runs == [(0, 0, 2), (2, 2, 0)]
     assert "failure -> next completed step" in figures["stdout"]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -60,11 +61,49 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
         cluster.add_node()
     failure = trial.events("failure")[0]
     assert failure["node"] == train_node
-    assert trial.events("loaded")[-1]["nodes"][0] != train_node
+    assert train_node not in trial.events("loaded")[-1]["nodes"]
+    # the warm spare (recover.spare_workers auto: 1 here) was on the other node and served one rank
+    assert [(e["taken"], e["cold"]) for e in trial.events("spares") if e["action"] == "taken"][-1] == (1, 1)
     stats = trial.stats()
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
     assert status_json(trial)["restarts"] >= 1
+
+
+def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by_the_refill(
+        cluster, reference, trial, tmp_path):
+    """The pool's spare is placed away from the ranks; its node is killed; the next rank death restarts the
+    group cold (the dead spare skipped); the refilled spare then serves the restart after that."""
+    faults = "TrainWorker.train.enter:kill:step=14:rank=1,TrainWorker.train.enter:kill:step=21:rank=0"
+    env = job_env({"RELAUNCH_FAULT": faults, "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "recover.spare_workers=1",
+                          "--address", cluster.address, env=env, log=tmp_path / "job.log")
+    added = False
+    try:
+        deadline = time.time() + 300
+        while not trial.events("spares")[1:] and time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        refilled = trial.events("spares")[1]
+        spare_node, train_nodes = refilled["nodes"][0], trial.events("loaded")[0]["nodes"]
+        assert refilled["action"] == "refilled" and refilled["pool"] == 1 and spare_node not in train_nodes
+        assert trial.stats()[-1]["global_step"] < 12  # the node dies before the first rank does
+        cluster.kill_node(cluster.node_of(spare_node))
+        cluster.add_node()
+        added = True
+        assert proc.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if not added:
+            cluster.add_node()
+    spares = trial.events("spares")
+    assert [(e["taken"], e["cold"]) for e in spares if e["action"] == "taken"] == [(0, 2), (0, 2), (1, 1)]
+    assert [e["pool"] for e in spares if e["action"] == "refilled"] == [1, 1, 1]  # refilled after each start
+    assert [e["cause"] for e in trial.events("failure") if e["group"] == "train"] == ["worker_died"] * 2
+    assert curve(trial.stats()) == curve(reference.stats())
+    assert trial.final_weights() == reference.final_weights()
+    assert status_json(trial)["state"] == "done"
 
 
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):

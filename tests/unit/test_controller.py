@@ -436,3 +436,50 @@ def test_an_auto_interval_follows_the_save_cost_and_the_failures(tmp_path, clean
     commits = [e["global_step"] for e in events if e["event"] == "commit"]
     assert commits[-1] == STEPS - 1  # the last step always saves
     assert controller.runner.interval.failures == 1
+
+
+class FakePool:
+    """A warm spare pool seen from the controller: taken by the TrainGroup, refilled by the controller."""
+
+    def __init__(self, size: int):
+        self.size, self.ready, self.refills = size, 0, []
+
+    def __len__(self):
+        return self.ready
+
+    def take(self, n: int) -> int:
+        taken = min(n, self.ready)
+        self.ready -= taken
+        return taken
+
+    def refill(self, avoid):
+        self.refills.append(list(avoid))
+        started = ["n2"] * (self.size - self.ready)
+        self.ready = self.size
+        return started
+
+    def shutdown(self):
+        self.ready = 0
+
+
+def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_step(tmp_path, clean):
+    world, pool = World(), FakePool(1)
+    world.armed[("train", 3)] = "rank_death"
+    controller, layout, _ = make_controller(tmp_path, world)
+
+    def make_train_group(n):
+        group = FakeTrainers(world, n)
+        group.from_spares = pool.take(n)
+        return group
+
+    controller.make_train_group, controller.spares = make_train_group, pool
+    assert controller.run().exit_code == 0
+    assert_complete_and_exact(layout, clean[0])
+    spares = [(e["action"], e.get("taken"), e.get("cold"), e["pool"])
+              for e in read_jsonl(layout.events_log) if e["event"] == "spares"]
+    # the first group starts cold; the pool fills after its first step; the restart takes the spare for one
+    # rank and starts the other cold; the pool is full again after the new group's first step
+    assert spares == [("taken", 0, 2, 0), ("refilled", None, None, 1),
+                      ("taken", 1, 1, 0), ("refilled", None, None, 1)]
+    assert pool.refills == [["n1", "n1"], ["n1", "n1"]]  # away from the ranks' nodes
+    assert len(pool) == 0  # the pool is shut down with the job

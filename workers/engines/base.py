@@ -63,8 +63,22 @@ def lr_scheduler(optimizer, warmup: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
 
-def make_engine(config, rank: int, world_size: int, master_addr: str, master_port: int) -> TrainEngine:
-    """Join the process group and build the engine `actor.backend` names (imported only when chosen)."""
+def build_parts(config) -> tuple:
+    """What an engine needs that no process group does: the engine's module imported (its seconds of import
+    time), the tokenizer and the unsharded model, built exactly as the engine would build them itself
+    (seeded by `seed`), so a warm spare's model is the one a cold rank builds."""
+    from workers.model import build_model, build_tokenizer
+
+    importlib.import_module(ENGINES[config.actor.backend.value].split(":")[0])
+    tokenizer = build_tokenizer(config.model)
+    return tokenizer, build_model(config.model, tokenizer, config.seed)
+
+
+def make_engine(config, rank: int, world_size: int, master_addr: str, master_port: int,
+                parts: tuple | None = None) -> TrainEngine:
+    """Join the process group and build the engine `actor.backend` names (imported only when chosen), from
+    `parts` (build_parts) when given."""
     device = init_process_group(config, rank, world_size, master_addr, master_port)
     module, cls = ENGINES[config.actor.backend.value].split(":")
-    return getattr(importlib.import_module(module), cls)(config, rank, world_size, device)
+    tokenizer, model = parts if parts is not None else build_parts(config)
+    return getattr(importlib.import_module(module), cls)(config, rank, world_size, device, tokenizer, model)

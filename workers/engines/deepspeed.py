@@ -20,7 +20,7 @@ from workers.engines.base import lr_scheduler
 from workers.engines.export import write_hf
 from workers.engines.reference import ReferencePolicy, grpo_loss
 from workers.engines.rng import load_rng, save_rng
-from workers.model import build_model, build_tokenizer, forward_logits
+from workers.model import forward_logits
 
 RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
 
@@ -39,11 +39,13 @@ def ds_config(config, world_size: int) -> dict:
 
 
 class DeepSpeedEngine:
-    def __init__(self, config, rank: int, world_size: int, device: torch.device):
+    def __init__(self, config, rank: int, world_size: int, device: torch.device, tokenizer,
+                 model: torch.nn.Module):
+        """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        self.tokenizer = build_tokenizer(config.model)
-        model = build_model(config.model, self.tokenizer, config.seed).to(device)
+        self.tokenizer = tokenizer
+        model = model.to(device)
         self.reference = ReferencePolicy(config, self.tokenizer, device) if config.actor.kl_coef else None
         actor = config.actor
         optimizer = torch.optim.AdamW(model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)

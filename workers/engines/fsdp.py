@@ -30,7 +30,7 @@ from workers.engines.base import collective_timeout, lr_scheduler
 from workers.engines.export import write_hf
 from workers.engines.reference import ReferencePolicy, grpo_loss
 from workers.engines.rng import load_rng, save_rng
-from workers.model import build_model, build_tokenizer, forward_logits
+from workers.model import forward_logits
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -41,10 +41,12 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class FSDPEngine:
-    def __init__(self, config, rank: int, world_size: int, device: torch.device):
+    def __init__(self, config, rank: int, world_size: int, device: torch.device, tokenizer,
+                 model: torch.nn.Module):
+        """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        self.tokenizer = build_tokenizer(config.model)
-        model = build_model(config.model, self.tokenizer, config.seed).to(device)
+        self.tokenizer = tokenizer
+        model = model.to(device)
         self.reference = ReferencePolicy(config, self.tokenizer, device) if config.actor.kl_coef else None
         mesh = init_device_mesh(device.type, (world_size,))
         for layer in decoder_layers(model):

@@ -1,0 +1,45 @@
+"""How many warm spare TrainWorkers to keep, and on which nodes (pure: no Ray).
+
+A spare holds the resources of one rank (`cluster.cpus_per_worker`, `cluster.gpus_per_worker`) from the
+moment it starts, so it is kept only where the cluster has room for it beside the TrainGroup and the
+engines, and it is put on a node that runs no rank: a node loss then does not take the pool with the ranks.
+"""
+from __future__ import annotations
+
+Resources = dict[str, float]
+
+
+def rank_resources(cluster) -> Resources:
+    """What one TrainWorker (rank or spare) holds."""
+    need = {"CPU": float(cluster.cpus_per_worker)}
+    if cluster.gpus_per_worker:
+        need["GPU"] = float(cluster.gpus_per_worker)
+    return need
+
+
+def spare_count(setting: int | str, total: Resources, cluster) -> int:
+    """The pool's size: `recover.spare_workers` as given, or for `auto` 1 when the cluster's total resources
+    hold the TrainGroup, the engines and one spare, else 0."""
+    if setting != "auto":
+        return int(setting)
+    ranks = cluster.n_train_workers + 1
+    need = {"CPU": ranks * cluster.cpus_per_worker + cluster.n_rollout_workers * cluster.cpus_per_worker,
+            "GPU": ranks * cluster.gpus_per_worker + cluster.n_rollout_workers * cluster.gpus_per_engine}
+    return int(all(total.get(k, 0.0) >= v for k, v in need.items() if v))
+
+
+def choose_nodes(free: dict[str, Resources], avoid: set[str], need: Resources, n: int) -> list[str]:
+    """Up to `n` nodes for new spares (a node may be named more than once), each with room for `need` after
+    the earlier picks: nodes in `avoid` (those running ranks) only when no other has room, then the node
+    with the most free CPU, so spares spread. Shorter than `n` when the cluster has no room for more."""
+    free = {node: dict(res) for node, res in free.items()}
+    picks: list[str] = []
+    for _ in range(n):
+        fits = [node for node, res in free.items() if all(res.get(k, 0.0) >= v for k, v in need.items())]
+        if not fits:
+            break
+        node = min(fits, key=lambda x: (x in avoid, -free[x].get("CPU", 0.0), x))
+        for k, v in need.items():
+            free[node][k] -= v
+        picks.append(node)
+    return picks

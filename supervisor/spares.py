@@ -1,0 +1,125 @@
+"""Warm spare TrainWorkers: processes started ahead of need, so a restart skips their start-up.
+
+A spare has done its imports and built the unsharded model (TrainWorker.warm) but is in no process group:
+it learns its rank when a new TrainGroup takes it. It holds one rank's resources, on a node chosen away
+from the ranks (spare_plan.py), by a soft node affinity so that it still starts if that node filled up.
+`take` hands out live spares at once and skips dead ones (lost with their node) after a short probe; the
+Supervisor refills the pool after the first step the new group completed, so warming never competes with
+the restart itself. Spares are named per trial, so a Supervisor that died leaves none behind for long.
+
+Survivors of a failed group are not reused: every rank of the new group is a spare or a cold process.
+Measured with two gloo processes (torch 2.13, CPU): a survivor whose peer is SIGKILLed gets its collective
+error in 0.02 s, destroys its process group in 0.01 s and rejoins a new one with a warm peer in 0.02 s, so
+reuse would be fast there; but a survivor whose peer is SIGSTOPped stays stuck in the collective until
+gloo's timeout (2 x step timeout + 60 s; gloo cannot abort it), an FSDP model stays bound to the old
+group's mesh and must be built again, DeepSpeed keeps global comm state (reuse would be fsdp-only), and
+NCCL needs a communicator abort this machine cannot test. Replacing every rank is safe in all these cases
+and, with as many warm spares as ranks, skips the same start-up (process_start ~0).
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import ray
+from ray._private.state import available_resources_per_node
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from supervisor.groups import KILL_WAIT_SECS, drain
+from supervisor.spare_plan import choose_nodes, rank_resources
+from workers.train_worker import TrainWorker
+
+PROBE_SECS = 2.0  # how long a warm spare may take to answer before it counts as dead
+
+
+@dataclass
+class Spare:
+    handle: ray.actor.ActorHandle
+    name: str
+    warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
+
+
+def spare_prefix(config) -> str:
+    return f"relaunch/{config.experiment_name}/{config.trial_name}/spare/"
+
+
+def remove_leftover_spares(config) -> int:
+    """Kill this trial's spares left by a Supervisor that died (named actors, found by their prefix)."""
+    removed = 0
+    for name in ray.util.list_named_actors():
+        if name.startswith(spare_prefix(config)):
+            try:
+                ray.kill(ray.get_actor(name), no_restart=True)
+                removed += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return removed
+
+
+class SparePool:
+    def __init__(self, config, size: int):
+        self.config, self.size = config, size
+        self.spares: list[Spare] = []
+        self.orphans: list[ray.ObjectRef] = []
+
+    def __len__(self) -> int:
+        return len(self.spares)
+
+    def take(self, n: int) -> list[tuple[ray.actor.ActorHandle, dict | None]]:
+        """Up to `n` spares as (handle, where) pairs, removed from the pool: warm ones that answer a probe
+        within PROBE_SECS, then ones still warming (where None: their setup waits for the warm-up, which is
+        still sooner than a cold start). A dead or silent warm spare is killed and dropped."""
+        if n <= 0 or not self.spares:
+            return []
+        warmed = set(ray.wait([s.warm for s in self.spares], num_returns=len(self.spares), timeout=0)[0])
+        probes = {s.name: s.handle.warm.remote() for s in self.spares if s.warm in warmed}
+        ready = set(ray.wait(list(probes.values()), num_returns=len(probes), timeout=PROBE_SECS)[0]) \
+            if probes else set()
+        live, warming, broken = [], [], []
+        for s in self.spares:
+            if s.warm not in warmed:
+                warming.append((s, None))
+            elif probes[s.name] not in ready:  # warm but silent: stopped, or its node unreachable
+                broken.append(s)
+                self.orphans.append(probes[s.name])
+            else:
+                try:
+                    live.append((s, ray.get(probes[s.name])))
+                except Exception:  # noqa: BLE001 - a dead spare (lost with its node, or killed): skipped
+                    broken.append(s)
+        taken = (live + warming)[:n]
+        self.orphans += [s.warm for s, where in taken if where is None]  # retrieved later, so Ray stays quiet
+        self._kill(broken)
+        self.spares = [s for s, _ in (live + warming)[n:]]
+        return [(s.handle, where) for s, where in taken]
+
+    def refill(self, avoid: list[str | None]) -> list[str]:
+        """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
+        nodes they were placed on. Not waited for: each is checked when it is next taken."""
+        need = rank_resources(self.config.cluster)
+        nodes = choose_nodes(available_resources_per_node(), {n for n in avoid if n}, need,
+                             self.size - len(self.spares))
+        for node in nodes:
+            name = spare_prefix(self.config) + uuid.uuid4().hex[:8]
+            handle = TrainWorker.options(
+                name=name, num_cpus=self.config.cluster.cpus_per_worker, num_gpus=self.config.cluster.gpus_per_worker,
+                max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+            ).remote(self.config)
+            self.spares.append(Spare(handle, name, handle.warm.remote()))
+        return nodes
+
+    def _kill(self, spares: list[Spare]) -> None:
+        for s in spares:
+            try:
+                ray.kill(s.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        # a call on each killed one fails once it is gone: waited for (a bounded while), so that its resources
+        # are free for a cold rank
+        gone = [s.warm for s in spares] + [s.handle.warm.remote() for s in spares]
+        self.orphans = drain(self.orphans, 0)[0] + drain(gone, KILL_WAIT_SECS)[0]
+
+    def shutdown(self) -> None:
+        spares, self.spares = self.spares, []
+        self._kill(spares)
+        self.orphans = []

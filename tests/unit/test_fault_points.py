@@ -1,0 +1,31 @@
+"""Fault points name a TrainWorker by its rank in the group, even before it has joined one (warm spares)."""
+from __future__ import annotations
+
+import pytest
+
+from supervisor.faults import fault_points
+
+
+class Worker:
+    rank = None  # a warm spare: no rank until it joins a group
+
+    @fault_points
+    def where(self, rank=None):
+        return rank
+
+    @fault_points
+    def setup(self, addr, port, rank, world_size):
+        self.rank = rank
+
+
+def test_the_rank_a_call_is_given_is_the_rank_its_fault_points_see(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAUNCH_FAULT", "Worker.where.enter:enospc:rank=1,Worker.setup.exit:enospc:rank=0")
+    monkeypatch.setenv("RELAUNCH_FAULT_DIR", str(tmp_path))
+    spare, other = Worker(), Worker()
+    assert spare.where(0) == 0                 # armed for rank 1 only
+    with pytest.raises(OSError, match="No space left"):
+        spare.where(rank=1)
+    other.setup("addr", 1, 1, 2)               # setup.exit armed for rank 0 only
+    with pytest.raises(OSError):
+        spare.setup("addr", 1, 0, 2)
+    assert spare.rank == 0

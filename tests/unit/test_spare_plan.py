@@ -1,0 +1,55 @@
+"""The warm spare pool's pure decisions: how many spares, and on which nodes."""
+from __future__ import annotations
+
+import pytest
+
+from supervisor.config import ClusterConfig
+from supervisor.spare_plan import choose_nodes, rank_resources, spare_count
+
+# the e2e cluster: a head of 1 CPU and two worker nodes of 3
+E2E_TOTAL = {"CPU": 7.0, "memory": 1e9}
+
+
+@pytest.mark.parametrize("setting, total, cluster, expected", [
+    (3, {"CPU": 1.0}, {}, 3),                                        # an explicit size is kept as given
+    (0, E2E_TOTAL, {}, 0),
+    ("auto", E2E_TOTAL, {}, 1),                                      # 2 ranks + 1 engine + 1 spare = 4 <= 7
+    ("auto", {"CPU": 3.0}, {}, 0),                                   # only the group and the engine fit
+    ("auto", {"CPU": 4.0}, {}, 1),                                   # exactly room for one more rank
+    ("auto", E2E_TOTAL, {"n_train_workers": 4, "cpus_per_worker": 2}, 0),   # 12 CPUs wanted
+    ("auto", {"CPU": 16.0, "GPU": 2.0}, {"gpus_per_worker": 1}, 0),  # 3 GPUs wanted for 2 ranks and a spare
+    ("auto", {"CPU": 16.0, "GPU": 3.0}, {"gpus_per_worker": 1}, 1),
+    ("auto", {"CPU": 16.0, "GPU": 3.0}, {"gpus_per_worker": 1, "gpus_per_engine": 1}, 0),
+])
+def test_spare_count(setting, total, cluster, expected):
+    assert spare_count(setting, total, ClusterConfig(**cluster)) == expected
+
+
+def test_rank_resources_name_gpus_only_when_asked():
+    assert rank_resources(ClusterConfig(cpus_per_worker=2)) == {"CPU": 2.0}
+    assert rank_resources(ClusterConfig(gpus_per_worker=1)) == {"CPU": 1.0, "GPU": 1.0}
+
+
+ONE_CPU = {"CPU": 1.0}
+
+
+@pytest.mark.parametrize("free, avoid, n, expected", [
+    # a node without ranks wins, even with less room than a node with ranks
+    ({"a": {"CPU": 3.0}, "b": {"CPU": 1.0}}, {"a"}, 1, ["b"]),
+    # the ranks' node only when nothing else has room
+    ({"a": {"CPU": 1.0}, "b": {"CPU": 0.5}}, {"a"}, 1, ["a"]),
+    # spares spread: the most free CPU first, counting earlier picks
+    ({"a": {"CPU": 2.0}, "b": {"CPU": 2.0}, "c": {"CPU": 0.0}}, set(), 3, ["a", "b", "a"]),
+    # no room for more: fewer spares than asked, never a pick that does not fit
+    ({"a": {"CPU": 1.0}, "b": {"CPU": 0.0}}, {"b"}, 2, ["a"]),
+    ({}, set(), 1, []),
+    ({"a": {"CPU": 5.0}}, set(), 0, []),
+])
+def test_choose_nodes(free, avoid, n, expected):
+    assert choose_nodes(free, avoid, ONE_CPU, n) == expected
+
+
+def test_choose_nodes_needs_every_resource_and_leaves_its_input_alone():
+    free = {"cpu-only": {"CPU": 8.0}, "gpu": {"CPU": 1.0, "GPU": 1.0}}
+    assert choose_nodes(free, {"gpu"}, {"CPU": 1.0, "GPU": 1.0}, 2) == ["gpu"]
+    assert free["gpu"] == {"CPU": 1.0, "GPU": 1.0}
