@@ -39,6 +39,14 @@ class Staged:
     checksum: str | None = None  # of the step's weights, for the commit event
 
 
+@dataclass
+class PendingExport:
+    """An HF export being written in the background under a temporary name."""
+    path: Path
+    final: Path
+    global_step: int
+
+
 class Checkpoints:
     def __init__(self, config, layout: TrialLayout, events: EventLog):
         self.config, self.layout, self.events = config, layout, events
@@ -125,19 +133,35 @@ class Checkpoints:
                          blocked_secs=round(staged.secs, 3), background=staged.background,
                          mbps=round(staged.nbytes / max(secs, 1e-9) / 1e6, 3))
 
-    def export_hf(self, trainers, s: StepInfo) -> None:
-        """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned."""
+    def export_hf(self, trainers, s: StepInfo, background: bool = False) -> "PendingExport | None":
+        """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned. With
+        `background`, returns once rank 0 holds the full weights: `collect_export` publishes it when written."""
         final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
         if final.exists():
-            return  # the same step trained again after a rollback: identical weights, already exported
+            return None  # the same step trained again after a rollback: identical weights, already exported
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_name(final)
-        trainers.export_hf(str(tmp), s.global_step)
-        publish_dir(tmp, final)
-        self.events.emit("export", global_step=s.global_step, path=str(final))
+        pending = PendingExport(tmp_name(final), final, s.global_step)
+        if background:
+            trainers.begin_export(str(pending.path), s.global_step)
+            return pending
+        trainers.export_hf(str(pending.path), s.global_step)
+        self._publish_export(pending)
+        return None
+
+    def collect_export(self, trainers, pending: "PendingExport", block: bool) -> bool:
+        """For a background export: True once rank 0 has written it (then it is published); with `block`,
+        waits for it. Raises what the write raised."""
+        if not trainers.export_result(pending.global_step, block):
+            return False
+        self._publish_export(pending)
+        return True
+
+    def _publish_export(self, pending: "PendingExport") -> None:
+        publish_dir(pending.path, pending.final)
+        self.events.emit("export", global_step=pending.global_step, path=str(pending.final))
         keep = self.config.saver.keep_last
         if keep:
-            exports = sorted((p for p in final.parent.iterdir()
+            exports = sorted((p for p in pending.final.parent.iterdir()
                               if p.is_dir() and p.name.startswith("epoch") and not p.name.startswith(TMP_PREFIX)),
                              key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
             for old in exports[:-keep]:
@@ -147,12 +171,13 @@ class Checkpoints:
         """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
         return self.store.committed_step() if self.store is not None else None
 
-    def discard_failed_save(self, in_flight: Path | None = None) -> list[Path]:
-        """Remove what a save or export that failed left behind, but for the staging directory of a background
-        save still being written (`in_flight`); the last valid checkpoint is untouched."""
+    def discard_failed_save(self, in_flight: tuple[Path, ...] = ()) -> list[Path]:
+        """Remove what a save or export that failed left behind, but for the directories of background saves
+        and exports still being written (`in_flight`); the last valid checkpoint is untouched."""
         if self.store is not None:
             return self.store.remove_leftovers(self.store.committed_step(), spare=in_flight)
-        removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*")] if self.layout.export_root.is_dir() else []
+        removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*") if p not in in_flight] \
+            if self.layout.export_root.is_dir() else []
         for p in removed:
             shutil.rmtree(p, ignore_errors=True)
         return removed

@@ -136,8 +136,9 @@ class RewardConfig(_Strict):
 
 
 class SaverConfig(Frequency):
-    mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async (HF exports are written synchronously "
-                                                      "for now: async and auto behave as sync)")
+    mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async: async (and auto) gather the full "
+                                                      "weights on rank 0, then write the HF files in the "
+                                                      "background and publish them when written")
     keep_last: Optional[int] = Field(None, gt=0, description="HF exports kept; null keeps all")
     max_shard_size: Union[int, str] = Field(
         "2GB", description="HF exports: weights above this size are split into several safetensors files "
@@ -234,6 +235,11 @@ class Config(_Strict):
         if self.cluster.user in ("", ".", "..") or "/" in self.cluster.user:
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
+
+    @property
+    def async_export(self) -> bool:
+        """HF exports are written in the background (saver.mode async, or auto: every engine can)."""
+        return self.saver.mode is not SaveMode.SYNC
 
     @property
     def async_recover(self) -> bool:

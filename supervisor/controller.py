@@ -141,8 +141,9 @@ class Controller:
         saving = self.state is State.RUNNING and self.runner.phase in (Phase.EXPORT, Phase.SAVE)
         fault = replace(fault, in_save=saving)
         step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
-        if self.runner.failed_in_flight:  # the background save of an earlier step failed
-            step = self.runner.in_flight.global_step
+        failed = self.runner.failed_background()
+        if failed is not None:  # the background save or export of an earlier step failed
+            step = failed[1]
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
@@ -152,11 +153,10 @@ class Controller:
               f"{decision.reason}", flush=True)
         if fault.kind is FaultKind.STORAGE_ERROR and saving:
             # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
-            r = self.runner
-            background = r.in_flight if r.failed_in_flight else None
-            live = r.in_flight.path if r.in_flight is not None and background is None else None
+            live = self.runner.background_in_flight()
             removed = self.checkpoints.discard_failed_save(in_flight=live) if fault.settled else []
-            self.events.emit("save_failed", global_step=step, error=fault.message, what="background save" if background else self.runner.phase.value,
+            self.events.emit("save_failed", global_step=step, error=fault.message,
+                             what=failed[0] if failed else self.runner.phase.value,
                              action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
             details = ""
@@ -250,7 +250,7 @@ class Controller:
             r.trainers.shutdown()  # survivors may be stuck in a collective, or still writing a save
             r.trainers = None
         r.owed, r.weights = None, None
-        r.in_flight, r.failed_in_flight = None, False  # a background save dies unpublished with its ranks
+        r.in_flight, r.exporting, r.failed = None, None, None  # background writes die unpublished with the ranks
         t = self._time("teardown", t)
         if r.engines is None:
             r.engines = self.make_rollout_group()  # starts while the TrainGroup does

@@ -213,6 +213,12 @@ class TrainGroup(_Members):
     def export_hf(self, directory: str, global_step: int) -> None:
         self.call_all("export_hf", directory, global_step)
 
+    def begin_export(self, directory: str, global_step: int) -> None:
+        self.call_all("begin_export", directory, global_step)
+
+    def export_result(self, global_step: int, block: bool) -> bool:
+        return all(self.call_all("export_result", global_step, block))
+
     def shutdown(self) -> None:
         """Kill every rank (survivors may be stuck in a collective with a dead one) and free the bundles."""
         self._kill(self.members)

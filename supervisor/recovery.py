@@ -291,12 +291,12 @@ class RecoverStore:
                 found.append(self.layout.step_dir(step))
         return found
 
-    def remove_leftovers(self, keep_step: int | None, spare: Path | None = None) -> list[Path]:
+    def remove_leftovers(self, keep_step: int | None, spare: tuple[Path, ...] = ()) -> list[Path]:
         """Clean up before training on from `keep_step`. A damaged committed step directory newer than it
         is moved aside as `damaged.globalstep{G}` for inspection, not deleted; the rest is removed, but for
-        `spare` (the staging directory of a background save still being written)."""
+        `spare` (directories of background saves and exports still being written)."""
         committed = self.committed_step()
-        removed = [p for p in self.leftovers(keep_step) if p != spare]
+        removed = [p for p in self.leftovers(keep_step) if p not in spare]
         for p in removed:
             step = step_of(p)
             if step is not None and committed is not None and step <= committed:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from supervisor.checkpoints import Checkpoints, Staged
+from supervisor.checkpoints import Checkpoints, PendingExport, Staged
 from supervisor.classify import Group, GroupError, StaleWeights
 from supervisor.events import EventLog, StatsLog, read_jsonl
 from supervisor.interval import AutoInterval
@@ -77,8 +77,9 @@ class StepRunner:
         self.weights: Weights | None = None
         self.engine_version: int | None = None  # the version every engine holds, when known
         self.owed: Owed | None = None
-        self.in_flight: Staged | None = None  # a recover save being written in the background
-        self.failed_in_flight = False         # it raised: the controller skips it (recover.on_save_error)
+        self.in_flight: Staged | None = None           # a recover save being written in the background
+        self.exporting: PendingExport | None = None    # an HF export being written in the background
+        self.failed: str | None = None  # "save" or "export": that background write raised; the controller decides
         self.phase: Phase | None = None
         self.last_reward: float | None = None
         self.interval = None  # recover.freq_secs: auto; it sees the trial's past and every new event
@@ -88,19 +89,19 @@ class StepRunner:
 
     @property
     def finished(self) -> bool:
-        return self.owed is None and self.in_flight is None and self.state.step.global_step + 1 >= self.total_steps
+        return self.finished_training and self.in_flight is None and self.exporting is None
 
     def advance(self) -> None:
         """Pay what the last committed step owes, or run the next step to its commit and then pay; commit a
         background save once it is durable (after the last step, wait for it)."""
-        self.collect_save(block=False)
+        self.collect_background(block=False)
         if self.owed is None and not self.finished_training:
             self._until_commit(self.state.step.next())
         if self.owed is not None:
             self._settle(self.owed)
             self.owed = None
         if self.finished_training:
-            self.collect_save(block=True)
+            self.collect_background(block=True)
 
     @property
     def finished_training(self) -> bool:
@@ -165,7 +166,8 @@ class StepRunner:
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
-            self.checkpoints.export_hf(self.trainers, s)
+            self.collect_export(block=True)  # one export in flight
+            self.exporting = self.checkpoints.export_hf(self.trainers, s, self.config.async_export)
             o.export, o.paid_secs["export"] = False, time.monotonic() - t
             self.fault_point("step.exported", s)
         if o.evaluate:
@@ -197,6 +199,25 @@ class StepRunner:
             o.save = False
             self.fault_point("step.saved", s)
 
+    def collect_background(self, block: bool) -> None:
+        self.collect_export(block)
+        self.collect_save(block)
+
+    def collect_export(self, block: bool) -> None:
+        """Publish the background export once rank 0 has written it (with `block`, wait for it)."""
+        pending = self.exporting
+        if pending is None:
+            return
+        previous, self.phase = self.phase, Phase.EXPORT
+        try:
+            if not self.checkpoints.collect_export(self.trainers, pending, block):
+                self.phase = previous
+                return
+        except Exception:
+            self.failed = "export"  # the controller restarts the TrainGroup or skips this export
+            raise
+        self.exporting, self.phase = None, previous
+
     def collect_save(self, block: bool) -> None:
         """Commit the background save once every rank's part of it is durable (with `block`, wait for it)."""
         staged = self.in_flight
@@ -209,9 +230,22 @@ class StepRunner:
                 return
             self.checkpoints.commit_recover(staged, staged.checksum)
         except Exception:
-            self.failed_in_flight = True  # the controller restarts the TrainGroup or skips this save
+            self.failed = "save"  # the controller restarts the TrainGroup or skips this save
             raise
         self.in_flight, self.phase = None, previous
+
+    def failed_background(self) -> tuple[str, int] | None:
+        """(what, step) of the background write that just failed, if one did."""
+        if self.failed == "save":
+            return "background save", self.in_flight.global_step
+        if self.failed == "export":
+            return "background export", self.exporting.global_step
+        return None
+
+    def background_in_flight(self) -> tuple:
+        """The directories of background writes still going on (not the one that failed)."""
+        live = [(self.in_flight, "save"), (self.exporting, "export")]
+        return tuple(w.path for w, what in live if w is not None and self.failed != what)
 
     def _log_row(self, o: Owed) -> None:
         if o.logged:
@@ -228,9 +262,12 @@ class StepRunner:
 
     def skip_failed_save(self) -> str | None:
         """After a save or export failed on storage: give it up for this step; returns what was skipped."""
-        if self.failed_in_flight:
-            self.in_flight, self.failed_in_flight = None, False
+        if self.failed == "save":
+            self.in_flight, self.failed = None, None
             return "recover (background)"
+        if self.failed == "export":
+            self.exporting, self.failed = None, None
+            return "export (background)"
         if self.owed is None:
             return None
         if self.phase is Phase.EXPORT and self.owed.export:

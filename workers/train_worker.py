@@ -37,6 +37,7 @@ class TrainWorker:
         self.engine = None
         self.background: Future | None = None  # the recover save being written in the background, if any
         self.background_step: int | None = None
+        self.exporting: tuple[int, Future] | None = None  # (step, rank 0's HF export being written)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
         self.parts = None  # what warm() built, until setup hands it to the engine
 
@@ -139,6 +140,28 @@ class TrainWorker:
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
         path = Path(step_dir)
         return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
+
+    @fault_points
+    def begin_export(self, directory: str, global_step: int) -> None:
+        """Collective; returns once rank 0 holds the full weights on CPU: it writes the HuggingFace files in
+        the background (on the writer thread, after any recover save), `export_result` says when done."""
+        full = self.engine.full_state_dict()
+        if self.rank == 0:
+            self.exporting = global_step, self._writer.submit(self.engine.export_hf, Path(directory), full)
+
+    @fault_points
+    def export_result(self, global_step: int, block: bool) -> bool:
+        """Whether the background export of `global_step` is written (with `block`, waits until it is);
+        raises the write's error if it failed. Ranks other than 0 write nothing: always True."""
+        if self.rank != 0:
+            return True
+        if self.exporting is None or self.exporting[0] != global_step:
+            raise RuntimeError(f"no HF export of step {global_step} was begun on this rank")
+        future = self.exporting[1]
+        if not block and not future.done():
+            return False
+        future.result()
+        return True
 
     @fault_points
     def export_hf(self, directory: str, global_step: int) -> None:
