@@ -11,7 +11,6 @@ the disk's, not the network's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -54,15 +53,13 @@ def main() -> None:
     parser.add_argument("--dir", help="where to write (default: a temporary directory; it is removed)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
-    from workers.engines.fsdp import FSDPEngine
+    from workers.engines.base import make_engine
 
     torch.set_num_threads(1)
     config = load_config(None, ["recover.write_mode=async", *(QUICK if args.quick else FULL)])
     root = Path(tempfile.mkdtemp(prefix="relaunch-save-", dir=args.dir))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=600))
     try:
-        engine = FSDPEngine(config, 0, 1, torch.device("cpu"))
+        engine = make_engine(config, 0, 1, "127.0.0.1", free_port())  # a process group of one rank
         ids = torch.randint(4, 14, (4, 6))
         mask = torch.zeros_like(ids)
         mask[:, -1] = 1

@@ -2,8 +2,6 @@
 checkpoint holds the state of the step it was begun at, not of the steps trained since."""
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,13 +14,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def engine():
-    from workers.engines.fsdp import FSDPEngine
+    from workers.engines.base import make_engine
 
-    config = load_config(None, ["recover.write_mode=async"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield FSDPEngine(config, 0, 1, torch.device("cpu"))
+    try:  # a process group of one rank, as a TrainWorker joins it
+        yield make_engine(load_config(None, ["recover.write_mode=async"]), 0, 1, "127.0.0.1", free_port())
     finally:
         dist.destroy_process_group()
 
