@@ -11,7 +11,6 @@ A baseline that cannot run here (Ray Train's extras missing) is reported as not 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from recovery import killed_run
+from report import arguments
 
 from supervisor.events import read_jsonl
 from supervisor.local_cluster import LocalCluster
@@ -100,12 +100,9 @@ def torchrun(root: Path, steps: int, kill_at: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "5 steps for the baselines, the kill at step 3 (CI)")
     parser.add_argument("--kill-at-step", type=int, default=6)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--quick", action="store_true", help="5 steps for the baselines, the kill at step 3 (CI)")
-    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
-    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     steps, kill_at = (5, 3) if args.quick else (args.steps, args.kill_at_step)
     root = Path(tempfile.mkdtemp(prefix="relaunch-baselines-"))

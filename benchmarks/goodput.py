@@ -12,8 +12,6 @@ so the job runs with recover.quiet_secs = N / 2 (every restart immediate) and re
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import signal
@@ -25,6 +23,7 @@ from pathlib import Path
 import ray
 
 from recovery import run
+from report import arguments, report
 
 from supervisor.events import read_jsonl
 from supervisor.launch import NAMESPACE
@@ -58,12 +57,9 @@ def kill_every(every: float, name: str, stop: threading.Event, killed: list) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "3 epochs, a kill every 3 s (CI)")
     parser.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=25, help="total_train_epochs (12 steps each)")
-    parser.add_argument("--quick", action="store_true", help="3 epochs, a kill every 3 s (CI)")
-    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
-    parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     every, epochs = (3.0, 3) if args.quick else (args.every, args.epochs)
@@ -95,12 +91,7 @@ def main() -> None:
             ("recoveries (failure -> next step)", ", ".join(f"{r:.1f} s" for r in recoveries) or "-"),
             ("wall time (start -> done)", f"{wall:.1f} s"), ("useful step time", f"{useful:.1f} s"),
             ("goodput", f"{figures['goodput'] * 100:.1f}%")]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    report(rows, figures, args.json)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ row written: `time/step`), so start-up and shutdown do not blur it. Runs alterna
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -21,6 +19,7 @@ import ray
 import torch
 
 from recovery import run as run_job_timed
+from report import arguments, report
 
 from supervisor.config import load_config
 from supervisor.events import read_jsonl
@@ -72,12 +71,9 @@ def supervised(address: str, fileroot: Path, trial: str, overrides: list[str]) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "one epoch, one run of each (CI)")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="one epoch, one run of each (CI)")
-    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
-    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     epochs, repeats = (1, 1) if args.quick else (args.epochs, args.repeats)
     overrides = [f"total_train_epochs={epochs}"]
@@ -99,13 +95,8 @@ def main() -> None:
             ("bare loop, median step", f"{b * 1000:.0f} ms"),
             ("Supervisor, median step", f"{s * 1000:.0f} ms"),
             ("Supervisor overhead", f"{s * 1000 - b * 1000:+.0f} ms a step = {overhead:+.1f}% of a step")]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "overhead", "steps": steps, "bare_step_secs": per_step["bare"],
-                       "supervisor_step_secs": per_step["supervisor"], "overhead_percent": overhead}, f, indent=1)
+    report(rows, {"benchmark": "overhead", "steps": steps, "bare_step_secs": per_step["bare"],
+                  "supervisor_step_secs": per_step["supervisor"], "overhead_percent": overhead}, args.json)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ kills at step 10, with 0 and 2 spares (CI runs it so that it cannot rot).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from report import arguments, report
 
 from supervisor.config import load_config
 from supervisor.events import read_jsonl
@@ -101,13 +100,10 @@ def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "one epoch, the kill at step 10, spares 0 and 2")
     parser.add_argument("--kill-at-step", type=int, default=30)
     parser.add_argument("--spares", default="0,1,2",
                         help="recover.spare_workers of each killed run, side by side (--quick: 0,2)")
-    parser.add_argument("--quick", action="store_true", help="one epoch, the kill at step 10, spares 0 and 2")
-    parser.add_argument("--address", help="an existing Ray cluster (default: start a local 3-node one)")
-    parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     # quick: the kill at step 10 gives the spares, started after step 0, time to warm up on a small machine
@@ -130,17 +126,11 @@ def main() -> None:
             cluster.shutdown()
     commits = [e for e in read_jsonl(clean.events_log) if e["event"] == "commit"]
     rows = table(runs, clean_secs, commits)
-    width = max(len(r[0]) for r in rows)
-    cell = max(len(c) for r in rows for c in r[1:])
-    for label, *cells in rows:
-        print(f"{label:<{width}}  " + "  ".join(f"{c:>{cell}}" for c in cells))
+    first = runs[spares[0]]
+    report(rows, {"benchmark": "recovery", "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],
+                  "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
+                  "runs": [{"spare_workers": n, **r} for n, r in runs.items()]}, args.json)
     print(f"(runs under {fileroot})")
-    if args.json:
-        first = runs[spares[0]]
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "recovery", "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],
-                       "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
-                       "runs": [{"spare_workers": n, **r} for n, r in runs.items()]}, f, indent=1)
 
 
 if __name__ == "__main__":

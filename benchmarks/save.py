@@ -10,8 +10,6 @@ the disk's, not the network's.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -20,6 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from report import arguments, report
 
 from supervisor.config import load_config
 from supervisor.local_cluster import free_port
@@ -48,10 +48,8 @@ def raw_fsync_write(path: Path, nbytes: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model (CI)")
+    parser = arguments(__doc__, "a tiny model (CI)", cluster=False)
     parser.add_argument("--dir", help="where to write (default: a temporary directory; it is removed)")
-    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     from workers.engines.base import make_engine
 
@@ -96,14 +94,8 @@ def main() -> None:
         ("raw fsync'd write of the same bytes", f"{figures['raw_fsync_secs']:.3f} s ({raw_mbps:.0f} MB/s)"),
         ("sync save bandwidth / raw (goal >= 70%)", f"{sync_mbps / raw_mbps:.1%}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "save", **figures, "async_over_sync_blocked": ratio_blocked,
-                       "sync_over_raw_bandwidth": sync_mbps / raw_mbps}, f, indent=1)
-
+    report(rows, {"benchmark": "save", **figures, "async_over_sync_blocked": ratio_blocked,
+                  "sync_over_raw_bandwidth": sync_mbps / raw_mbps}, args.json)
 
 if __name__ == "__main__":
     main()

@@ -113,13 +113,14 @@ class Checkpoints:
                       background, infos, started)
 
     def collect_recover(self, trainers, staged: Staged, block: bool) -> bool:
-        """For a background save: True once every rank's part is durable (added to `staged.files`); with
+        """For a background save: True once every rank's part is durable and the step is committed; with
         `block`, waits for it. Raises what a rank's write raised."""
         parts = trainers.save_result(staged.global_step, block)
         if parts is None:
             return False
         staged.files.update(parts)
         staged.nbytes += sum(f["size"] for f in parts.values())
+        self.commit_recover(staged, staged.checksum)
         return True
 
     def commit_recover(self, staged: Staged, weights_checksum: str | None) -> None:

@@ -206,33 +206,28 @@ class StepRunner:
     def collect_export(self, block: bool) -> None:
         """Publish the background export once rank 0 has written it (with `block`, wait for it)."""
         pending = self.exporting
-        if pending is None:
-            return
-        previous, self.phase = self.phase, Phase.EXPORT
-        try:
-            if not self.checkpoints.collect_export(self.trainers, pending, block):
-                self.phase = previous
-                return
-        except Exception:
-            self.failed = "export"  # the controller restarts the TrainGroup or skips this export
-            raise
-        self.exporting, self.phase = None, previous
+        if pending and self._collect("export", Phase.EXPORT,
+                                     lambda: self.checkpoints.collect_export(self.trainers, pending, block)):
+            self.exporting = None
 
     def collect_save(self, block: bool) -> None:
         """Commit the background save once every rank's part of it is durable (with `block`, wait for it)."""
         staged = self.in_flight
-        if staged is None:
-            return
-        previous, self.phase = self.phase, Phase.SAVE
+        if staged and self._collect("save", Phase.SAVE,
+                                    lambda: self.checkpoints.collect_recover(self.trainers, staged, block)):
+            self.in_flight = None
+
+    def _collect(self, what: str, phase: Phase, publish: Callable[[], bool]) -> bool:
+        """`publish` a background write if it is done, in `phase`; if it raises, the write is marked failed
+        (`what`), so that the controller skips it or restarts the TrainGroup."""
+        previous, self.phase = self.phase, phase
         try:
-            if not self.checkpoints.collect_recover(self.trainers, staged, block):
-                self.phase = previous
-                return
-            self.checkpoints.commit_recover(staged, staged.checksum)
+            done = publish()
         except Exception:
-            self.failed = "save"  # the controller restarts the TrainGroup or skips this save
+            self.failed = what
             raise
-        self.in_flight, self.phase = None, previous
+        self.phase = previous
+        return done
 
     def failed_background(self) -> tuple[str, int] | None:
         """(what, step) of the background write that just failed, if one did."""

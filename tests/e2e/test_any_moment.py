@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 
 import pytest
