@@ -211,14 +211,16 @@ class Controller:
 
     def _refill_spares(self) -> None:
         """After the first step of a new TrainGroup: start spares up to the pool's size, away from its ranks.
-        Not earlier, so that warming them never competes with the restart for the CPUs."""
-        if not self.refill_due or self.spares is None:
+        Not earlier, so that warming them never competes with the restart for the CPUs; tried again after
+        every step while the cluster has no room for them."""
+        if not self.refill_due or self.spares is None or self.runner.finished:
             return
-        self.refill_due = False
         if len(self.spares) < self.spares.size:
             nodes = self.spares.refill(self.runner.trainers.nodes)
-            self.events.emit("spares", action="refilled", started=len(nodes), nodes=nodes, pool=len(self.spares),
-                             size=self.spares.size)
+            if nodes:
+                self.events.emit("spares", action="refilled", started=len(nodes), nodes=nodes,
+                                 pool=len(self.spares), size=self.spares.size)
+        self.refill_due = len(self.spares) < self.spares.size
 
     def _time(self, part: str, since: float) -> float:
         """Add the seconds since `since` to the recovery breakdown's `part`; returns now."""
@@ -294,6 +296,9 @@ class Controller:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
         r, t = self.runner, time.monotonic()
         faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
+        if self.spares is not None and self.spares.make_room(len(faulty)):
+            self.events.emit("spares", action="released", pool=len(self.spares), size=self.spares.size)
+            self.refill_due = True
         replaced = r.engines.replace(faulty)
         self.events.emit("engines_restarted", replaced=replaced)
         t = self._time("teardown", t)

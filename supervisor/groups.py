@@ -147,9 +147,11 @@ class TrainGroup(_Members):
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
         self.members = [Member(handle, "") for handle, _ in taken]
-        self.pg = placement_group([dict(bundle) for _ in range(cold)], strategy="PACK",
-                                  name=placement_group_name(config)) if cold else None
+        self.pg = None
         try:
+            if cold:
+                self.pg = placement_group([dict(bundle) for _ in range(cold)], strategy="PACK",
+                                          name=placement_group_name(config))
             if self.pg is not None and not self.pg.wait(config.recover.capacity_timeout_secs):
                 raise CapacityError(
                     f"the cluster did not offer {cold} x {bundle} for the TrainGroup within "

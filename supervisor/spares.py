@@ -108,6 +108,14 @@ class SparePool:
             self.spares.append(Spare(handle, name, handle.warm.remote()))
         return nodes
 
+    def make_room(self, n: int) -> int:
+        """Kill spares until the cluster has free CPUs for `n` more workers (replacements of engines lost with
+        a node must not wait behind spares); returns how many were killed. The pool refills when there is room."""
+        free = ray.available_resources().get("CPU", 0.0) // self.config.cluster.cpus_per_worker
+        victims, self.spares = self.spares[:max(0, n - int(free))], self.spares[max(0, n - int(free)):]
+        self._kill(victims)
+        return len(victims)
+
     def _kill(self, spares: list[Spare]) -> None:
         for s in spares:
             try:

@@ -131,7 +131,7 @@ class StepRunner:
         self.last_reward = float(rewards.mean())
         elapsed = t_train - t0
         last = s.global_step + 1 >= self.total_steps
-        self._set_recover_interval()
+        self._set_recover_interval()  # before the recover check below; its event, if any, is emitted there
         self.owed = Owed(
             step=s, started=t0,
             row={"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
@@ -195,6 +195,7 @@ class StepRunner:
                 o.staged.checksum = self.weights_checksum()  # of this step's weights, for the commit event
                 self.in_flight = o.staged
             else:
+                self.collect_export(block=True)  # the step's recover_info says its export is done
                 self.checkpoints.commit_recover(o.staged, self.weights_checksum())
             o.save = False
             self.fault_point("step.saved", s)
@@ -213,6 +214,10 @@ class StepRunner:
     def collect_save(self, block: bool) -> None:
         """Commit the background save once every rank's part of it is durable (with `block`, wait for it)."""
         staged = self.in_flight
+        if staged and self.exporting and self.exporting.global_step <= staged.global_step:
+            self.collect_export(block)  # the save's recover_info says that export is done: it is published first
+            if self.exporting:
+                return
         if staged and self._collect("save", Phase.SAVE,
                                     lambda: self.checkpoints.collect_recover(self.trainers, staged, block)):
             self.in_flight = None

@@ -147,6 +147,8 @@ class TrainWorker:
         the background (on the writer thread, after any recover save), `export_result` says when done."""
         full = self.engine.full_state_dict()
         if self.rank == 0:
+            if self.world_size == 1:  # nothing was gathered: the tensors are the parameters the next step updates
+                full = {name: t.clone() for name, t in full.items()}
             self.exporting = global_step, self._writer.submit(self.engine.export_hf, Path(directory), full)
 
     @fault_points
