@@ -4,8 +4,9 @@ Saving often wastes the time each save stalls training; saving rarely wastes the
 failure. Young's optimum is T = sqrt(2 C M); Daly's refinement, used here, stays right when C is not small
 against M: T = sqrt(2 C M) (1 + sqrt(C / 2M) / 3 + C / 18M) - C for C < 2M, else M. C is the training stall
 of one recover save: the mean of the last few `commit` events' `blocked_secs` (asynchronous saves) or `secs`.
-M is the time observed in this trial (since its first event) over the failures that rolled it back to a
-checkpoint (TrainGroup and Supervisor faults; an engine fault or a skipped save loses no training). Before the
+M is the time the trial's jobs ran (each job's first to last event, so days between two jobs do not count)
+over the failures that rolled it back to a checkpoint (TrainGroup and Supervisor faults; an engine fault or
+a storage error, whose save is skipped, loses no training). Before the
 first such failure M is the larger of PRIOR_MTBF_SECS and the time observed. Before the first save is measured
 the interval is the lower bound, so that the first save comes early and measures C.
 """
@@ -37,7 +38,7 @@ class AutoInterval:
     min_secs: float = MIN_SECS
     max_secs: float = MAX_SECS
     prior_mtbf_secs: float = PRIOR_MTBF_SECS
-    started: float | None = None  # the time of the trial's first event
+    spans: dict = field(default_factory=dict)  # job -> [its first, its last event time]
     failures: int = 0
     costs: deque = field(default_factory=lambda: deque(maxlen=COSTS_KEPT))
     logged: float | None = None  # the interval last reported
@@ -51,19 +52,23 @@ class AutoInterval:
 
     def observe(self, row: dict) -> None:
         """Account one event row (as written to events.jsonl)."""
-        if self.started is None:
-            self.started = row["time"]
+        self.spans.setdefault(row.get("job"), [row["time"], row["time"]])[1] = row["time"]
         if row["event"] == "commit":
             self.costs.append(float(row.get("blocked_secs", row["secs"])))
-        elif row["event"] == "failure" and row.get("group") in ROLLBACK_GROUPS:
+        elif row["event"] == "failure" and row.get("group") in ROLLBACK_GROUPS and row.get("cause") != "storage_error":
             self.failures += 1
 
     @property
     def save_cost(self) -> float | None:
         return sum(self.costs) / len(self.costs) if self.costs else None
 
+    def running_secs(self, now: float) -> float:
+        """How long the trial's jobs have run, the current one (the last seen) until `now`."""
+        spans = list(self.spans.values())
+        return sum(last - first for first, last in spans[:-1]) + (now - spans[-1][0] if spans else 0.0)
+
     def mtbf(self, now: float) -> float:
-        observed = now - self.started if self.started is not None else 0.0
+        observed = self.running_secs(now)
         return observed / self.failures if self.failures else max(self.prior_mtbf_secs, observed)
 
     def secs(self, now: float) -> float:

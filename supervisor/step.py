@@ -176,12 +176,14 @@ class StepRunner:
             o.evaluate = False
             self.fault_point("step.evaluated", s)
         if o.save and o.staged is None:
-            self.phase = Phase.SAVE
-            self.collect_save(block=True)  # one save in flight
+            self.phase, waited = Phase.SAVE, time.monotonic()
+            self.collect_save(block=True)  # one save in flight: waiting for the previous one stalls this step
+            waited = time.monotonic() - waited
             nxt = s.next()
             infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
             try:
                 o.staged = self.checkpoints.write_recover(self.trainers, s, infos, self.config.async_recover)
+                o.staged.secs += waited
             except Exception:
                 self._log_row(o)  # the step was trained: its row is owed whatever becomes of its save
                 raise

@@ -98,3 +98,13 @@ def test_a_set_interval_fires_by_time():
     ctl.freq_secs = 2.5
     fired = [g for g in range(6) if ctl.check(False, 1.0)]
     assert fired == [2, 5]
+
+
+def test_time_between_jobs_is_not_running_time():
+    rows = [{"event": "start", "time": 0.0, "job": "a"}, {"event": "done", "time": 100.0, "job": "a"},
+            {"event": "start", "time": 1e6, "job": "b"},
+            {"event": "failure", "time": 1e6 + 50, "job": "b", "group": "train", "cause": "worker_died"},
+            {"event": "failure", "time": 1e6 + 60, "job": "b", "group": "train", "cause": "storage_error"}]
+    interval = AutoInterval.from_history(rows)
+    assert interval.running_secs(1e6 + 100) == 200.0  # 100 s of job a, 100 s of job b; not the week between
+    assert interval.failures == 1 and interval.mtbf(1e6 + 100) == 200.0  # a skipped save rolls nothing back
