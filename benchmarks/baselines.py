@@ -110,7 +110,7 @@ def main() -> None:
     address = args.address or cluster.address
     try:
         rows = [relaunch(address, root, steps, kill_at), ray_train(address, root, steps, kill_at),
-                torchrun(root, steps, kill_at, bound=120 if args.quick else 300)]
+                torchrun(root, steps, kill_at, bound=60 if args.quick else 300)]
     finally:
         if cluster:
             cluster.shutdown()
