@@ -48,6 +48,18 @@ def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef
     return pending, errors
 
 
+def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+    """Kill the actors and wait (a bounded while) until they are gone (a fresh call on each fails), and for
+    the calls in `waited`; returns those still running. Nothing a killed actor did outlives it, and its
+    resources are free for what replaces it."""
+    for h in handles:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    return drain(waited + [h.where.remote() for h in handles], KILL_WAIT_SECS)[0]
+
+
 class _Members:
     """Calls on a list of actors, gathered together."""
 
@@ -102,13 +114,7 @@ class _Members:
         return [{"name": m.name, "node": m.node_id, "pid": m.pid} for m in self.members]
 
     def _kill(self, members: list[Member]) -> None:
-        """Kill the actors and wait (a bounded while) until they are gone, so nothing they did outlives them."""
-        for m in members:
-            try:
-                ray.kill(m.handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        self.orphans = drain(self.orphans + [m.handle.where.remote() for m in members], KILL_WAIT_SECS)[0]
+        self.orphans = kill([m.handle for m in members], self.orphans)
 
 
 def placement_group_name(config) -> str:

@@ -25,7 +25,7 @@ import ray
 from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from supervisor.groups import KILL_WAIT_SECS, drain
+from supervisor.groups import drain, kill
 from supervisor.spare_plan import choose_nodes, rank_resources
 from workers.train_worker import TrainWorker
 
@@ -117,15 +117,8 @@ class SparePool:
         return len(victims)
 
     def _kill(self, spares: list[Spare]) -> None:
-        for s in spares:
-            try:
-                ray.kill(s.handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        # a call on each killed one fails once it is gone: waited for (a bounded while), so that its resources
-        # are free for a cold rank
-        gone = [s.warm for s in spares] + [s.handle.warm.remote() for s in spares]
-        self.orphans = drain(self.orphans, 0)[0] + drain(gone, KILL_WAIT_SECS)[0]
+        # the pool's other leftover calls are only collected, not waited for: a taken spare's warm-up may run on
+        self.orphans = drain(self.orphans, 0)[0] + kill([s.handle for s in spares], [s.warm for s in spares])
 
     def shutdown(self) -> None:
         spares, self.spares = self.spares, []

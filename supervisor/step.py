@@ -9,8 +9,9 @@ A fault that restarts the TrainGroup rolls back to the last valid checkpoint ins
 
 A recover save written in the background (`recover.write_mode`) is paid when its state is staged; it is
 committed, with the recover_info captured at its step, at the first step boundary after every rank's part
-is durable. One is in flight at a time; a fault that restarts the TrainGroup drops it unpublished, so the
-run falls back to the previous committed step.
+is durable (and after its step's export, also written in the background, is published). One of each is in
+flight at a time; a fault that restarts the TrainGroup drops them unpublished, so the run falls back to the
+previous committed step.
 """
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ class StepRunner:
         s = o.step
         if self.engine_version != s.global_step + 1:
             self.phase = Phase.PUSH
-            self.sync_engines(gate=False, checksum=o.save)  # a saved step's commit names its checksum
+            self.sync_engines(gate=False, hashed=o.save)  # a saved step's commit names its checksum
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
@@ -296,14 +297,14 @@ class StepRunner:
             self.weights = Weights(ref, version, checksum)
         return self.weights.checksum
 
-    def sync_engines(self, gate: bool, pull: bool = False, checksum: bool = False) -> None:
+    def sync_engines(self, gate: bool, pull: bool = False, hashed: bool = False) -> None:
         """Bring every engine to the trainer's version. With `gate` (after a repair), push only to the engines
         that do not hold it already and require every engine to report the trainer's version and checksum.
-        With `checksum`, the weights are hashed in the same gather (for a commit), not gathered twice."""
+        With `hashed`, the weights are hashed in the same gather (for a commit), not gathered twice."""
         self.engine_version = None
         version = self.state.step.global_step + 1
         if pull or self.weights is None or self.weights.version != version or (gate and not self.weights.checksum):
-            ref, checksum = self.trainers.weights(version - 1, checksum=gate or checksum)
+            ref, checksum = self.trainers.weights(version - 1, checksum=gate or hashed)
             self.weights = Weights(ref, version, checksum)
         want = (self.weights.version, self.weights.checksum)
         if not gate:
