@@ -42,7 +42,9 @@ def connect(config: Config, address: str | None) -> None:
         return
     cluster = config.cluster
     needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker
-    ray.init(num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=NAMESPACE,
+    # "local": a Ray of the job's own, even where another cluster on this machine left its address file
+    # (a plain ray.init() would join that cluster, and refuse num_cpus there)
+    ray.init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=NAMESPACE,
              include_dashboard=False, runtime_env=_runtime_env(), object_store_memory=512 * 1024**2)
 
 

@@ -8,6 +8,7 @@ cluster started, never by name.
 """
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -26,8 +27,19 @@ def free_port() -> int:
 
 
 def short_tmp(prefix: str) -> Path:
-    """A fresh directory with a short path: Ray's unix sockets live under its temp dir (107-byte limit)."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A fresh directory with a short path: Ray's unix sockets live under its temp dir (107-byte limit).
+    Under $TMPDIR when that is short (CI points it at a new empty directory), else under /tmp."""
+    base = tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base if len(base) <= 40 else "/tmp"))
+
+
+def ensure_default_ray_temp_dir() -> None:
+    """Ray's `Cluster` writes its address file (`ray_current_cluster`) into Ray's default temp dir
+    ($RAY_TMPDIR, $TMPDIR or /tmp, + /ray), whatever the head's own temp dir; on a machine that never ran
+    Ray that directory does not exist yet, and the head's start fails."""
+    from ray._private.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
 
 
 class LocalCluster:
@@ -36,6 +48,7 @@ class LocalCluster:
 
         self.temp_dir = short_tmp("rlc")
         self.cpus_per_worker = cpus_per_worker
+        ensure_default_ray_temp_dir()
         self.cluster = Cluster()
         try:
             self.cluster.add_node(num_cpus=head_cpus, object_store_memory=OBJECT_STORE, gcs_server_port=free_port(),

@@ -1,7 +1,8 @@
 """Any fault at any moment, on a real multi-node cluster: every run ends bit-identical to the uninterrupted one.
 
 Two jobs break a rank or an engine at every fault point there is (the entry and exit of every method the
-Supervisor calls, and every phase boundary of a step): one by SIGKILL, one by hangs. A third job is broken
+Supervisor calls, and every phase boundary of a step): one by SIGKILL, one by hangs, each at every phase
+boundary and at one end of every method, the two jobs together at both ends. A third job is broken
 by a seeded random chaos monkey at moments nobody chose. A last test starts TrainGroups that fail to
 start and checks that the cluster gets every resource back.
 """
@@ -38,17 +39,16 @@ PHASE_STEP = {"begin": 17, "rolled_out": 18, "scored": 19, "trained": 20, "pushe
               "evaluated": 23, "logged": 22, "saved": 19}
 
 
-def worker_points(action: str, both_ends: bool = True) -> list[str]:
-    """`action` at the entry and exit of every worker method (or one end each, alternating), on alternating
-    ranks and engines."""
+def worker_points(action: str, parity: int) -> list[str]:
+    """`action` at one end of every worker method, alternating entry and exit from method to method: parity 0
+    takes the ends that parity 1 leaves, so the SIGKILL and the hang jobs together cover both ends of every
+    method. Ranks and engines alternate in pairs of methods."""
     specs = []
     for cls, methods in (("TrainWorker", TRAIN_METHODS), ("RolloutWorker", ENGINE_METHODS)):
         for i, method in enumerate(methods):
-            for j, end in enumerate(("enter", "exit")):
-                if not both_ends and j != i % 2:
-                    continue
-                step = "" if method in START_ONLY else f":step={STEP_OF[method][j]}"
-                specs.append(f"{cls}.{method}.{end}:{action}{step}:rank={(i + j) % 2}")
+            j = (i + parity) % 2
+            step = "" if method in START_ONLY else f":step={STEP_OF[method][j]}"
+            specs.append(f"{cls}.{method}.{('enter', 'exit')[j]}:{action}{step}:rank={(i // 2 + parity) % 2}")
     return specs
 
 
@@ -78,7 +78,7 @@ def assert_exact(trial: Trial, reference: Trial) -> None:
 
 @pytest.mark.timeout(900)
 def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference, trial, tmp_path):
-    faults = worker_points("kill") + phase_points(["kill_rank", "kill_engine", "kill"]) + \
+    faults = worker_points("kill", parity=1) + phase_points(["kill_rank", "kill_engine", "kill"]) + \
         ["background_write:kill:step=19:rank=1"]
     r = run_job(cluster, trial, tmp_path, faults)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -96,9 +96,9 @@ def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference,
 
 @pytest.mark.timeout(900)
 def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, reference, trial, tmp_path):
-    # Every hang costs a timeout, so this job hangs one end of each method (the SIGKILL job covers both)
+    # Every hang costs a timeout: this job hangs the ends of each method that the SIGKILL job leaves,
     # and SIGSTOPs a rank or an engine at every phase boundary of a step.
-    faults = worker_points("hang", both_ends=False) + phase_points(["stop_rank", "stop_engine"])
+    faults = worker_points("hang", parity=0) + phase_points(["stop_rank", "stop_engine"])
     r = run_job(cluster, trial, tmp_path, faults, "recover.step_timeout_secs=5", "recover.start_timeout_secs=20")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)

@@ -31,6 +31,7 @@ def batch(seed: int) -> dict:
             "advantages": torch.randn(8, generator=g)}
 
 
+@pytest.mark.quick
 def test_training_on_during_a_background_save_does_not_leak_into_it(engine, tmp_path):
     engine.train_step(batch(0), 0)
     at_save = {k: v.clone() for k, v in engine.full_state_dict().items()}

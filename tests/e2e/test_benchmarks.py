@@ -20,6 +20,7 @@ def bench(name: str, *args: str, tmp_path) -> dict:
     return json.loads(out.read_text()) | {"stdout": r.stdout}
 
 
+@pytest.mark.quick
 def test_generation_benchmark(tmp_path):
     figures = bench("generation", tmp_path=tmp_path)
     assert figures["rows"] and all(row["same_tokens"] for row in figures["rows"])

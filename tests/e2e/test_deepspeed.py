@@ -37,7 +37,8 @@ def stage(request) -> int:
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, stage, tmp_path_factory) -> Trial:
     t = Trial(tmp_path_factory.mktemp(f"zero{stage}") / "runs")
-    r = relaunch("run", str(CONFIG), *DEEPSPEED, f"actor.zero_stage={stage}", *t.overrides, "--address", cluster.address)
+    r = relaunch("run", str(CONFIG), *DEEPSPEED, f"actor.zero_stage={stage}", "recover.spare_workers=0", *t.overrides,
+                 "--address", cluster.address)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return t
 

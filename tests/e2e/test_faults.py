@@ -39,6 +39,7 @@ def test_retries_exhausted_stops_with_one_clear_line(cluster, trial, tmp_path):
     assert st["restarts"] == 1 and st["state"] == "gave_up" and st["last_valid"]["global_step"] == 4
 
 
+@pytest.mark.quick
 def test_user_code_error_fails_fast_with_its_traceback(cluster, trial):
     r = relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "reward.fn=tests.e2e.faulty_reward:reward",
                  "--address", cluster.address)
@@ -47,6 +48,7 @@ def test_user_code_error_fails_fast_with_its_traceback(cluster, trial):
     assert not trial.events("restart")
 
 
+@pytest.mark.quick
 def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path):
     proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "--address", cluster.address,
                           env=job_env(), log=tmp_path / "job.log")
@@ -106,6 +108,7 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
     assert status_json(trial)["state"] == "done"
 
 
+@pytest.mark.quick
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
     # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank
     r = run_with_fault(cluster, trial, tmp_path, "dcp_write:enospc:step=9:rank=1")

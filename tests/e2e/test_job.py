@@ -5,26 +5,28 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import CONFIG, Trial, job_env, relaunch, short_tmp, status_json
+from conftest import CONFIG, Trial, job_env, relaunch, status_json
 
 import pytest
 
 pytestmark = pytest.mark.e2e
 
 
-def local_env() -> dict:
-    return job_env({"RAY_TMPDIR": str(short_tmp("rlr"))})
-
-
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Trial:
-    """The default job, run once as a user runs it; the tests below read it, the last one cleans it."""
+def default_run(cluster, tmp_path_factory) -> Trial:
+    """The default job, run once as a user runs it, with no address: beside another Ray cluster on this
+    machine (the suite's, whose address file a plain ray.init() would join), it starts a Ray of its own.
+    The tests below read it, the last one cleans it."""
+    from ray._private.utils import read_ray_address
+
+    assert read_ray_address() == cluster.address  # the trap is set: Ray's address file names that cluster
     trial = Trial(tmp_path_factory.mktemp("default") / "runs")
-    r = relaunch("run", str(CONFIG), *trial.overrides, env=local_env())
+    r = relaunch("run", str(CONFIG), *trial.overrides)
     assert r.returncode == 0, r.stdout + r.stderr
     return trial
 
 
+@pytest.mark.quick
 def test_default_job_learns_and_exports_loadable_models(default_run: Trial):
     trial = default_run
     stats = trial.stats()
@@ -47,6 +49,7 @@ def test_default_job_learns_and_exports_loadable_models(default_run: Trial):
     assert [e["event"] for e in st["events"]][-1] == "done"
 
 
+@pytest.mark.quick
 def test_export_then_clean_restart_starts_fresh_and_keeps_exports(default_run: Trial, tmp_path):
     trial = default_run
     # `relaunch export` turns the recover checkpoint into the same safetensors the Saver wrote
@@ -71,7 +74,7 @@ def test_export_then_clean_restart_starts_fresh_and_keeps_exports(default_run: T
     assert trial.exports() == exports and (trial.logs / "stats.jsonl").exists()
     assert status_json(trial)["last_valid"] is None
 
-    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides, env=local_env())
+    r = relaunch("run", str(CONFIG), "total_train_epochs=1", *trial.overrides)
     assert r.returncode == 0, r.stderr
     assert trial.events("loaded")[-1]["global_step"] == -1  # started at step 0
     assert [s["global_step"] for s in trial.stats()] == list(range(12))

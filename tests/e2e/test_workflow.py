@@ -73,11 +73,13 @@ def test_demo_runs_to_its_end_and_plots(tmp_path):
         assert img.format == "PNG" and img.size[0] > 500 and img.size[1] > 300
 
 
+@pytest.mark.quick
 def test_plot_without_a_run_is_a_clear_error(tmp_path):
     r = relaunch("plot", str(CONFIG), f"cluster.fileroot={tmp_path}", "--out", str(tmp_path / "x.png"))
     assert r.returncode == 2 and "stats.jsonl" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.quick
 def test_gpu_example_config_passes_validation(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
