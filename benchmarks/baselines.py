@@ -23,8 +23,8 @@ from pathlib import Path
 from recovery import killed_run
 from report import arguments
 
-from supervisor.events import read_jsonl
-from supervisor.local_cluster import LocalCluster
+from supervisor.control.events import read_jsonl
+from supervisor.testing.local_cluster import LocalCluster
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 
 import ray
-
 from recovery import run
 from report import arguments, report
 
-from supervisor.events import read_jsonl
-from supervisor.launch import NAMESPACE
-from supervisor.local_cluster import LocalCluster
+from supervisor.control.actor import NAMESPACE
+from supervisor.control.events import read_jsonl
+from supervisor.testing.local_cluster import LocalCluster
 
 
 def kill_every(every: float, name: str, stop: threading.Event, killed: list) -> None:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/overhead.py [--epochs 5] [--repeats 2] [--quick] [--address ADDR] [--json FILE]
 
 Both run the default job's steps with no saves, exports or evaluations (recover.mode=off): generate on a
-RolloutWorker, score, train on the TrainWorkers, push the weights. The bare loop drives supervisor/groups.py's
+RolloutWorker, score, train on the TrainWorkers, push the weights. The bare loop drives supervisor/cluster/groups.py's
 TrainGroup and RolloutGroup directly, without events, stats rows, frequency checks or checksums. The figure
 compared is the median step (start of the rollout to the weights pushed and, for the Supervisor, its stats
 row written: `time/step`), so start-up and shutdown do not blur it. Runs alternate (bare, Supervisor, ...).
@@ -17,15 +17,14 @@ from pathlib import Path
 
 import ray
 import torch
-
 from recovery import run as run_job_timed
 from report import arguments, report
 
+from supervisor.cluster.groups import RolloutGroup, TrainGroup
 from supervisor.config import load_config
-from supervisor.events import read_jsonl
-from supervisor.groups import RolloutGroup, TrainGroup
+from supervisor.control.events import read_jsonl
 from supervisor.launch import connect
-from supervisor.local_cluster import LocalCluster
+from supervisor.testing.local_cluster import LocalCluster
 from workers.data import PromptLoader, read_prompts
 from workers.grpo import group_advantages
 from workers.rewards import load_reward_fn, score

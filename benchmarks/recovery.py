@@ -17,13 +17,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
 from report import arguments, report
 
+from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
-from supervisor.events import read_jsonl
+from supervisor.control.events import read_jsonl
 from supervisor.launch import run_job
-from supervisor.layout import TrialLayout
-from supervisor.local_cluster import LocalCluster
+from supervisor.testing.local_cluster import LocalCluster
 
 
 def run(address: str, fileroot: Path, trial: str, overrides: list[str]) -> tuple[float, TrialLayout]:

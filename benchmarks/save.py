@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from report import arguments, report
 
 from supervisor.config import load_config
-from supervisor.local_cluster import free_port
+from supervisor.testing.local_cluster import free_port
 
 FULL = ["model.hidden_size=1024", "model.intermediate_size=2816", "model.num_layers=8", "model.num_heads=16",
         "model.num_kv_heads=4"]

@@ -74,7 +74,7 @@ def plan(args):
         config = load_config(*_split_args(args), model_here=False)
     except ConfigError as e:
         _fail(str(e))
-    from supervisor.plan import make_plan
+    from supervisor.tools.plan import make_plan
     from workers.data import read_prompts
     from workers.rewards import UserCodeError, load_reward_fn
 
@@ -105,7 +105,8 @@ def submit(args, address, wait):
     address = _address(address)
     if not address:
         _fail("submit needs --address (or RAY_ADDRESS): the Ray dashboard URL, e.g. http://127.0.0.1:8265")
-    from supervisor.submit import SubmitError, submit as submit_job
+    from supervisor.submit import SubmitError
+    from supervisor.submit import submit as submit_job
 
     path, overrides = _split_args(args)
     try:
@@ -137,8 +138,8 @@ def demo(args, kill_at_step):
 def plot(args, out):
     """Reward and loss per step of CONFIG's trial, with failures, restarts and checkpoints marked."""
     config = _config_and_overrides(args)
-    from supervisor.layout import TrialLayout
-    from supervisor.plot import plot_trial
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.tools.plot import plot_trial
 
     try:
         plot_trial(TrialLayout.from_config(config), out)
@@ -154,7 +155,7 @@ def plot(args, out):
 def status(args, as_json, address):
     """Last valid step, restarts and recent events of CONFIG's trial."""
     config = _config_and_overrides(args)
-    from supervisor.status import format_status, live_progress, trial_status
+    from supervisor.tools.status import format_status, live_progress, trial_status
 
     st = trial_status(config)
     st["live"], st["live_error"] = live_progress(config, _address(address))
@@ -168,7 +169,7 @@ def status(args, as_json, address):
 def clean_restart(args, yes, dry_run):
     """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept."""
     config = _config_and_overrides(args)
-    from supervisor.layout import TrialLayout
+    from supervisor.checkpoint.layout import TrialLayout
 
     layout = TrialLayout.from_config(config)
     root = layout.checkpoint_root.resolve()
@@ -204,7 +205,7 @@ def clean_restart(args, yes, dry_run):
               help="the run's HuggingFace model directory, when model.path of the run is not on this machine")
 def export(checkpoint, out, dtype, max_shard_size, model_dir):
     """Turn a recover checkpoint (any world size) into a HuggingFace model directory. No cluster needed."""
-    from supervisor.export import ExportError, export_recover_checkpoint
+    from supervisor.tools.export import ExportError, export_recover_checkpoint
 
     out = out or Path.cwd() / f"hf-{checkpoint.name}"
     try:
@@ -221,7 +222,8 @@ def export(checkpoint, out, dtype, max_shard_size, model_dir):
 @click.option("--atol", type=float, default=0.0, show_default=True, help="largest absolute difference accepted")
 def verify(export_dir, against, atol):
     """Compare EXPORT's weights with another model tensor by tensor; exit 1 naming what differs."""
-    from supervisor.verify import VerifyError, verify as compare_weights
+    from supervisor.tools.verify import VerifyError
+    from supervisor.tools.verify import verify as compare_weights
 
     try:
         result = compare_weights(export_dir, against, atol)
@@ -240,7 +242,7 @@ def verify(export_dir, against, atol):
 def inspect(checkpoint):
     """Step, world size, files and validity of a recover checkpoint, and what a resume would load.
     Exit 2 when it is damaged."""
-    from supervisor.inspect_checkpoint import inspect as describe
+    from supervisor.tools.inspect_checkpoint import inspect as describe
 
     try:
         valid, report = describe(checkpoint)

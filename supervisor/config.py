@@ -159,7 +159,7 @@ class RecoverConfig(Frequency):
                                                             "(fsdp), sync otherwise")
     freq_secs: Optional[Union[float, str]] = Field(
         None, description="every N seconds of wall time, or auto: the Young/Daly interval from the measured save "
-                          "stall and the trial's observed time between failures (supervisor/interval.py)")
+                          "stall and the trial's observed time between failures (supervisor/control/interval.py)")
     on_save_error: SaveErrorAction = Field(SaveErrorAction.SKIP, description="disk full, permission denied, ...")
     retries: int = Field(3, ge=0, description="restarts allowed in one job")
     keep_last: int = Field(2, ge=1, description="published recover checkpoints kept")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 import time
 
-from supervisor.events import read_jsonl
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.control.events import read_jsonl
 from supervisor.launch import run_job
-from supervisor.layout import TrialLayout
-from supervisor.local_cluster import LocalCluster
+from supervisor.testing.local_cluster import LocalCluster
 
 
 class NodeKiller(threading.Thread):

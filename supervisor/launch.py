@@ -15,15 +15,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from supervisor.config import REPO_ROOT, Config
-from supervisor.faults import ENV_VARS as FAULT_ENV_VARS
-from supervisor.controller import EXIT_BAD_INPUT, EXIT_FAILED
-from supervisor.supervisor import Supervisor
-
-NAMESPACE = "relaunch"
-
-
-def supervisor_name(config: Config) -> str:
-    return f"{config.experiment_name}/{config.trial_name}"
+from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
+from supervisor.control.controller import EXIT_BAD_INPUT, EXIT_FAILED
+from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
 def _runtime_env() -> dict:

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 from supervisor.config import Config
-from supervisor.faults import ENV_VARS as FAULT_ENV_VARS
+from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
 class SubmitError(ValueError):

@@ -8,9 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-
-class UserCodeError(RuntimeError):
-    pass
+from workers.errors import UserCodeError
 
 
 def load_reward_fn(path: str) -> Callable[..., float]:

@@ -13,8 +13,8 @@ import os
 import ray
 import torch
 
-from supervisor.classify import StaleWeights
-from supervisor.faults import fault_points
+from supervisor.testing.fault_points import fault_points
+from workers.errors import StaleWeights
 from workers.generate import generate
 from workers.model import build_model, build_tokenizer, weights_checksum
 

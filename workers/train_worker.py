@@ -16,9 +16,9 @@ from pathlib import Path
 import ray
 import torch
 
-from supervisor.durable import file_digest
-from supervisor.faults import fault_point, fault_points
-from supervisor.recovery import step_of
+from supervisor.checkpoint.durable import file_digest
+from supervisor.checkpoint.layout import step_of
+from supervisor.testing.fault_points import fault_point, fault_points
 from workers.model import weights_checksum
 
 DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
@@ -26,7 +26,7 @@ DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state
 
 @ray.remote
 class TrainWorker:
-    """Started cold as a rank of a new TrainGroup, or ahead of need as a warm spare (supervisor/spares.py):
+    """Started cold as a rank of a new TrainGroup, or ahead of need as a warm spare (supervisor/cluster/spares.py):
     it learns its rank and world size only when it joins a group (`setup`)."""
 
     def __init__(self, config):

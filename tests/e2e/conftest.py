@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.local_cluster import LocalCluster, short_tmp
-from supervisor.processes import kill_all, process_tree, session_members
+from supervisor.testing.local_cluster import LocalCluster, short_tmp
+from supervisor.testing.processes import kill_all, process_tree, session_members
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_grpo.yaml"
@@ -127,7 +127,7 @@ class RayStartCluster:
     with --block so that the process we own is the parent of the node's raylet and workers."""
 
     def __init__(self):
-        from supervisor.local_cluster import free_port
+        from supervisor.testing.local_cluster import free_port
 
         self.temp_dir = short_tmp("rls")
         self.port, self.dashboard_port = free_port(), free_port()
@@ -147,7 +147,7 @@ class RayStartCluster:
             raise
 
     def _start_head(self) -> None:
-        from supervisor.local_cluster import free_port
+        from supervisor.testing.local_cluster import free_port
 
         self._start("--head", f"--port={self.port}", "--num-cpus=1", f"--temp-dir={self.temp_dir}",
                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
@@ -168,7 +168,7 @@ class RayStartCluster:
         return proc
 
     def add_worker(self) -> subprocess.Popen:
-        from supervisor.local_cluster import free_port
+        from supervisor.testing.local_cluster import free_port
 
         return self._start(f"--address={self.gcs_address}", "--num-cpus=3", "--object-store-memory=150000000",
                            f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 def rank_main(rank: int, world_size: int, port: int, source: Path, staging: Path) -> None:
     import torch.distributed as dist
 
-    from supervisor.export import run_config
-    from supervisor.recovery import step_of
+    from supervisor.checkpoint.layout import step_of
+    from supervisor.tools.export import run_config
     from workers.engines.base import build_parts
     from workers.engines.fsdp import FSDPEngine
 
@@ -33,10 +33,10 @@ def rank_main(rank: int, world_size: int, port: int, source: Path, staging: Path
 
 
 def main(source: Path, fileroot: Path, world_size: int) -> Path:
-    from supervisor.durable import file_digest
-    from supervisor.layout import TrialLayout
-    from supervisor.local_cluster import free_port
-    from supervisor.recovery import RUN_CONFIG, RecoverStore, read_checkpoint
+    from supervisor.checkpoint.durable import file_digest
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.store import RUN_CONFIG, RecoverStore, read_checkpoint
+    from supervisor.testing.local_cluster import free_port
 
     ckpt = read_checkpoint(source)
     store = RecoverStore(TrialLayout(fileroot, "u", "rewritten", "t"), keep_last=2)

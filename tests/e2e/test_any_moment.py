@@ -14,7 +14,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import CONFIG, REPO, SHORT, Trial, curve, job_env, relaunch, start_relaunch, status_json
 
 pytestmark = pytest.mark.e2e
@@ -165,9 +164,9 @@ def test_failed_starts_give_every_resource_back(cluster, tmp_path):
     import ray
     from ray.util import placement_group_table
 
-    from supervisor.classify import GroupError
+    from supervisor.cluster.errors import GroupError
+    from supervisor.cluster.groups import TrainGroup
     from supervisor.config import load_config
-    from supervisor.groups import TrainGroup
 
     config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "recover.start_timeout_secs=20"])
     faults = ",".join(["TrainWorker.setup.enter:kill:rank=1", "TrainWorker.where.exit:kill:rank=0",

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from supervisor.config import load_config
-from supervisor.local_cluster import free_port
+from supervisor.testing.local_cluster import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, job_env
 
 pytestmark = pytest.mark.e2e

@@ -13,9 +13,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import CONFIG, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e
 

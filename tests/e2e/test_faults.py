@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import CONFIG, SHORT, Trial, curve, job_env, kill_session, relaunch, start_relaunch, status_json
 
 pytestmark = pytest.mark.e2e
@@ -187,7 +186,7 @@ def _strip_newer_keys(step_dir: Path) -> None:
     """Make a checkpoint look written by an older relaunch: drop keys a newer version adds, fix the manifest."""
     import torch
 
-    from supervisor.durable import file_digest
+    from supervisor.checkpoint.durable import file_digest
 
     edits = {"meta/step_info.json": ["steps_per_epoch"], "meta/saver_info.json": ["configured"],
              "meta/evaluator_info.json": ["freq", "configured"], "meta/checkpoint_info.json": ["configured"]}

@@ -1,13 +1,11 @@
 """The walking skeleton, end to end, with the embedded local Ray a user gets from `relaunch run`."""
 from __future__ import annotations
 
+import pytest
 import torch
+from conftest import CONFIG, Trial, relaunch, status_json
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from conftest import CONFIG, Trial, job_env, relaunch, status_json
-
-import pytest
 
 pytestmark = pytest.mark.e2e
 

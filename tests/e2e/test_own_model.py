@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, Trial, relaunch
 from safetensors.torch import load_file, save_file
+from tiny_hf import CHAT_TEMPLATE, save_tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, Trial, relaunch
-from supervisor.durable import file_digest
-from tiny_hf import CHAT_TEMPLATE, save_tiny_llama
+from supervisor.checkpoint.durable import file_digest
 from workers.model import weights_checksum
 
 pytestmark = pytest.mark.e2e

@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import CONFIG, REPO, RayStartCluster, job_env, relaunch, status_json
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,9 @@ import torch.distributed.checkpoint as dcp
 from ray import exceptions as rex
 from torch.distributed.checkpoint.api import CheckpointException
 
-from supervisor.classify import FaultKind, Group, GroupError, StaleWeights, classify
+from supervisor.cluster.errors import Group, GroupError
+from supervisor.control.classify import FaultKind, classify
+from workers.errors import StaleWeights
 from workers.rewards import UserCodeError, score
 
 
@@ -57,7 +59,7 @@ def _peer(rank: int, port: int, queue) -> None:
 
 
 def real_gloo_peer_error() -> BaseException:
-    from supervisor.local_cluster import free_port
+    from supervisor.testing.local_cluster import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

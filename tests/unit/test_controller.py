@@ -16,15 +16,16 @@ import pytest
 import torch
 from ray import exceptions as rex
 
-from supervisor.checkpoints import Checkpoints
-from supervisor.classify import Group, GroupError, StaleWeights
+from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
+from supervisor.cluster.errors import Group, GroupError
 from supervisor.config import load_config
-from supervisor.controller import EXIT_FAILED, Controller, Outcome, Result, State, transition
-from supervisor.events import EventLog, StatsLog, read_jsonl
-from supervisor.layout import TMP_PREFIX, TrialLayout
-from supervisor.policy import RestartPolicy
-from supervisor.step import StepRunner
+from supervisor.control.controller import EXIT_FAILED, Controller, Outcome, Result, State, transition
+from supervisor.control.coordinator import Checkpoints
+from supervisor.control.events import EventLog, StatsLog, read_jsonl
+from supervisor.control.policy import RestartPolicy
+from supervisor.control.step import StepRunner
 from workers.data import PromptLoader
+from workers.errors import StaleWeights
 
 STEPS = 8  # 2 epochs of 4 steps; export, evaluation and recover save every 2 steps (1, 3, 5, 7)
 ROWS = [{"prompt": f"p{i}", "answer": str(i % 10)} for i in range(8)]

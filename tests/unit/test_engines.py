@@ -3,9 +3,9 @@ load, reference file retention, and the config rules that keep a DeepSpeed or KL
 import pytest
 import torch
 
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.store import RecoverStore, compatibility_error
 from supervisor.config import DEFAULT_CONFIG, Backend, ConfigError, load_config
-from supervisor.layout import TrialLayout
-from supervisor.recovery import RecoverStore, compatibility_error
 from workers.engines.reference import reference_file, reference_step
 from workers.grpo import kl_penalty, policy_loss
 
@@ -80,7 +80,7 @@ def test_restorable_reference_and_engine_configs_are_accepted(overrides):
 
 
 def test_reference_files_are_pruned_once_no_kept_step_needs_them(tmp_path):
-    from supervisor.durable import file_digest
+    from supervisor.checkpoint.durable import file_digest
 
     store = RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=2)
     infos = {"step_info.json": {}, "saver_info.json": {}, "evaluator_info.json": {},

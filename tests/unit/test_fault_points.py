@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.faults import fault_points
+from supervisor.testing.fault_points import fault_points
 
 
 class Worker:

@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.freq import FreqCtl
-from supervisor.layout import TrialLayout
-from supervisor.step_info import StepInfo
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.control.freq import FreqCtl
+from supervisor.control.step_info import StepInfo
 
 
 def fire_steps(ctl: FreqCtl, n: int, steps_per_epoch: int, secs: float = 1.0) -> list[int]:

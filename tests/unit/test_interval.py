@@ -4,10 +4,10 @@ import math
 import pytest
 
 from supervisor.config import ConfigError, load_config
-from supervisor.freq import FreqCtl
-from supervisor.interval import MAX_SECS, MIN_SECS, PRIOR_MTBF_SECS, AutoInterval, daly
-from supervisor.run_state import RunState
-from supervisor.step_info import StepInfo
+from supervisor.control.freq import FreqCtl
+from supervisor.control.interval import MAX_SECS, MIN_SECS, PRIOR_MTBF_SECS, AutoInterval, daly
+from supervisor.control.run_state import RunState
+from supervisor.control.step_info import StepInfo
 
 
 def row(event: str, t: float, **fields) -> dict:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from supervisor.config import Config, Frequency
-from supervisor.plan import fire_steps, make_plan
-from supervisor.verify import compare
+from supervisor.tools.plan import fire_steps, make_plan
+from supervisor.tools.verify import compare
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,8 @@
 import pytest
 
-from supervisor.classify import Fault, FaultKind, Group
-from supervisor.policy import Action, RestartPolicy
+from supervisor.cluster.errors import Group
+from supervisor.control.classify import Fault, FaultKind
+from supervisor.control.policy import Action, RestartPolicy
 
 
 def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False):

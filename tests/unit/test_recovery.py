@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from supervisor.durable import UnsafePickleError, file_digest, load_plain_pickle
-from supervisor.layout import RECOVER_INFO_FILES, TrialLayout
-from supervisor.recovery import CheckpointError, RecoverStore
+from supervisor.checkpoint.durable import UnsafePickleError, file_digest, load_plain_pickle
+from supervisor.checkpoint.layout import RECOVER_INFO_FILES, TrialLayout
+from supervisor.checkpoint.store import CheckpointError, RecoverStore
 
 
 def infos(step: int) -> dict:
@@ -190,8 +190,8 @@ def test_sigkill_at_every_write_leaves_old_or_new_never_a_mix(tmp_path, point):
         import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[2])!r}]
         from pathlib import Path
         from test_recovery import commit
-        from supervisor.layout import TrialLayout
-        from supervisor.recovery import RecoverStore
+        from supervisor.checkpoint.layout import TrialLayout
+        from supervisor.checkpoint.store import RecoverStore
         store = RecoverStore(TrialLayout(Path({str(tmp_path)!r}), "u", "exp", "t0"), keep_last=2)
         commit(store, 4)
         commit(store, 9)
@@ -215,8 +215,8 @@ def test_sigkill_during_prune_keeps_the_new_checkpoint(tmp_path):
         import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[2])!r}]
         from pathlib import Path
         from test_recovery import commit
-        from supervisor.layout import TrialLayout
-        from supervisor.recovery import RecoverStore
+        from supervisor.checkpoint.layout import TrialLayout
+        from supervisor.checkpoint.store import RecoverStore
         store = RecoverStore(TrialLayout(Path({str(tmp_path)!r}), "u", "exp", "t0"), keep_last=1)
         commit(store, 4)
         commit(store, 9)
@@ -237,7 +237,7 @@ def test_an_interrupted_hf_export_is_a_leftover(store):
 
 
 def test_stats_are_cut_back_to_the_checkpoint_and_lose_a_torn_line(tmp_path):
-    from supervisor.events import StatsLog, read_jsonl
+    from supervisor.control.events import StatsLog, read_jsonl
 
     log = StatsLog(tmp_path / "stats.jsonl")
     for step in range(6):
@@ -250,7 +250,7 @@ def test_stats_are_cut_back_to_the_checkpoint_and_lose_a_torn_line(tmp_path):
 
 
 def test_a_checkpoint_this_process_committed_is_checked_by_size_not_hashed_again(store, monkeypatch):
-    import supervisor.recovery as recovery
+    import supervisor.checkpoint.store as recovery
 
     commit(store, 4)
     hashed = []

@@ -1,9 +1,9 @@
 import pytest
 
 from supervisor.config import load_config
-from supervisor.policy import train_group_sizes
-from supervisor.run_state import IncompatibleCheckpoint, RunState
-from supervisor.step_info import StepInfo
+from supervisor.control.policy import train_group_sizes
+from supervisor.control.run_state import IncompatibleCheckpoint, RunState
+from supervisor.control.step_info import StepInfo
 
 
 def state_at(step: StepInfo, config) -> dict:

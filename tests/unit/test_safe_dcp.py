@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from supervisor import safe_dcp
+from supervisor.checkpoint import safe_load
 
 
 class _Payload:
@@ -27,7 +27,7 @@ def save(state: dict, path) -> None:
 def load(state: dict, path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        safe_dcp.load(state, path, no_dist=True)
+        safe_load.load(state, path, no_dist=True)
 
 
 def test_model_optimizer_and_scheduler_round_trip_through_the_safe_reader(tmp_path):
@@ -38,7 +38,7 @@ def test_model_optimizer_and_scheduler_round_trip_through_the_safe_reader(tmp_pa
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5)
     save({"model": model.state_dict(), "scheduler": sched.state_dict(), "x": torch.ones(2, dtype=torch.bfloat16)},
          tmp_path)
-    meta = safe_dcp.read_metadata(tmp_path).state_dict_metadata
+    meta = safe_load.read_metadata(tmp_path).state_dict_metadata
     assert {"model.weight", "scheduler.base_lrs", "x"} <= set(meta)
 
     other = torch.nn.Linear(3, 2)
@@ -54,24 +54,24 @@ def test_pickle_payload_as_metadata_is_refused_before_it_runs(tmp_path):
     save({"w": torch.ones(2)}, tmp_path)
     marker = tmp_path / "ran"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    with pytest.raises(safe_dcp.UnsafeCheckpointError, match="posix.system"):
-        safe_dcp.read_metadata(tmp_path)
-    with pytest.raises(safe_dcp.UnsafeCheckpointError):
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="posix.system"):
+        safe_load.read_metadata(tmp_path)
+    with pytest.raises(safe_load.UnsafeCheckpointError):
         load({"w": torch.zeros(2)}, tmp_path)
     assert not marker.exists()
 
 
 def test_metadata_that_is_some_other_plain_object_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
-    with pytest.raises(safe_dcp.UnsafeCheckpointError, match="not DCP Metadata"):
-        safe_dcp.read_metadata(tmp_path)
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="not DCP Metadata"):
+        safe_load.read_metadata(tmp_path)
 
 
 def test_pickle_payload_in_a_non_tensor_entry_is_refused_by_weights_only_loading(tmp_path):
     marker = tmp_path / "ran"
     save({"w": torch.ones(2), "extra": _Payload(marker)}, tmp_path)  # DCP torch.save()s non-tensor entries
     assert not marker.exists()
-    with pytest.raises(safe_dcp.UnsafeCheckpointError, match="Weights only load failed"):
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="Weights only load failed"):
         load({"w": torch.zeros(2), "extra": None}, tmp_path)
     assert not marker.exists()
     # what DCP does on its own: the payload runs

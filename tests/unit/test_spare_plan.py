@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.cluster.spare_placement import choose_nodes, rank_resources, spare_count
 from supervisor.config import ClusterConfig
-from supervisor.spare_plan import choose_nodes, rank_resources, spare_count
 
 # the e2e cluster: a head of 1 CPU and two worker nodes of 3
 E2E_TOTAL = {"CPU": 7.0, "memory": 1e9}

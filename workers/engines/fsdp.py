@@ -17,15 +17,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import fully_shard
 
-from supervisor import safe_dcp
-from supervisor.faults import armed
+from supervisor.checkpoint import safe_load
+from supervisor.testing.fault_points import armed
 from workers.engines.base import collective_timeout, lr_scheduler
 from workers.engines.export import write_hf
 from workers.engines.reference import ReferencePolicy, grpo_loss
@@ -138,7 +141,7 @@ class FSDPEngine:
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
         """Collective: load a DCP checkpoint (resharding if the world size changed); returns RNG gaps."""
         state = self._state()
-        safe_dcp.load(state, directory)  # a copied checkpoint cannot run code here
+        safe_load.load(state, directory)  # a copied checkpoint cannot run code here
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])

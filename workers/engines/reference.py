@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from supervisor.durable import write_atomic
+from supervisor.checkpoint.durable import write_atomic
 from workers.grpo import kl_penalty, policy_loss, token_logprobs
 from workers.model import build_model, forward_logits
 

@@ -22,13 +22,14 @@ from typing import Any, Callable
 
 import torch
 
-from supervisor.checkpoints import Checkpoints, PendingExport, Staged
-from supervisor.classify import Group, GroupError, StaleWeights
-from supervisor.events import EventLog, StatsLog, read_jsonl
-from supervisor.interval import AutoInterval
-from supervisor.run_state import RunState
-from supervisor.step_info import StepInfo
+from supervisor.cluster.errors import Group, GroupError
+from supervisor.control.coordinator import Checkpoints, PendingExport, Staged
+from supervisor.control.events import EventLog, StatsLog, read_jsonl
+from supervisor.control.interval import AutoInterval
+from supervisor.control.run_state import RunState
+from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
+from workers.errors import StaleWeights
 from workers.grpo import group_advantages
 from workers.rewards import score
 

@@ -18,10 +18,11 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from supervisor import safe_dcp
+from supervisor.checkpoint import safe_load
+from supervisor.checkpoint.durable import publish_dir, tmp_name
+from supervisor.checkpoint.layout import step_of
+from supervisor.checkpoint.store import MANIFEST, RUN_CONFIG, CheckpointError, read_checkpoint
 from supervisor.config import Config
-from supervisor.durable import publish_dir, tmp_name
-from supervisor.recovery import MANIFEST, RUN_CONFIG, CheckpointError, read_checkpoint, step_of
 
 MODEL_PREFIX = "model."
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints above this
@@ -55,7 +56,7 @@ def validated(checkpoint: Path) -> Config:
 
 def read_model_weights(checkpoint: Path, label: str = "reading") -> dict[str, torch.Tensor]:
     """The full model weights of a recover checkpoint written by any number of ranks, in one process."""
-    metadata = safe_dcp.read_metadata(checkpoint).state_dict_metadata
+    metadata = safe_load.read_metadata(checkpoint).state_dict_metadata
     wanted = {k: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
     weights = {k[len(MODEL_PREFIX):]: torch.empty(v.size, dtype=v.properties.dtype) for k, v in wanted.items()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
@@ -68,7 +69,7 @@ def read_model_weights(checkpoint: Path, label: str = "reading") -> dict[str, to
             if size >= READ_CHUNK_BYTES or i == len(names) - 1:
                 with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
                     warnings.simplefilter("ignore", UserWarning)
-                    safe_dcp.load({"model": chunk}, checkpoint, no_dist=True)
+                    safe_load.load({"model": chunk}, checkpoint, no_dist=True)
                 bar.update(size)
                 chunk = {}
     return weights

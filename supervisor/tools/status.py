@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from supervisor.events import read_jsonl
-from supervisor.layout import TrialLayout
-from supervisor.recovery import CheckpointError, RecoverStore
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.store import CheckpointError, RecoverStore
+from supervisor.control.events import read_jsonl
 
 
 def trial_status(config, n_events: int = 10) -> dict:
@@ -98,7 +98,7 @@ def live_progress(config, address: str | None) -> tuple[dict | None, str | None]
         return None, None
     import ray
 
-    from supervisor.launch import NAMESPACE, supervisor_name
+    from supervisor.control.actor import NAMESPACE, supervisor_name
 
     try:
         ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)

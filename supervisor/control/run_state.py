@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.freq import FreqCtl
-from supervisor.recovery import SCHEMA_VERSION
-from supervisor.step_info import StepInfo
+from supervisor.checkpoint.store import SCHEMA_VERSION
+from supervisor.control.freq import FreqCtl
+from supervisor.control.step_info import StepInfo
 
 # recover_info file -> the RunState frequency control it carries
 CONTROLS = {"saver_info.json": "saver", "evaluator_info.json": "evaluator", "checkpoint_info.json": "recover"}

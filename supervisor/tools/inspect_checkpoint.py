@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.recovery import MANIFEST, META, REFERENCE_PREFIX, RUN_CONFIG, CheckpointError, read_checkpoint, step_of
+from supervisor.checkpoint.layout import step_of
+from supervisor.checkpoint.store import MANIFEST, META, REFERENCE_PREFIX, RUN_CONFIG, CheckpointError, read_checkpoint
 
 
 def _json(path: Path) -> dict | None:
@@ -31,7 +32,7 @@ def _state_summary(checkpoint: Path) -> list[str]:
     """What DCP holds per part (model, optimizer, scheduler), from the safely read metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from supervisor.safe_dcp import read_metadata
+    from supervisor.checkpoint.safe_load import read_metadata
 
     parts: dict[str, list] = {}
     for key, meta in read_metadata(checkpoint).state_dict_metadata.items():

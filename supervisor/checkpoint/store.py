@@ -21,11 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.durable import (
-    file_digest, load_plain_pickle, publish_dir, tmp_name, write_atomic,
+from supervisor.checkpoint.durable import (
+    file_digest,
+    load_plain_pickle,
+    publish_dir,
+    tmp_name,
+    write_atomic,
 )
-from supervisor.faults import fault_point
-from supervisor.layout import RECOVER_INFO_FILES, STEP_DIR, TMP_PREFIX, TrialLayout
+from supervisor.checkpoint.layout import RECOVER_INFO_FILES, TMP_PREFIX, TrialLayout, step_of
+from supervisor.testing.fault_points import fault_point
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -82,11 +86,6 @@ def _decode_info(name: str, data: bytes):
     return load_plain_pickle(data) if name.endswith(".pkl") else json.loads(data)
 
 
-def step_of(path: Path) -> int | None:
-    m = STEP_DIR.match(path.name)
-    return int(m.group(1)) if m else None
-
-
 def step_of_reference(name: str) -> int | None:
     m = re.search(r"ref_globalstep(\d+)\.safetensors$", name)
     return int(m.group(1)) if m else None
@@ -115,7 +114,7 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
         if manifest != trusted and file_digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
     if (path / ".metadata").is_file():
-        from supervisor.safe_dcp import read_metadata  # torch: imported only where a checkpoint is read
+        from supervisor.checkpoint.safe_load import read_metadata  # torch: imported only where a checkpoint is read
 
         try:
             read_metadata(path)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 

@@ -13,7 +13,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from supervisor.processes import kill_all, process_tree
+from supervisor.testing.processes import kill_all, process_tree
 
 OBJECT_STORE = 150 * 1024**2
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,

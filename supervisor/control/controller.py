@@ -20,13 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from supervisor.checkpoints import Checkpoints
-from supervisor.classify import CapacityError, Fault, FaultKind, Group, classify
-from supervisor.events import EventLog, StatsLog
-from supervisor.policy import Action, Decision, RestartPolicy, train_group_sizes
-from supervisor.recovery import Checkpoint, CheckpointError
-from supervisor.run_state import IncompatibleCheckpoint, RunState
-from supervisor.step import Phase, StepRunner
+from supervisor.checkpoint.store import Checkpoint, CheckpointError
+from supervisor.cluster.errors import CapacityError, Group
+from supervisor.control.classify import Fault, FaultKind, classify
+from supervisor.control.coordinator import Checkpoints
+from supervisor.control.events import EventLog, StatsLog
+from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
+from supervisor.control.run_state import IncompatibleCheckpoint, RunState
+from supervisor.control.step import Phase, StepRunner
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -87,7 +88,7 @@ class Controller:
         self.state = State.STARTING
         self.pending: Result | None = None  # the decision REPAIRING applies
         self.recovery: dict | None = None   # where the time of the repair in progress went, in seconds
-        self.spares = spares                # the warm spare pool (supervisor/spares.py), or None
+        self.spares = spares                # the warm spare pool (supervisor/cluster/spares.py), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
 
     # ---- the loop -------------------------------------------------------------------------------------

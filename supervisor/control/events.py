@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from supervisor.durable import write_atomic
+from supervisor.checkpoint.durable import write_atomic
 
 
 def _append(path: Path, obj: dict) -> None:

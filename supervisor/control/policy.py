@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from supervisor.classify import Fault, FaultKind, Group
+from supervisor.cluster.errors import Group
+from supervisor.control.classify import Fault, FaultKind
 
 
 class Action(str, enum.Enum):

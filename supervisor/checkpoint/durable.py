@@ -13,7 +13,7 @@ import pickle
 import uuid
 from pathlib import Path
 
-from supervisor.layout import TMP_PREFIX
+from supervisor.checkpoint.layout import TMP_PREFIX
 
 
 def fsync_dir(path: Path) -> None:

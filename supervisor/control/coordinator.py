@@ -13,13 +13,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.durable import file_digest, publish_dir, tmp_name
-from supervisor.events import EventLog
-from supervisor.layout import TMP_PREFIX, TrialLayout
-from supervisor.recovery import (
-    REFERENCE_PREFIX, RUN_CONFIG, Checkpoint, CheckpointError, RecoverStore, compatibility_error,
+from supervisor.checkpoint.durable import file_digest, publish_dir, tmp_name
+from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
+from supervisor.checkpoint.store import (
+    REFERENCE_PREFIX,
+    RUN_CONFIG,
+    Checkpoint,
+    CheckpointError,
+    RecoverStore,
+    compatibility_error,
 )
-from supervisor.step_info import StepInfo
+from supervisor.control.events import EventLog
+from supervisor.control.step_info import StepInfo
 from workers.engines.reference import reference_file, reference_step
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from supervisor.config import Config, Frequency
-from supervisor.freq import FreqCtl
-from supervisor.step_info import StepInfo
+from supervisor.control.freq import FreqCtl
+from supervisor.control.step_info import StepInfo
 
 FEW_STEPS = 10  # fewer steps than this is a smoke test, not a training run
 

@@ -25,8 +25,8 @@ import ray
 from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from supervisor.groups import drain, kill
-from supervisor.spare_plan import choose_nodes, rank_resources
+from supervisor.cluster.groups import drain, kill
+from supervisor.cluster.spare_placement import choose_nodes, rank_resources
 from workers.train_worker import TrainWorker
 
 PROBE_SECS = 2.0  # how long a warm spare may take to answer before it counts as dead

@@ -5,7 +5,7 @@ only itself, so "every 5 steps and every epoch" saves at steps 4, 9, 14, ... and
 an epoch save does not shift the step schedule. Its saved state holds only counters and the
 time since it last fired, never the frequencies: the config in force wins over a checkpoint's (AReaL
 stored the frequencies, so changing freq_steps before a resume had no effect). With `recover.freq_secs: auto`
-the runner sets `freq_secs` before every check (supervisor/interval.py); the configured value stays "auto".
+the runner sets `freq_secs` before every check (supervisor/control/interval.py); the configured value stays "auto".
 """
 from __future__ import annotations
 

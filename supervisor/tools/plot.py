@@ -8,8 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-from supervisor.events import read_jsonl  # noqa: E402
-from supervisor.layout import TrialLayout  # noqa: E402
+from supervisor.checkpoint.layout import TrialLayout  # noqa: E402
+from supervisor.control.events import read_jsonl  # noqa: E402
 
 
 def plot_trial(layout: TrialLayout, out: Path) -> None:

@@ -76,3 +76,9 @@ class TrialLayout:
     def recover_state_paths(self) -> list[Path]:
         """What clean-restart removes: recover_info/ and recover_checkpoint/ of this trial, nothing else."""
         return [self.recover_info, self.recover_checkpoint]
+
+
+def step_of(path: Path) -> int | None:
+    """The global step a recover step directory holds, from its name (None: not a step directory)."""
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None

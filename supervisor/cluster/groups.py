@@ -16,7 +16,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from supervisor.classify import CapacityError, Group, GroupError
+from supervisor.cluster.errors import CapacityError, Group, GroupError
 from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
 
@@ -137,7 +137,7 @@ class TrainGroup(_Members):
 
     Ranks come first from `spares` (a SparePool: warm processes, already placed, so they need no bundle),
     the rest start cold in a placement group of one bundle each. Every rank is new: survivors of the group
-    this one replaces are not reused (supervisor/spares.py says why)."""
+    this one replaces are not reused (supervisor/cluster/spares.py says why)."""
 
     group = Group.TRAIN
 

@@ -16,13 +16,8 @@ from ray import exceptions as rex
 from torch.distributed import DistError
 from torch.distributed.checkpoint.api import CheckpointException
 
-from workers.rewards import UserCodeError
-
-
-class Group(str, enum.Enum):
-    TRAIN = "train"          # the TrainGroup's ranks
-    ROLLOUT = "rollout"      # the inference engines
-    SUPERVISOR = "supervisor"
+from supervisor.cluster.errors import Group, GroupError, first_line
+from workers.errors import StaleWeights, UserCodeError
 
 
 class FaultKind(str, enum.Enum):
@@ -55,25 +50,6 @@ class Fault:
         return self.actors[0] if self.actors else None
 
 
-class GroupError(Exception):
-    """What a call to a worker group raised, with where it came from; `error` is the raw exception."""
-
-    def __init__(self, group: Group, error: BaseException, actors: tuple[str, ...] = (), node: str | None = None,
-                 waited: float | None = None, settled: bool = False):
-        super().__init__(f"{group.value}: {type(error).__name__}: {first_line(error)}")
-        self.group, self.error, self.actors, self.node = group, error, actors, node
-        self.waited, self.settled = waited, settled
-
-
-class CapacityError(RuntimeError):
-    """The cluster did not offer a group's resources within recover.capacity_timeout_secs: not a fault to
-    retry, the job stops naming what is missing."""
-
-
-class StaleWeights(RuntimeError):
-    """Raised by an engine asked to generate with weights of another version than it holds."""
-
-
 # Ray's ways of saying an actor, its process or its node is gone (or unusable: its object store is full)
 _DEATHS = (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, rex.WorkerCrashedError,
            rex.NodeDiedError, rex.OutOfMemoryError, rex.LocalRayletDiedError, rex.RaySystemError,
@@ -83,11 +59,6 @@ _PEER_MARKERS = ("connection reset by peer", "connection closed by peer", "broke
 # torch.save reports a full disk as a RuntimeError from its zip writer
 _STORAGE_MARKERS = ("no space left", "disk quota", "unexpected pos", "pytorchstreamwriter failed", "read-only file")
 _DEVICE_MARKERS = ("cuda error", "cudnn", "cublas", "device-side assert", "ecc error")
-
-
-def first_line(error: BaseException) -> str:
-    lines = [x for x in str(error).strip().splitlines() if x.strip()]
-    return (lines[0] if lines else type(error).__name__)[:300]
 
 
 def root_cause(error: BaseException) -> BaseException:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from supervisor.export import ExportError, checkpoint_weights, validated
-from supervisor.recovery import step_of
+from supervisor.checkpoint.layout import step_of
+from supervisor.tools.export import ExportError, checkpoint_weights, validated
 
 TIED_OUTPUT = "lm_head.weight"
 

@@ -11,19 +11,26 @@ import traceback
 
 import ray
 
-from supervisor import faults
-from supervisor.checkpoints import Checkpoints
-from supervisor.controller import EXIT_BAD_INPUT, EXIT_FAILED, Controller, JobResult, State
-from supervisor.events import EventLog, StatsLog, read_jsonl
-from supervisor.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
-from supervisor.layout import TrialLayout
-from supervisor.policy import RestartPolicy
-from supervisor.spare_plan import spare_count
-from supervisor.spares import SparePool, remove_leftover_spares
-from supervisor.step import StepRunner
-from supervisor.step_info import StepInfo
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
+from supervisor.cluster.spare_placement import spare_count
+from supervisor.cluster.spares import SparePool, remove_leftover_spares
+from supervisor.control.controller import EXIT_BAD_INPUT, EXIT_FAILED, Controller, JobResult, State
+from supervisor.control.coordinator import Checkpoints
+from supervisor.control.events import EventLog, StatsLog, read_jsonl
+from supervisor.control.policy import RestartPolicy
+from supervisor.control.step import StepRunner
+from supervisor.control.step_info import StepInfo
+from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
 from workers.rewards import UserCodeError, load_reward_fn
+
+NAMESPACE = "relaunch"  # the Ray namespace of every relaunch job's named actors
+
+
+def supervisor_name(config) -> str:
+    """The Supervisor's actor name: one controller per trial on a cluster, and `relaunch status` finds it."""
+    return f"{config.experiment_name}/{config.trial_name}"
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -94,7 +101,7 @@ class Supervisor:
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation at the step's phase boundaries: besides the usual actions, `kill_rank` and
         `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine."""
-        action = faults.armed(point, step=s.global_step)
+        action = fault_points.armed(point, step=s.global_step)
         if action is None:
             return
         r = self.controller.runner
@@ -103,6 +110,6 @@ class Supervisor:
             pid = r.trainers.members[-1].pid if target == "rank" else r.engines.members[0].pid
             if pid is None:
                 raise RuntimeError(f"fault point {point}: the {target}'s pid is not known yet")
-            faults.apply(verb, point, pid=pid)
+            fault_points.apply(verb, point, pid=pid)
         else:
-            faults.apply(action, point)
+            fault_points.apply(action, point)

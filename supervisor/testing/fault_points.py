@@ -29,7 +29,7 @@ import signal
 import time
 from pathlib import Path
 
-from supervisor.processes import command_line, kill_all, session_members
+from supervisor.testing.processes import command_line, kill_all, session_members
 
 ENV_VARS = ("RELAUNCH_FAULT", "RELAUNCH_FAULT_DIR")
 

@@ -1,0 +1,1 @@
+"""The on-disk format: every path, durable writes, the recover store, loading that runs no code."""

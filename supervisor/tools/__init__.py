@@ -1,0 +1,1 @@
+"""Commands that read checkpoints and logs (export, verify, inspect, plan, status, plot); no control."""

@@ -1,0 +1,10 @@
+"""What a worker raises on purpose, for the Supervisor's classifier to read (supervisor/control/classify.py)."""
+from __future__ import annotations
+
+
+class UserCodeError(RuntimeError):
+    """The user's reward function or dataset failed: not an infrastructure fault, never retried."""
+
+
+class StaleWeights(RuntimeError):
+    """Raised by an engine asked to generate with weights of another version than it holds."""
