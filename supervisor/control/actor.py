@@ -16,7 +16,7 @@ from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.cluster.spares import SparePool, remove_leftover_spares
 from supervisor.control.controller import EXIT_BAD_INPUT, EXIT_FAILED, Controller, JobResult, State
-from supervisor.control.coordinator import Checkpoints
+from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
@@ -47,7 +47,7 @@ class Supervisor:
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log)
-        self.checkpoints = Checkpoints(config, layout, self.events)
+        self.checkpoints = CheckpointCoordinator(config, layout, self.events)
         self.controller: Controller | None = None
 
     # ---- queries (served concurrently with run) -------------------------------------------------

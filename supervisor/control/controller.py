@@ -23,7 +23,7 @@ from typing import Callable, Optional
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
 from supervisor.cluster.errors import CapacityError, Group
 from supervisor.control.classify import Fault, FaultKind, classify
-from supervisor.control.coordinator import Checkpoints
+from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog
 from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
@@ -78,7 +78,7 @@ class JobResult:
 
 
 class Controller:
-    def __init__(self, config, runner: StepRunner, checkpoints: Checkpoints, policy: RestartPolicy,
+    def __init__(self, config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
                  sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy

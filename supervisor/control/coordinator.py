@@ -52,7 +52,7 @@ class PendingExport:
     global_step: int
 
 
-class Checkpoints:
+class CheckpointCoordinator:
     def __init__(self, config, layout: TrialLayout, events: EventLog):
         self.config, self.layout, self.events = config, layout, events
         self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from supervisor.cluster.errors import Group, GroupError
-from supervisor.control.coordinator import Checkpoints, PendingExport, Staged
+from supervisor.control.coordinator import CheckpointCoordinator, PendingExport, Staged
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.interval import AutoInterval
 from supervisor.control.run_state import RunState
@@ -70,7 +70,7 @@ class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
     def __init__(self, config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
-                 checkpoints: Checkpoints, fault_point: Callable[[str, StepInfo], None]):
+                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None]):
         self.config, self.loader, self.reward_fn = config, loader, reward_fn
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs

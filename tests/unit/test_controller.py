@@ -20,7 +20,7 @@ from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.config import load_config
 from supervisor.control.controller import EXIT_FAILED, Controller, Outcome, Result, State, transition
-from supervisor.control.coordinator import Checkpoints
+from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
@@ -229,7 +229,7 @@ def make_controller(tmp_path: Path, world: World, *overrides: str):
                                 "recover.freq_steps=2", "recover.retries=5", "recover.backoff_secs=0", *overrides])
     layout = TrialLayout.from_config(config)
     events, stats = EventLog(layout.events_log, job="j"), StatsLog(layout.stats_log)
-    checkpoints = Checkpoints(config, layout, events)
+    checkpoints = CheckpointCoordinator(config, layout, events)
 
     def reward(prompt, completion, row):
         if world.reward_raises:
