@@ -13,13 +13,13 @@ from pathlib import Path
 import click
 
 from supervisor.config import DEFAULT_CONFIG, ConfigError, load_config
+from supervisor.exit_codes import ExitCode
 
-EXIT_BAD_INPUT = 2
 
 
 def _fail(message: str) -> None:
     click.echo(f"relaunch: error: {message}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(ExitCode.BAD_INPUT)
 
 
 def _split_args(args: tuple[str, ...]) -> tuple[Path, list[str]]:
@@ -234,7 +234,7 @@ def verify(export_dir, against, atol):
     click.echo(f"{result.compared} tensors compared, max abs difference {result.max_diff:.3g}"
                f"{f' ({result.max_diff_name})' if result.max_diff_name else ''}: "
                f"{'match' if result.ok else f'{len(result.problems)} differences'}")
-    sys.exit(0 if result.ok else 1)
+    sys.exit(ExitCode.OK if result.ok else ExitCode.FAILED)
 
 
 @main.command()
@@ -250,7 +250,7 @@ def inspect(checkpoint):
         _fail(str(e))
     click.echo(report)
     if not valid:
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(ExitCode.BAD_INPUT)
 
 
 if __name__ == "__main__":

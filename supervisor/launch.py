@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
-from supervisor.control.controller import EXIT_BAD_INPUT, EXIT_FAILED
+from supervisor.exit_codes import ExitCode
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
@@ -49,7 +49,7 @@ def run_job(config: Config, address: str | None) -> int:
         try:
             ray.get_actor(name, namespace=NAMESPACE)
             print(f"relaunch: error: trial {name} is already running on this cluster", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return ExitCode.BAD_INPUT
         except ValueError:
             pass
         # The restart policy counts the Supervisor's own restarts against recover.retries and gives up once
@@ -64,7 +64,7 @@ def run_job(config: Config, address: str | None) -> int:
         except KeyboardInterrupt:
             ray.kill(supervisor, no_restart=True)
             print("relaunch: interrupted; the last valid checkpoint is kept", file=sys.stderr)
-            return 130
+            return ExitCode.INTERRUPTED
     finally:
         ray.shutdown()
     if result["details"]:
@@ -98,7 +98,7 @@ def _follow(supervisor, run_ref) -> dict:
         try:
             return ray.get(run_ref)
         except ray.exceptions.RayError as e:
-            return {"exit_code": EXIT_FAILED, "message": f"the Supervisor was lost: {str(e).splitlines()[0]}",
+            return {"exit_code": ExitCode.FAILED, "message": f"the Supervisor was lost: {str(e).splitlines()[0]}",
                     "global_step": -1, "reward": None, "details": ""}
     finally:
         bar.close()

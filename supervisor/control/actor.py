@@ -15,7 +15,8 @@ from supervisor.checkpoint.layout import TrialLayout
 from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.cluster.spares import SparePool, remove_leftover_spares
-from supervisor.control.controller import EXIT_BAD_INPUT, EXIT_FAILED, Controller, JobResult, State
+from supervisor.control.controller import Controller, JobResult, State
+from supervisor.exit_codes import ExitCode
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
@@ -77,7 +78,7 @@ class Supervisor:
             reward_fn = load_reward_fn(cfg.reward.fn)
         except UserCodeError as e:
             self.events.emit("failed", reason=str(e))
-            return JobResult(EXIT_BAD_INPUT, str(e)).__dict__
+            return JobResult(ExitCode.BAD_INPUT, str(e)).__dict__
         if self.attempt > 0:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
@@ -93,7 +94,7 @@ class Supervisor:
         try:
             result = self.controller.run()
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver
-            result = JobResult(EXIT_FAILED, f"relaunch internal error: {type(e).__name__}: {e}",
+            result = JobResult(ExitCode.FAILED, f"relaunch internal error: {type(e).__name__}: {e}",
                                details=traceback.format_exc())
             self.events.emit("failed", reason=result.message)
         return result.__dict__

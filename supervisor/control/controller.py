@@ -27,9 +27,9 @@ from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog
 from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
+from supervisor.control.repair_clock import RepairClock
 from supervisor.control.step import Phase, StepRunner
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+from supervisor.exit_codes import ExitCode
 
 
 class State(str, enum.Enum):
@@ -38,6 +38,10 @@ class State(str, enum.Enum):
     REPAIRING = "repairing"  # apply a repair decision: restart the TrainGroup, the engines, or skip a save
     FINISHED = "finished"
     FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (State.FINISHED, State.FAILED)
 
 
 class Outcome(str, enum.Enum):
@@ -52,18 +56,34 @@ class Result:
     outcome: Outcome
     decision: Optional[Decision] = None
     fault: Optional[Fault] = None
-    exit_code: int = EXIT_OK
+    exit_code: int = ExitCode.OK
     message: str = ""
     details: str = ""
 
 
-def transition(state: State, result: Result) -> State:
+@dataclass(frozen=True)
+class Current:
+    """The controller's state and its payload: REPAIRING carries the decision to apply, FINISHED and FAILED
+    the result that ended the run."""
+    state: State
+    result: Optional[Result] = None
+
+
+class UnexpectedState(RuntimeError):
+    """A transition that the state machine does not have: a bug in relaunch."""
+
+
+def transition(current: State, result: Result) -> State:
     """The next state. Pure: the whole state machine is this function."""
+    if current.terminal:
+        raise UnexpectedState(f"no transition out of {current.value}")
     if result.outcome is Outcome.FATAL:
         return State.FAILED
     if result.outcome is Outcome.FAULT:
         return State.REPAIRING
     if result.outcome is Outcome.DONE:
+        if current is State.REPAIRING:
+            raise UnexpectedState("a repair cannot finish the run")
         return State.FINISHED
     return State.RUNNING  # OK: started, stepped or repaired
 
@@ -85,38 +105,39 @@ class Controller:
         self.events, self.stats, self.sleep = events, stats, sleep
         self.make_train_group, self.make_rollout_group = make_train_group, make_rollout_group
         self.supervisor_restarted = supervisor_restarted
-        self.state = State.STARTING
-        self.pending: Result | None = None  # the decision REPAIRING applies
-        self.recovery: dict | None = None   # where the time of the repair in progress went, in seconds
-        self.spares = spares                # the warm spare pool (supervisor/cluster/spares.py), or None
+        self.current = Current(State.STARTING)
+        self.clock = RepairClock()          # where the time of the repair in progress goes
+        self.spares = spares                # the warm spare pool (cluster/spares.py), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
+
+    @property
+    def state(self) -> State:
+        return self.current.state
 
     # ---- the loop -------------------------------------------------------------------------------------
     def run(self) -> JobResult:
         try:
-            while self.state not in (State.FINISHED, State.FAILED):
+            while not self.state.terminal:
                 result = self._work()
                 self._enter(transition(self.state, result), result)
         finally:
             self._shutdown()
-        r = self.pending
+        r, step = self.current.result, self.runner.state.step.global_step
         if self.state is State.FINISHED:
-            self.events.emit("done", global_step=self.runner.state.step.global_step, reward=self.runner.last_reward,
-                             message=r.message if r else "")
-            return JobResult(EXIT_OK, r.message if r and r.message else f"finished {self.runner.total_steps} steps",
-                             self.runner.state.step.global_step, self.runner.last_reward)
+            self.events.emit("done", global_step=step, reward=self.runner.last_reward, message=r.message)
+            return JobResult(ExitCode.OK, r.message or f"finished {self.runner.total_steps} steps", step,
+                             self.runner.last_reward)
         kind = "failed" if r.fault is None or r.fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR) \
             else "gave_up"
         self.events.emit(kind, reason=r.message)
-        return JobResult(r.exit_code, r.message, self.runner.state.step.global_step, details=r.details)
+        return JobResult(r.exit_code, r.message, step, details=r.details)
 
     def _enter(self, new: State, result: Result) -> None:
         """The one place a transition is applied and logged."""
         if new is not self.state:
             self.events.emit("state", previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
-        self.state = new
-        self.pending = result if new in (State.REPAIRING, State.FAILED, State.FINISHED) else None
+        self.current = Current(new, result if new in (State.REPAIRING, State.FINISHED, State.FAILED) else None)
 
     def _work(self) -> Result:
         """The current state's work; every error it raises becomes a classified, decided fault."""
@@ -124,27 +145,37 @@ class Controller:
             if self.state is State.STARTING:
                 return self._start()
             if self.state is State.RUNNING:
-                if not self.runner.finished:
-                    self.runner.advance()
-                    self._recovered()
-                    self._refill_spares()
-                return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
-            return self._repair(self.pending)
+                return self._step()
+            if self.state is State.REPAIRING:
+                return self._repair(self.current.result)
+            raise UnexpectedState(f"no work in state {self.state.value}")
         except CheckpointError as e:  # every checkpoint damaged, or one that cannot fit this run
-            return Result(Outcome.FATAL, exit_code=EXIT_BAD_INPUT, message=str(e))
+            return Result(Outcome.FATAL, exit_code=ExitCode.BAD_INPUT, message=str(e))
         except CapacityError as e:
-            return Result(Outcome.FATAL, exit_code=EXIT_FAILED, message=str(e))
+            return Result(Outcome.FATAL, exit_code=ExitCode.FAILED, message=str(e))
+        except UnexpectedState:
+            raise
         except Exception as e:  # noqa: BLE001 - classified below: only a bug in relaunch is an internal error
             return self._on_fault(classify(e), e)
 
+    def _step(self) -> Result:
+        if not self.runner.finished:
+            self.runner.advance()
+            recovery = self.clock.finish()
+            if recovery is not None:
+                self.events.emit("recovery", **recovery)
+            self._refill_spares()
+        return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
+
     # ---- faults ---------------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault, error: BaseException | None = None) -> Result:
-        saving = self.state is State.RUNNING and self.runner.phase in (Phase.EXPORT, Phase.SAVE)
+        in_flight = self.checkpoints.in_flight
+        background = in_flight.failed  # a background save or export of an earlier step failed
+        saving = background is not None or (self.state is State.RUNNING and
+                                            self.runner.phase in (Phase.EXPORT, Phase.SAVE))
         fault = replace(fault, in_save=saving)
-        step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
-        failed = self.runner.failed_background()
-        if failed is not None:  # the background save or export of an earlier step failed
-            step = failed[1]
+        step = in_flight.failed_step() if background else \
+            self.runner.state.step.global_step + (0 if self.runner.owed else 1)
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
@@ -154,20 +185,17 @@ class Controller:
               f"{decision.reason}", flush=True)
         if fault.kind is FaultKind.STORAGE_ERROR and saving:
             # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
-            live = self.runner.background_in_flight()
-            removed = self.checkpoints.discard_failed_save(in_flight=live) if fault.settled else []
+            removed = self.checkpoints.discard_failed_save() if fault.settled else []
             self.events.emit("save_failed", global_step=step, error=fault.message,
-                             what=failed[0] if failed else self.runner.phase.value,
+                             what=f"background {background.value}" if background else self.runner.phase.value,
                              action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
             details = ""
             if error is not None and fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR):
                 details = "".join(traceback.format_exception(error.__cause__ or error))
-            return Result(Outcome.FATAL, decision, fault, EXIT_FAILED, decision.reason, details)
+            return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:
-            if self.recovery is None:  # a fault during a repair adds to the repair in progress
-                self.recovery = {"cause": fault.kind.value, "what": decision.action.value, "seen": time.time(),
-                                 "detection": fault.detect_secs or 0.0}
+            self.clock.start(fault.kind.value, decision.action.value, fault.detect_secs)
             self.events.emit("restart", n=self.policy.restarts, limit=self.policy.retries, what=decision.action.value,
                              cause=fault.kind.value, delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
@@ -187,7 +215,7 @@ class Controller:
             return Result(Outcome.OK)
         ckpt = self.checkpoints.load_last_valid()
         if ckpt is not None and ckpt.global_step + 1 >= self.runner.total_steps:
-            self._roll_back_to(ckpt)
+            self.runner.roll_back(self._state_of(ckpt, warn=True))
             msg = f"already complete at global step {ckpt.global_step}; nothing to train"
             return Result(Outcome.DONE, message=msg)
         if self.supervisor_restarted:
@@ -198,17 +226,6 @@ class Controller:
                                         "by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
         self._restart_train_group()
         return Result(Outcome.OK)
-
-    def _recovered(self) -> None:
-        """After the first step that completes after a repair: log where the repair's time went."""
-        if self.recovery is None:
-            return
-        rec, self.recovery = self.recovery, None
-        seen, resynced = rec.pop("seen"), rec.pop("resynced", None)
-        parts = {k: round(v, 3) for k, v in rec.items() if isinstance(v, float)}
-        parts["total"] = round(time.time() - seen + rec["detection"], 3)
-        parts["first_step"] = round(time.time() - (resynced or seen), 3)
-        self.events.emit("recovery", cause=rec["cause"], what=rec["what"], **parts)
 
     def _refill_spares(self) -> None:
         """After the first step of a new TrainGroup: start spares up to the pool's size, away from its ranks.
@@ -223,41 +240,30 @@ class Controller:
                                  pool=len(self.spares), size=self.spares.size)
         self.refill_due = len(self.spares) < self.spares.size
 
-    def _time(self, part: str, since: float) -> float:
-        """Add the seconds since `since` to the recovery breakdown's `part`; returns now."""
-        now = time.monotonic()
-        if self.recovery is not None:
-            self.recovery[part] = self.recovery.get(part, 0.0) + now - since
-        return now
-
     def _repair(self, pending: Result) -> Result:
         decision, fault = pending.decision, pending.fault
         if decision.delay_secs:
-            t = time.monotonic()
-            self.sleep(decision.delay_secs)
-            self._time("backoff", t)
+            with self.clock.part("backoff"):
+                self.sleep(decision.delay_secs)
         if decision.action is Action.RESTART_TRAIN_GROUP:
             self._restart_train_group()
         elif decision.action is Action.RESTART_ENGINES:
             self._restart_engines(fault)
-        elif decision.action is Action.SKIP_SAVE and self.runner.skip_failed_save() is None:
-            return Result(Outcome.FATAL, decision, fault, EXIT_FAILED, f"{fault.message} (not in a save)")
+        elif decision.action is Action.SKIP_SAVE and \
+                (self.checkpoints.skip_failed_write() or self.runner.skip_owed_save()) is None:
+            return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, f"{fault.message} (not in a save)")
         # REPLAY_STEP: nothing advanced before the commit; the next transition runs the step again
         return Result(Outcome.OK)
 
     def _restart_train_group(self) -> None:
         """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
         its step, replace dead engines, and resync every engine to the checkpoint's weights."""
-        r, t = self.runner, time.monotonic()
-        if r.trainers is not None:
-            r.trainers.shutdown()  # survivors may be stuck in a collective, or still writing a save
-            r.trainers = None
-        r.owed, r.weights = None, None
-        r.in_flight, r.exporting, r.failed = None, None, None  # background writes die unpublished with the ranks
-        t = self._time("teardown", t)
+        r = self.runner
+        with self.clock.part("teardown"):
+            r.drop_group()
         if r.engines is None:
             r.engines = self.make_rollout_group()  # starts while the TrainGroup does
-        started = t
+        started = time.monotonic()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate") as pool:
             # the checkpoint is validated (hashed, unless this Supervisor committed it) while the new group
             # starts; it cleans up interrupted saves, which is safe: no rank of either group writes now
@@ -269,25 +275,21 @@ class Controller:
             self.events.emit("spares", action="taken", taken=taken, cold=len(r.trainers.nodes) - taken,
                              pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
-        for part, secs in [*r.trainers.timings.items(), ("validate", secs)]:
-            if self.recovery is not None:
-                self.recovery[part] = self.recovery.get(part, 0.0) + secs
-        t = time.monotonic()
-        missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
-        t = self._time("load", t)
-        self._roll_back_to(ckpt)
+        for part, part_secs in [*r.trainers.timings.items(), ("validate", secs)]:
+            self.clock.add(part, part_secs)
+        with self.clock.part("load"):
+            missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
+        r.roll_back(self._state_of(ckpt, warn=True))
         self.events.emit("loaded", global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
         if missing:
             self.events.emit("warning", message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
-        replaced = r.engines.replace(())
-        if replaced:
-            self.events.emit("engines_restarted", replaced=replaced)
-        r.phase = None
-        r.sync_engines(gate=True)
-        self._time("resync", t)
-        if self.recovery is not None:
-            self.recovery["resynced"] = time.time()
+        with self.clock.part("resync"):
+            replaced = r.engines.replace(())
+            if replaced:
+                self.events.emit("engines_restarted", replaced=replaced)
+            r.sync_engines(gate=True)
+        self.clock.resynced()
 
     def _validate(self) -> tuple[Checkpoint | None, float]:
         t = time.monotonic()
@@ -295,18 +297,17 @@ class Controller:
 
     def _restart_engines(self, fault: Fault) -> None:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
-        r, t = self.runner, time.monotonic()
-        faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
-        if self.spares is not None and self.spares.make_room(len(faulty)):
-            self.events.emit("spares", action="released", pool=len(self.spares), size=self.spares.size)
-            self.refill_due = True
-        replaced = r.engines.replace(faulty)
-        self.events.emit("engines_restarted", replaced=replaced)
-        t = self._time("teardown", t)
-        r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)  # a new engine starts in its push
-        self._time("resync", t)
-        if self.recovery is not None:
-            self.recovery["resynced"] = time.time()
+        r = self.runner
+        with self.clock.part("teardown"):
+            faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
+            if self.spares is not None and self.spares.make_room(len(faulty)):
+                self.events.emit("spares", action="released", pool=len(self.spares), size=self.spares.size)
+                self.refill_due = True
+            replaced = r.engines.replace(faulty)
+            self.events.emit("engines_restarted", replaced=replaced)
+        with self.clock.part("resync"):
+            r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)  # a new engine starts in its push
+        self.clock.resynced()
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and
@@ -326,14 +327,8 @@ class Controller:
                 self.events.emit("shrink", world_size=size, wanted=cfg.cluster.n_train_workers)
             return group
 
-    def _roll_back_to(self, ckpt: Checkpoint | None) -> None:
-        """The Supervisor's own state (step, frequency controls) back to the checkpoint's step, or the start."""
-        r = self.runner
-        r.state = self._state_of(ckpt, warn=True)
-        r.owed = None
-        self.stats.truncate_after(r.state.step.global_step)
-
     def _state_of(self, ckpt: Checkpoint | None, warn: bool = False) -> RunState:
+        """The run's state at the checkpoint's step (or the start)."""
         steps_per_epoch = self.runner.loader.steps_per_epoch
         if ckpt is None:
             return RunState.fresh(self.config, steps_per_epoch)

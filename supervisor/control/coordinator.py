@@ -2,16 +2,20 @@
 
 Loading the last valid recover checkpoint (falling back past damaged ones, cleaning up interrupted saves),
 saving one (the ranks write shards into a staging directory, the store publishes and commits it), HF
-exports with their retention, and the cleanup after a save that failed on storage. The files themselves
-are written by the TrainGroup and published by recovery.py; this module only orders the work and logs it.
+exports with their retention, the writes still in flight in the background (at most one recover save and
+one export, like TorchTitan's staging and upload futures), and the cleanup after a save that failed on
+storage. The files themselves are written by the TrainGroup and published by checkpoint/store.py; this
+module only orders the work and logs it.
 """
 from __future__ import annotations
 
+import enum
 import errno
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from supervisor.checkpoint.durable import file_digest, publish_dir, tmp_name
 from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
@@ -31,7 +35,7 @@ from workers.engines.reference import reference_file, reference_step
 @dataclass
 class Staged:
     """A recover save that every rank has begun or written, not yet published. A background save's `files`
-    lack the ranks' shards until `collect_recover` finds them durable."""
+    lack the ranks' shards until `collect_save` finds them durable."""
     path: Path
     global_step: int
     files: dict[str, dict]
@@ -52,11 +56,43 @@ class PendingExport:
     global_step: int
 
 
+class WriteKind(str, enum.Enum):
+    SAVE = "save"      # a recover save
+    EXPORT = "export"  # an HF export
+
+
+@dataclass
+class InFlight:
+    """The background writes not yet published, and which of them just failed (the controller decides)."""
+    save: Staged | None = None
+    export: PendingExport | None = None
+    failed: WriteKind | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self.save is None and self.export is None
+
+    def failed_step(self) -> int | None:
+        """The global step of the write that failed, if one did."""
+        if self.failed is None:
+            return None
+        return (self.save if self.failed is WriteKind.SAVE else self.export).global_step
+
+    def live_paths(self) -> tuple[Path, ...]:
+        """The directories of writes still going on (not the one that failed)."""
+        live = [(self.save, WriteKind.SAVE), (self.export, WriteKind.EXPORT)]
+        return tuple(w.path for w, kind in live if w is not None and self.failed is not kind)
+
+
+T = TypeVar("T")
+
+
 class CheckpointCoordinator:
     def __init__(self, config, layout: TrialLayout, events: EventLog):
         self.config, self.layout, self.events = config, layout, events
         self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None
         self._reference_entries: dict[int, dict] = {}  # reference step -> its manifest entry
+        self.in_flight = InFlight()
 
     @property
     def enabled(self) -> bool:
@@ -89,7 +125,7 @@ class CheckpointCoordinator:
     def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
         """Every rank writes its part of step `s` (rank 0 also the driver state: dataloader and data state)
         into a staging directory; nothing is published yet. With `background`, returns once the ranks have
-        staged their state in CPU memory: `collect_recover` tells when the write is durable."""
+        staged their state in CPU memory: `collect_save` commits it once durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
         driver_state = {"dataloader": infos["dataloader_info.pkl"], "global_step": s.global_step}
@@ -117,16 +153,61 @@ class CheckpointCoordinator:
         return Staged(staging, s.global_step, files, trainers.world_size, nbytes, time.monotonic() - started,
                       background, infos, started)
 
-    def collect_recover(self, trainers, staged: Staged, block: bool) -> bool:
-        """For a background save: True once every rank's part is durable and the step is committed; with
-        `block`, waits for it. Raises what a rank's write raised."""
-        parts = trainers.save_result(staged.global_step, block)
+    def begin_background_save(self, staged: Staged, weights_checksum: str | None) -> None:
+        """A save every rank has staged: committed by `collect_save` once it is durable. One in flight."""
+        staged.checksum = weights_checksum
+        self.in_flight.save = staged
+
+    def collect_save(self, trainers, block: bool) -> None:
+        """Commit the background save once every rank's part is durable (with `block`, wait for it). Its step's
+        export, if still being written, is published first: the save's recover_info says it is done."""
+        staged, export = self.in_flight.save, self.in_flight.export
+        if staged is None:
+            return
+        if export is not None and export.global_step <= staged.global_step:
+            self.collect_export(trainers, block)
+            if self.in_flight.export is not None:
+                return
+        parts = self._watch(WriteKind.SAVE, lambda: trainers.save_result(staged.global_step, block))
         if parts is None:
-            return False
+            return
         staged.files.update(parts)
         staged.nbytes += sum(f["size"] for f in parts.values())
         self.commit_recover(staged, staged.checksum)
-        return True
+        self.in_flight.save = None
+
+    def collect_export(self, trainers, block: bool) -> None:
+        """Publish the background export once rank 0 has written it (with `block`, wait for it)."""
+        pending = self.in_flight.export
+        if pending is not None and self._watch(WriteKind.EXPORT,
+                                               lambda: trainers.export_result(pending.global_step, block)):
+            self._publish_export(pending)
+            self.in_flight.export = None
+
+    def collect(self, trainers, block: bool) -> None:
+        self.collect_export(trainers, block)
+        self.collect_save(trainers, block)
+
+    def _watch(self, kind: WriteKind, result: Callable[[], T]) -> T:
+        """A background write's result; if it raises, that write is marked failed for the controller."""
+        try:
+            return result()
+        except Exception:
+            self.in_flight.failed = kind
+            raise
+
+    def skip_failed_write(self) -> str | None:
+        """After a background write failed on storage: give it up; returns what was skipped."""
+        kind, self.in_flight.failed = self.in_flight.failed, None
+        if kind is WriteKind.SAVE:
+            self.in_flight.save = None
+        elif kind is WriteKind.EXPORT:
+            self.in_flight.export = None
+        return f"{'recover' if kind is WriteKind.SAVE else 'export'} (background)" if kind else None
+
+    def drop_in_flight(self) -> None:
+        """The ranks writing them are gone: background writes die unpublished (the run falls back)."""
+        self.in_flight = InFlight()
 
     def commit_recover(self, staged: Staged, weights_checksum: str | None) -> None:
         """Publish and commit a fully written save with the recover_info captured at its step."""
@@ -139,28 +220,22 @@ class CheckpointCoordinator:
                          blocked_secs=round(staged.secs, 3), background=staged.background,
                          mbps=round(staged.nbytes / max(secs, 1e-9) / 1e6, 3))
 
-    def export_hf(self, trainers, s: StepInfo, background: bool = False) -> "PendingExport | None":
+    def export_hf(self, trainers, s: StepInfo, background: bool = False) -> None:
         """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned. With
-        `background`, returns once rank 0 holds the full weights: `collect_export` publishes it when written."""
+        `background`, returns once rank 0 holds the full weights: `collect_export` publishes it when written.
+        One export in flight: the previous one is waited for first."""
+        self.collect_export(trainers, block=True)
         final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
         if final.exists():
-            return None  # the same step trained again after a rollback: identical weights, already exported
+            return  # the same step trained again after a rollback: identical weights, already exported
         final.parent.mkdir(parents=True, exist_ok=True)
         pending = PendingExport(tmp_name(final), final, s.global_step)
         if background:
             trainers.begin_export(str(pending.path), s.global_step)
-            return pending
+            self.in_flight.export = pending
+            return
         trainers.export_hf(str(pending.path), s.global_step)
         self._publish_export(pending)
-        return None
-
-    def collect_export(self, trainers, pending: "PendingExport", block: bool) -> bool:
-        """For a background export: True once rank 0 has written it (then it is published); with `block`,
-        waits for it. Raises what the write raised."""
-        if not trainers.export_result(pending.global_step, block):
-            return False
-        self._publish_export(pending)
-        return True
 
     def _publish_export(self, pending: "PendingExport") -> None:
         publish_dir(pending.path, pending.final)
@@ -177,12 +252,13 @@ class CheckpointCoordinator:
         """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
         return self.store.committed_step() if self.store is not None else None
 
-    def discard_failed_save(self, in_flight: tuple[Path, ...] = ()) -> list[Path]:
+    def discard_failed_save(self) -> list[Path]:
         """Remove what a save or export that failed left behind, but for the directories of background saves
-        and exports still being written (`in_flight`); the last valid checkpoint is untouched."""
+        and exports still being written; the last valid checkpoint is untouched."""
+        live = self.in_flight.live_paths()
         if self.store is not None:
-            return self.store.remove_leftovers(self.store.committed_step(), spare=in_flight)
-        removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*") if p not in in_flight] \
+            return self.store.remove_leftovers(self.store.committed_step(), spare=live)
+        removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*") if p not in live] \
             if self.layout.export_root.is_dir() else []
         for p in removed:
             shutil.rmtree(p, ignore_errors=True)

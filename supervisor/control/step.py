@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from supervisor.cluster.errors import Group, GroupError
-from supervisor.control.coordinator import CheckpointCoordinator, PendingExport, Staged
+from supervisor.control.coordinator import CheckpointCoordinator, Staged
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.interval import AutoInterval
 from supervisor.control.run_state import RunState
@@ -79,9 +79,6 @@ class StepRunner:
         self.weights: Weights | None = None
         self.engine_version: int | None = None  # the version every engine holds, when known
         self.owed: Owed | None = None
-        self.in_flight: Staged | None = None           # a recover save being written in the background
-        self.exporting: PendingExport | None = None    # an HF export being written in the background
-        self.failed: str | None = None  # "save" or "export": that background write raised; the controller decides
         self.phase: Phase | None = None
         self.last_reward: float | None = None
         self.interval = None  # recover.freq_secs: auto; it sees the trial's past and every new event
@@ -91,19 +88,33 @@ class StepRunner:
 
     @property
     def finished(self) -> bool:
-        return self.finished_training and self.in_flight is None and self.exporting is None
+        return self.finished_training and self.checkpoints.in_flight.idle
 
     def advance(self) -> None:
-        """Pay what the last committed step owes, or run the next step to its commit and then pay; commit a
-        background save once it is durable (after the last step, wait for it)."""
-        self.collect_background(block=False)
+        """Pay what the last committed step owes, or run the next step to its commit and then pay; publish
+        background writes once they are durable (after the last step, wait for them)."""
+        self.checkpoints.collect(self.trainers, block=False)
         if self.owed is None and not self.finished_training:
             self._until_commit(self.state.step.next())
         if self.owed is not None:
             self._settle(self.owed)
             self.owed = None
         if self.finished_training:
-            self.collect_background(block=True)
+            self.checkpoints.collect(self.trainers, block=True)
+
+    def drop_group(self) -> None:
+        """Kill the TrainGroup (survivors may be stuck in a collective, or still writing a save): what it
+        held dies with it, the weights gathered for the engines and the background writes, unpublished."""
+        if self.trainers is not None:
+            self.trainers.shutdown()
+            self.trainers = None
+        self.owed, self.weights = None, None
+        self.checkpoints.drop_in_flight()
+
+    def roll_back(self, state: RunState) -> None:
+        """The run's state (step, counters, frequency controls) back to a checkpoint's, stats cut back to it."""
+        self.state, self.owed, self.phase = state, None, None
+        self.stats.truncate_after(state.step.global_step)
 
     @property
     def finished_training(self) -> bool:
@@ -168,8 +179,7 @@ class StepRunner:
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
-            self.collect_export(block=True)  # one export in flight
-            self.exporting = self.checkpoints.export_hf(self.trainers, s, self.config.async_export)
+            self.checkpoints.export_hf(self.trainers, s, self.config.async_export)
             o.export, o.paid_secs["export"] = False, time.monotonic() - t
             self.fault_point("step.exported", s)
         if o.evaluate:
@@ -179,7 +189,7 @@ class StepRunner:
             self.fault_point("step.evaluated", s)
         if o.save and o.staged is None:
             self.phase, waited = Phase.SAVE, time.monotonic()
-            self.collect_save(block=True)  # one save in flight: waiting for the previous one stalls this step
+            self.checkpoints.collect_save(self.trainers, block=True)  # one in flight: waiting stalls this step
             waited = time.monotonic() - waited
             nxt = s.next()
             infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
@@ -196,60 +206,12 @@ class StepRunner:
         if o.save:
             self.phase = Phase.SAVE
             if o.staged.background:
-                o.staged.checksum = self.weights_checksum()  # of this step's weights, for the commit event
-                self.in_flight = o.staged
+                self.checkpoints.begin_background_save(o.staged, self.weights_checksum())
             else:
-                self.collect_export(block=True)  # the step's recover_info says its export is done
+                self.checkpoints.collect_export(self.trainers, block=True)  # its recover_info says it is done
                 self.checkpoints.commit_recover(o.staged, self.weights_checksum())
             o.save = False
             self.fault_point("step.saved", s)
-
-    def collect_background(self, block: bool) -> None:
-        self.collect_export(block)
-        self.collect_save(block)
-
-    def collect_export(self, block: bool) -> None:
-        """Publish the background export once rank 0 has written it (with `block`, wait for it)."""
-        pending = self.exporting
-        if pending and self._collect("export", Phase.EXPORT,
-                                     lambda: self.checkpoints.collect_export(self.trainers, pending, block)):
-            self.exporting = None
-
-    def collect_save(self, block: bool) -> None:
-        """Commit the background save once every rank's part of it is durable (with `block`, wait for it)."""
-        staged = self.in_flight
-        if staged and self.exporting and self.exporting.global_step <= staged.global_step:
-            self.collect_export(block)  # the save's recover_info says that export is done: it is published first
-            if self.exporting:
-                return
-        if staged and self._collect("save", Phase.SAVE,
-                                    lambda: self.checkpoints.collect_recover(self.trainers, staged, block)):
-            self.in_flight = None
-
-    def _collect(self, what: str, phase: Phase, publish: Callable[[], bool]) -> bool:
-        """`publish` a background write if it is done, in `phase`; if it raises, the write is marked failed
-        (`what`), so that the controller skips it or restarts the TrainGroup."""
-        previous, self.phase = self.phase, phase
-        try:
-            done = publish()
-        except Exception:
-            self.failed = what
-            raise
-        self.phase = previous
-        return done
-
-    def failed_background(self) -> tuple[str, int] | None:
-        """(what, step) of the background write that just failed, if one did."""
-        if self.failed == "save":
-            return "background save", self.in_flight.global_step
-        if self.failed == "export":
-            return "background export", self.exporting.global_step
-        return None
-
-    def background_in_flight(self) -> tuple:
-        """The directories of background writes still going on (not the one that failed)."""
-        live = [(self.in_flight, "save"), (self.exporting, "export")]
-        return tuple(w.path for w, what in live if w is not None and self.failed != what)
 
     def _log_row(self, o: Owed) -> None:
         if o.logged:
@@ -264,14 +226,8 @@ class StepRunner:
         self.stats.append(o.row)
         o.logged = True
 
-    def skip_failed_save(self) -> str | None:
-        """After a save or export failed on storage: give it up for this step; returns what was skipped."""
-        if self.failed == "save":
-            self.in_flight, self.failed = None, None
-            return "recover (background)"
-        if self.failed == "export":
-            self.exporting, self.failed = None, None
-            return "export (background)"
+    def skip_owed_save(self) -> str | None:
+        """After this step's export or recover save failed on storage: give it up; returns what was skipped."""
         if self.owed is None:
             return None
         if self.phase is Phase.EXPORT and self.owed.export:

@@ -19,7 +19,8 @@ from ray import exceptions as rex
 from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.config import load_config
-from supervisor.control.controller import EXIT_FAILED, Controller, Outcome, Result, State, transition
+from supervisor.control.controller import Controller, Outcome, Result, State, UnexpectedState, transition
+from supervisor.exit_codes import ExitCode
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
@@ -382,7 +383,7 @@ def test_a_storage_error_with_stop_ends_the_job(tmp_path):
     world = World()
     world.armed[("save", 3)] = "storage"
     result, layout, *_ = run(tmp_path, world, "recover.on_save_error=stop")
-    assert result.exit_code == EXIT_FAILED and "No space left" in result.message
+    assert result.exit_code == ExitCode.FAILED and "No space left" in result.message
     assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(4))  # step 3 was trained
 
 
@@ -391,7 +392,7 @@ def test_a_user_error_fails_fast_or_replays_when_allowed(tmp_path, clean, phase)
     world = World()
     world.armed[(phase, 3)] = "user"
     result, layout, *_ = run(tmp_path / "fail", world)
-    assert result.exit_code == EXIT_FAILED and "reward function raised KeyError" in result.message
+    assert result.exit_code == ExitCode.FAILED and "reward function raised KeyError" in result.message
     assert "KeyError" in result.details
     world = World()
     world.armed[(phase, 3)] = "user"
@@ -417,7 +418,7 @@ def test_retries_run_out_and_the_job_gives_up(tmp_path):
     for step in (2, 4, 6):
         world.armed[("train", step)] = "rank_death"
     result, layout, *_ = run(tmp_path, world, "recover.retries=2")
-    assert result.exit_code == EXIT_FAILED and "retries exhausted (2/2)" in result.message
+    assert result.exit_code == ExitCode.FAILED and "retries exhausted (2/2)" in result.message
     events = read_jsonl(layout.events_log)
     assert events[-1]["event"] == "gave_up"
     assert [e["state"] for e in events if e["event"] == "state"][-1] == "failed"
@@ -433,7 +434,7 @@ def test_a_restarted_supervisor_is_a_counted_fault_that_rebuilds_from_disk(tmp_p
         return controller.run(), layout
 
     result, layout = second_life("recover.retries=0")  # no retry left: stop, and keep every logged step
-    assert result.exit_code == EXIT_FAILED and "retries exhausted (0/0)" in result.message
+    assert result.exit_code == ExitCode.FAILED and "retries exhausted (0/0)" in result.message
     assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(4))
     result, layout = second_life("recover.retries=1")  # one retry: rebuild from disk and finish
     assert result.exit_code == 0, result.message
@@ -459,6 +460,15 @@ def test_a_restarted_supervisor_is_a_counted_fault_that_rebuilds_from_disk(tmp_p
 ])
 def test_transitions(state, outcome, expected):
     assert transition(state, Result(outcome)) is expected
+
+
+@pytest.mark.parametrize("state, outcome", [
+    (State.FINISHED, Outcome.OK), (State.FAILED, Outcome.FAULT),   # nothing leaves a terminal state
+    (State.REPAIRING, Outcome.DONE),                               # a repair never finishes the run
+])
+def test_unexpected_transitions_raise(state, outcome):
+    with pytest.raises(UnexpectedState):
+        transition(state, Result(outcome))
 
 
 

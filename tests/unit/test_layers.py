@@ -9,7 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = {"supervisor.cli", "supervisor.launch", "supervisor.submit", "supervisor.demo", "supervisor.__main__"}
-# what each layer may import from this repo (beside itself, the config and workers/)
+BASE = ("supervisor.config", "supervisor.exit_codes")  # importable from every layer but workers/
+# what each layer may import from this repo (beside itself, BASE and workers/)
 MAY_IMPORT = {
     "supervisor.tools": ("supervisor.control", "supervisor.cluster", "supervisor.checkpoint", "supervisor.testing"),
     "supervisor.control": ("supervisor.cluster", "supervisor.checkpoint", "supervisor.testing"),
@@ -40,10 +41,10 @@ MODULES = sorted(p for d in ("supervisor", "workers") for p in (REPO / d).rglob(
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
 def test_no_import_runs_back_up(path: Path):
     name = module_name(path)
-    if name in ENTRY or name == "supervisor.config" or name == "supervisor":
+    if name in ENTRY or name in BASE or name == "supervisor":
         return
     layer = next(layer for layer in MAY_IMPORT if name == layer or name.startswith(layer + "."))
-    allowed = (layer, "supervisor.config", "workers", *MAY_IMPORT[layer])
+    allowed = (layer, *BASE, "workers", *MAY_IMPORT[layer])
     if layer == "workers":
         allowed = ("workers", *MAY_IMPORT[layer])
     bad = [m for m in imports(path)

@@ -1,0 +1,11 @@
+"""The process exit codes of every relaunch command, in one place (DESIGN.md's contract)."""
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILED = 1        # the job failed: retries exhausted, or a user-code error
+    BAD_INPUT = 2     # bad usage or input: config, checkpoint, file; nothing was started or lost
+    INTERRUPTED = 130  # Ctrl-C: the last valid checkpoint is kept
