@@ -23,7 +23,7 @@ from pathlib import Path
 from recovery import killed_run
 from report import arguments
 
-from supervisor.control.events import read_jsonl
+from supervisor.control.events import Event, read_jsonl
 from supervisor.testing.local_cluster import LocalCluster
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +41,7 @@ def relaunch(address: str, root: Path, steps: int, kill_at: int) -> dict:
     epochs = -(-steps // 12)  # the default data gives 12 steps an epoch
     secs, layout = killed_run(address, root, "relaunch", [f"total_train_epochs={epochs}", "recover.freq_steps=1"],
                               kill_at)
-    recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == "recovery")
+    recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == Event.RECOVERY)
     return {"system": "relaunch", "recovery_secs": recovery["total"], "wall_secs": secs, "steps": epochs * 12,
             "breakdown": recovery}
 

@@ -25,7 +25,7 @@ from recovery import run
 from report import arguments, report
 
 from supervisor.control.actor import NAMESPACE
-from supervisor.control.events import read_jsonl
+from supervisor.control.events import Event, read_jsonl
 from supervisor.testing.local_cluster import LocalCluster
 
 
@@ -78,12 +78,12 @@ def main() -> None:
         if cluster:
             cluster.shutdown()
     events, stats = read_jsonl(layout.events_log), read_jsonl(layout.stats_log)
-    wall = next(e["time"] for e in events if e["event"] == "done") - next(e["time"] for e in events
-                                                                         if e["event"] == "start")
+    wall = next(e["time"] for e in events if e["event"] == Event.DONE) - next(e["time"] for e in events
+                                                                         if e["event"] == Event.START)
     useful = sum(r["time/step"] for r in stats)
-    recoveries = [e["total"] for e in events if e["event"] == "recovery"]
+    recoveries = [e["total"] for e in events if e["event"] == Event.RECOVERY]
     figures = {"benchmark": "goodput", "every_secs": every, "steps": len(stats), "faults": len(killed),
-               "restarts": sum(e["event"] == "restart" for e in events), "wall_secs": wall, "useful_secs": useful,
+               "restarts": sum(e["event"] == Event.RESTART for e in events), "wall_secs": wall, "useful_secs": useful,
                "goodput": useful / wall, "recovery_secs": recoveries}
     rows = [("fault every", f"{every:g} s (SIGKILL of a random TrainWorker)"),
             ("steps", f"{len(stats)}"), ("faults injected, restarts", f"{len(killed)}, {figures['restarts']}"),

@@ -22,7 +22,7 @@ from report import arguments, report
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
-from supervisor.control.events import read_jsonl
+from supervisor.control.events import Event, read_jsonl
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
 
@@ -59,12 +59,12 @@ PARTS = ("detection", "backoff", "teardown", "validate", "scheduling", "process_
 def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_secs: float) -> dict:
     """The killed run's figures from its events: detection, the restart, its breakdown, the spares it took."""
     events = read_jsonl(faulty.events_log)
-    failure = next(e for e in events if e["event"] == "failure")
+    failure = next(e for e in events if e["event"] == Event.FAILURE)
     after = [e for e in events if e["time"] >= failure["time"]]
-    loaded = next(e for e in after if e["event"] == "loaded")
-    resync = next(e for e in after if e["event"] == "resync")
-    recovery = next(e for e in after if e["event"] == "recovery")
-    taken = next((e for e in after if e["event"] == "spares" and e["action"] == "taken"), None)
+    loaded = next(e for e in after if e["event"] == Event.LOADED)
+    resync = next(e for e in after if e["event"] == Event.RESYNC)
+    recovery = next(e for e in after if e["event"] == Event.RECOVERY)
+    taken = next((e for e in after if e["event"] == Event.SPARES and e["action"] == "taken"), None)
     return {"killed_secs": faulty_secs, "ratio": faulty_secs / clean_secs, "detect_secs": failure["detect_secs"],
             "cause": failure["cause"], "loaded_secs": loaded["time"] - failure["time"], "load_secs": loaded["secs"],
             "resynced_secs": resync["time"] - failure["time"], "recovery": recovery,
@@ -125,7 +125,7 @@ def main() -> None:
     finally:
         if cluster:
             cluster.shutdown()
-    commits = [e for e in read_jsonl(clean.events_log) if e["event"] == "commit"]
+    commits = [e for e in read_jsonl(clean.events_log) if e["event"] == Event.COMMIT]
     rows = table(runs, clean_secs, commits)
     first = runs[spares[0]]
     report(rows, {"benchmark": "recovery", "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],

@@ -16,7 +16,6 @@ from supervisor.config import DEFAULT_CONFIG, ConfigError, load_config
 from supervisor.exit_codes import ExitCode
 
 
-
 def _fail(message: str) -> None:
     click.echo(f"relaunch: error: {message}", err=True)
     sys.exit(ExitCode.BAD_INPUT)

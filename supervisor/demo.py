@@ -10,7 +10,7 @@ import threading
 import time
 
 from supervisor.checkpoint.layout import TrialLayout
-from supervisor.control.events import read_jsonl
+from supervisor.control.events import ENDED, Event, read_jsonl
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
 
@@ -28,7 +28,7 @@ class NodeKiller(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.2):
             stats = read_jsonl(self.layout.stats_log)
-            loaded = [e for e in read_jsonl(self.layout.events_log) if e["event"] == "loaded"]
+            loaded = [e for e in read_jsonl(self.layout.events_log) if e["event"] == Event.LOADED]
             if stats and loaded and stats[-1]["global_step"] >= self.kill_at_step:
                 self.node_id = loaded[-1]["nodes"][0]
                 print(f"\n[demo] killing worker node {self.node_id[:8]} (raylet and all its processes) "
@@ -41,21 +41,21 @@ class NodeKiller(threading.Thread):
 def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
     events = read_jsonl(layout.events_log)
     out = []
-    failure = next((e for e in events if e["event"] == "failure"), None)
+    failure = next((e for e in events if e["event"] == Event.FAILURE), None)
     if failure:
         after = f"{failure['time'] - killed_at:.1f} s after the kill" if killed_at else "detected"
         out.append(f"fault detected {after}: {failure['cause']} of {failure['actor']} "
                    f"on node {str(failure['node'])[:8]}")
         later = [e for e in events if e["time"] >= failure["time"]]
-        loaded = next((e for e in later if e["event"] == "loaded"), None)
+        loaded = next((e for e in later if e["event"] == Event.LOADED), None)
         if loaded:
             out.append(f"TrainGroup restarted on node {loaded['nodes'][0][:8]} from step {loaded['global_step']} "
                        f"({loaded['path']})")
-        resync = next((e for e in later if e["event"] == "resync"), None)
+        resync = next((e for e in later if e["event"] == Event.RESYNC), None)
         if resync:
             out.append(f"engines resynced to weights version {resync['version']} (checksum {resync['checksum']})")
-    done = next((e for e in reversed(events) if e["event"] in ("done", "gave_up", "failed")), None)
-    if done and done["event"] == "done":
+    done = next((e for e in reversed(events) if e["event"] in ENDED), None)
+    if done and done["event"] == Event.DONE:
         out.append(f"job finished at step {done['global_step']} with mean reward {done.get('reward') or 0:.3f}")
     elif done:
         out.append(f"job {done['event']}: {done.get('reason')}")

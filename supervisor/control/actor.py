@@ -16,12 +16,12 @@ from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.cluster.spares import SparePool, remove_leftover_spares
 from supervisor.control.controller import Controller, JobResult, State
-from supervisor.exit_codes import ExitCode
 from supervisor.control.coordinator import CheckpointCoordinator
-from supervisor.control.events import EventLog, StatsLog, read_jsonl
+from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.control.step_info import StepInfo
+from supervisor.exit_codes import ExitCode
 from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
 from workers.rewards import UserCodeError, load_reward_fn
@@ -40,11 +40,11 @@ class Supervisor:
         self.config, self.job_id = config, job_id
         layout = TrialLayout.from_config(config)
         prior = [e for e in read_jsonl(layout.events_log) if e.get("job") == job_id]
-        self.attempt = sum(e["event"] == "start" for e in prior)
+        self.attempt = sum(e["event"] == Event.START for e in prior)
         self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id)
         self.policy = RestartPolicy.from_config(config)
-        self.policy.restarts = sum(e["event"] == "restart" for e in prior)
-        self.policy.last_fault = max((e["time"] for e in prior if e["event"] == "failure"), default=None)
+        self.policy.restarts = sum(e["event"] == Event.RESTART for e in prior)
+        self.policy.last_fault = max((e["time"] for e in prior if e["event"] == Event.FAILURE), default=None)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log)
@@ -71,18 +71,18 @@ class Supervisor:
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.config
-        self.events.emit("start", experiment=cfg.experiment_name, trial=cfg.trial_name,
+        self.events.emit(Event.START, experiment=cfg.experiment_name, trial=cfg.trial_name,
                          total_steps=self.loader.steps_per_epoch * cfg.total_train_epochs,
                          n_train_workers=cfg.cluster.n_train_workers, n_rollout_workers=cfg.cluster.n_rollout_workers)
         try:
             reward_fn = load_reward_fn(cfg.reward.fn)
         except UserCodeError as e:
-            self.events.emit("failed", reason=str(e))
+            self.events.emit(Event.FAILED, reason=str(e))
             return JobResult(ExitCode.BAD_INPUT, str(e)).__dict__
         if self.attempt > 0:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
-                self.events.emit("cleanup", placement_groups=removed, spares=spares)
+                self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
         size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster)
         pool = SparePool(cfg, size) if size else None
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point)
@@ -96,7 +96,7 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver
             result = JobResult(ExitCode.FAILED, f"relaunch internal error: {type(e).__name__}: {e}",
                                details=traceback.format_exc())
-            self.events.emit("failed", reason=result.message)
+            self.events.emit(Event.FAILED, reason=result.message)
         return result.__dict__
 
     def _fault_point(self, point: str, s: StepInfo) -> None:

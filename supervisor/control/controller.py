@@ -24,10 +24,10 @@ from supervisor.checkpoint.store import Checkpoint, CheckpointError
 from supervisor.cluster.errors import CapacityError, Group
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
-from supervisor.control.events import EventLog, StatsLog
+from supervisor.control.events import Event, EventLog, StatsLog
 from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
-from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.repair_clock import RepairClock
+from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
 from supervisor.exit_codes import ExitCode
 
@@ -124,18 +124,18 @@ class Controller:
             self._shutdown()
         r, step = self.current.result, self.runner.state.step.global_step
         if self.state is State.FINISHED:
-            self.events.emit("done", global_step=step, reward=self.runner.last_reward, message=r.message)
+            self.events.emit(Event.DONE, global_step=step, reward=self.runner.last_reward, message=r.message)
             return JobResult(ExitCode.OK, r.message or f"finished {self.runner.total_steps} steps", step,
                              self.runner.last_reward)
-        kind = "failed" if r.fault is None or r.fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR) \
-            else "gave_up"
+        kind = Event.FAILED if r.fault is None or r.fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR) \
+            else Event.GAVE_UP
         self.events.emit(kind, reason=r.message)
         return JobResult(r.exit_code, r.message, step, details=r.details)
 
     def _enter(self, new: State, result: Result) -> None:
         """The one place a transition is applied and logged."""
         if new is not self.state:
-            self.events.emit("state", previous=self.state.value, state=new.value,
+            self.events.emit(Event.STATE, previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
         self.current = Current(new, result if new in (State.REPAIRING, State.FINISHED, State.FAILED) else None)
 
@@ -163,7 +163,7 @@ class Controller:
             self.runner.advance()
             recovery = self.clock.finish()
             if recovery is not None:
-                self.events.emit("recovery", **recovery)
+                self.events.emit(Event.RECOVERY, **recovery)
             self._refill_spares()
         return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
 
@@ -176,7 +176,7 @@ class Controller:
         fault = replace(fault, in_save=saving)
         step = in_flight.failed_step() if background else \
             self.runner.state.step.global_step + (0 if self.runner.owed else 1)
-        self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
+        self.events.emit(Event.FAILURE, cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
         decision = self.policy.decide(fault, now=time.time())
@@ -186,7 +186,7 @@ class Controller:
         if fault.kind is FaultKind.STORAGE_ERROR and saving:
             # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
             removed = self.checkpoints.discard_failed_save() if fault.settled else []
-            self.events.emit("save_failed", global_step=step, error=fault.message,
+            self.events.emit(Event.SAVE_FAILED, global_step=step, error=fault.message,
                              what=f"background {background.value}" if background else self.runner.phase.value,
                              action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
@@ -196,7 +196,7 @@ class Controller:
             return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:
             self.clock.start(fault.kind.value, decision.action.value, fault.detect_secs)
-            self.events.emit("restart", n=self.policy.restarts, limit=self.policy.retries, what=decision.action.value,
+            self.events.emit(Event.RESTART, n=self.policy.restarts, limit=self.policy.retries, what=decision.action.value,
                              cause=fault.kind.value, delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
 
@@ -236,7 +236,7 @@ class Controller:
         if len(self.spares) < self.spares.size:
             nodes = self.spares.refill(self.runner.trainers.nodes)
             if nodes:
-                self.events.emit("spares", action="refilled", started=len(nodes), nodes=nodes,
+                self.events.emit(Event.SPARES, action="refilled", started=len(nodes), nodes=nodes,
                                  pool=len(self.spares), size=self.spares.size)
         self.refill_due = len(self.spares) < self.spares.size
 
@@ -272,7 +272,7 @@ class Controller:
             ckpt, secs = validated.result()
         if self.spares is not None:
             taken = r.trainers.from_spares
-            self.events.emit("spares", action="taken", taken=taken, cold=len(r.trainers.nodes) - taken,
+            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(r.trainers.nodes) - taken,
                              pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
         for part, part_secs in [*r.trainers.timings.items(), ("validate", secs)]:
@@ -280,14 +280,14 @@ class Controller:
         with self.clock.part("load"):
             missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
         r.roll_back(self._state_of(ckpt, warn=True))
-        self.events.emit("loaded", global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
+        self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
         if missing:
-            self.events.emit("warning", message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
+            self.events.emit(Event.WARNING, message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
         with self.clock.part("resync"):
             replaced = r.engines.replace(())
             if replaced:
-                self.events.emit("engines_restarted", replaced=replaced)
+                self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
             r.sync_engines(gate=True)
         self.clock.resynced()
 
@@ -301,10 +301,10 @@ class Controller:
         with self.clock.part("teardown"):
             faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
             if self.spares is not None and self.spares.make_room(len(faulty)):
-                self.events.emit("spares", action="released", pool=len(self.spares), size=self.spares.size)
+                self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
                 self.refill_due = True
             replaced = r.engines.replace(faulty)
-            self.events.emit("engines_restarted", replaced=replaced)
+            self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
         with self.clock.part("resync"):
             r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)  # a new engine starts in its push
         self.clock.resynced()
@@ -321,10 +321,10 @@ class Controller:
             except CapacityError as e:
                 if size == sizes[-1]:
                     raise
-                self.events.emit("warning", message=f"{e}; trying {size - 1} ranks or fewer")
+                self.events.emit(Event.WARNING, message=f"{e}; trying {size - 1} ranks or fewer")
                 continue
             if size != cfg.cluster.n_train_workers:
-                self.events.emit("shrink", world_size=size, wanted=cfg.cluster.n_train_workers)
+                self.events.emit(Event.SHRINK, world_size=size, wanted=cfg.cluster.n_train_workers)
             return group
 
     def _state_of(self, ckpt: Checkpoint | None, warn: bool = False) -> RunState:
@@ -337,7 +337,7 @@ class Controller:
         except IncompatibleCheckpoint as e:
             raise CheckpointError(f"{ckpt.path}: {e}; run `relaunch clean-restart CONFIG` to start fresh") from e
         for w in warnings if warn else ():
-            self.events.emit("warning", message=w)
+            self.events.emit(Event.WARNING, message=w)
             print(f"[relaunch] warning: {w}", flush=True)
         return state
 

@@ -27,7 +27,7 @@ from supervisor.checkpoint.store import (
     RecoverStore,
     compatibility_error,
 )
-from supervisor.control.events import EventLog
+from supervisor.control.events import Event, EventLog
 from supervisor.control.step_info import StepInfo
 from workers.engines.reference import reference_file, reference_step
 
@@ -106,7 +106,7 @@ class CheckpointCoordinator:
         self.store.wait_for_pruning()
         result = self.store.load_latest()
         for reason in result.fallbacks:
-            self.events.emit("fallback", reason=reason)
+            self.events.emit(Event.FALLBACK, reason=reason)
         ckpt = result.checkpoint
         if ckpt is not None:
             problem = compatibility_error(ckpt.manifest, self.config.actor.backend.value,
@@ -115,11 +115,11 @@ class CheckpointCoordinator:
                 raise CheckpointError(f"{ckpt.path}: {problem}")
         removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
         if removed:
-            self.events.emit("cleanup", removed=[str(p) for p in removed])
+            self.events.emit(Event.CLEANUP, removed=[str(p) for p in removed])
         if ckpt is not None:
             self.store.restore_mirror(ckpt)
             if ckpt.manifest.get("config_hash") != self.config.resume_hash():
-                self.events.emit("warning", message="the config that matters for resume changed since this checkpoint")
+                self.events.emit(Event.WARNING, message="the config that matters for resume changed since this checkpoint")
         return ckpt
 
     def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
@@ -215,7 +215,7 @@ class CheckpointCoordinator:
         path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
                                  staged.files, staged.infos, engine=self.config.actor.backend.value)
         secs = (started - staged.started if staged.background else staged.secs) + time.monotonic() - started
-        self.events.emit("commit", global_step=s, path=str(path), world_size=staged.world_size,
+        self.events.emit(Event.COMMIT, global_step=s, path=str(path), world_size=staged.world_size,
                          weights_checksum=weights_checksum, bytes=staged.nbytes, secs=round(secs, 3),
                          blocked_secs=round(staged.secs, 3), background=staged.background,
                          mbps=round(staged.nbytes / max(secs, 1e-9) / 1e6, 3))
@@ -239,7 +239,7 @@ class CheckpointCoordinator:
 
     def _publish_export(self, pending: "PendingExport") -> None:
         publish_dir(pending.path, pending.final)
-        self.events.emit("export", global_step=pending.global_step, path=str(pending.final))
+        self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final))
         keep = self.config.saver.keep_last
         if keep:
             exports = sorted((p for p in pending.final.parent.iterdir()

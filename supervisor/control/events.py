@@ -5,6 +5,7 @@ stats.jsonl is cut back to the checkpoint's step on resume, so it ends with exac
 """
 from __future__ import annotations
 
+import enum
 import json
 import os
 import time
@@ -12,6 +13,33 @@ from pathlib import Path
 from typing import Callable
 
 from supervisor.checkpoint.durable import write_atomic
+
+
+class Event(str, enum.Enum):
+    """The kinds of events.jsonl rows (the row's `event` field)."""
+    START = "start"                          # a job (or the Supervisor's new life) began
+    STATE = "state"                          # the controller entered another state
+    FAILURE = "failure"                      # a fault, classified: cause, group, actor, node, step, phase
+    RESTART = "restart"                      # the policy's decision to repair: n of limit, what, delay
+    LOADED = "loaded"                        # a new TrainGroup loaded a checkpoint (or started fresh)
+    RESYNC = "resync"                        # every engine holds the trainer's version and checksum
+    COMMIT = "commit"                        # a recover checkpoint was published
+    EXPORT = "export"                        # an HF export was published
+    SAVE_FAILED = "save_failed"              # a save or export failed on storage and was skipped
+    FALLBACK = "fallback"                    # a damaged checkpoint was passed over for an older one
+    CLEANUP = "cleanup"                      # leftovers of interrupted saves or of a dead Supervisor removed
+    WARNING = "warning"
+    SHRINK = "shrink"                        # the TrainGroup restarted with fewer ranks (elastic resume)
+    SPARES = "spares"                        # warm spares taken, refilled or released
+    ENGINES_RESTARTED = "engines_restarted"
+    RECOVERY = "recovery"                    # where a repair's time went
+    RECOVER_INTERVAL = "recover_interval"    # recover.freq_secs auto moved
+    DONE = "done"
+    FAILED = "failed"                        # a user-code error or a bug: no retry
+    GAVE_UP = "gave_up"                      # retries exhausted
+
+
+ENDED = (Event.DONE, Event.GAVE_UP, Event.FAILED)  # the events that end a job
 
 
 def _append(path: Path, obj: dict) -> None:
@@ -40,8 +68,8 @@ class EventLog:
         self.path, self.attempt, self.job = path, attempt, job
         self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (auto intervals)
 
-    def emit(self, event: str, **fields) -> dict:
-        row = {"event": event, "time": time.time(), "job": self.job, "attempt": self.attempt, **fields}
+    def emit(self, event: Event, **fields) -> dict:
+        row = {"event": event.value, "time": time.time(), "job": self.job, "attempt": self.attempt, **fields}
         _append(self.path, row)
         for listener in self.listeners:
             listener(row)

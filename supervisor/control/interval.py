@@ -16,6 +16,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from supervisor.control.events import Event
+
 MIN_SECS, MAX_SECS = 10.0, 3600.0
 # Llama 3's 54-day pre-training on 16k GPUs saw 466 interruptions, one every 2.8 hours: a large job's MTBF.
 PRIOR_MTBF_SECS = 3 * 3600.0
@@ -53,9 +55,9 @@ class AutoInterval:
     def observe(self, row: dict) -> None:
         """Account one event row (as written to events.jsonl)."""
         self.spans.setdefault(row.get("job"), [row["time"], row["time"]])[1] = row["time"]
-        if row["event"] == "commit":
+        if row["event"] == Event.COMMIT:
             self.costs.append(float(row.get("blocked_secs", row["secs"])))
-        elif row["event"] == "failure" and row.get("group") in ROLLBACK_GROUPS and row.get("cause") != "storage_error":
+        elif row["event"] == Event.FAILURE and row.get("group") in ROLLBACK_GROUPS and row.get("cause") != "storage_error":
             self.failures += 1
 
     @property

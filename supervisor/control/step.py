@@ -24,7 +24,7 @@ import torch
 
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.control.coordinator import CheckpointCoordinator, Staged
-from supervisor.control.events import EventLog, StatsLog, read_jsonl
+from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.interval import AutoInterval
 from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
@@ -167,7 +167,7 @@ class StepRunner:
         self.state.recover.freq_secs = secs
         if moved:
             cost = self.interval.save_cost
-            self.events.emit("recover_interval", secs=round(secs, 3), mtbf_secs=round(self.interval.mtbf(now), 1),
+            self.events.emit(Event.RECOVER_INTERVAL, secs=round(secs, 3), mtbf_secs=round(self.interval.mtbf(now), 1),
                              save_cost_secs=None if cost is None else round(cost, 4), failures=self.interval.failures)
 
     # ---- after the commit: each item is paid exactly once -------------------------------------------
@@ -274,6 +274,6 @@ class StepRunner:
             if any(st != want for st in status):
                 raise GroupError(Group.ROLLOUT, StaleWeights(f"engines disagree with the trainer after resync: "
                                                              f"{status} != {want}"))
-            self.events.emit("resync", version=version, checksum=self.weights.checksum, engines=len(status),
+            self.events.emit(Event.RESYNC, version=version, checksum=self.weights.checksum, engines=len(status),
                              pushed=len(stale))
         self.engine_version = version

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 from supervisor.checkpoint.layout import TrialLayout  # noqa: E402
-from supervisor.control.events import read_jsonl  # noqa: E402
+from supervisor.control.events import Event, read_jsonl  # noqa: E402
 
 
 def plot_trial(layout: TrialLayout, out: Path) -> None:
@@ -36,7 +36,7 @@ def plot_trial(layout: TrialLayout, out: Path) -> None:
         for ax in (ax_r, ax_l):
             ax.axvspan(start, end, color="tab:red", alpha=0.08,
                        label="trained again after the restart" if ax is ax_r and i == 0 else None)
-    restarts = sum(e["event"] == "restart" for e in events)
+    restarts = sum(e["event"] == Event.RESTART for e in events)
     ax_r.set_title(f"{layout.experiment_name}/{layout.trial_name}: {len(stats)} steps, "
                    f"{restarts} restart{'s' if restarts != 1 else ''}")
     ax_r.set_ylabel("reward")
@@ -54,8 +54,8 @@ def _replayed(events: list[dict]) -> list[tuple[int, int]]:
     """(checkpoint step, failed step) for each failure followed by a reload: the steps trained twice."""
     spans = []
     for i, e in enumerate(events):
-        if e["event"] == "failure":
-            loaded = next((x for x in events[i:] if x["event"] == "loaded"), None)
+        if e["event"] == Event.FAILURE:
+            loaded = next((x for x in events[i:] if x["event"] == Event.LOADED), None)
             if loaded is not None:
                 spans.append((max(loaded["global_step"], 0), e["global_step"]))
     return spans

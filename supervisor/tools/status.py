@@ -6,7 +6,7 @@ from collections import Counter
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
-from supervisor.control.events import read_jsonl
+from supervisor.control.events import ENDED, Event, read_jsonl
 
 
 def trial_status(config, n_events: int = 10) -> dict:
@@ -22,22 +22,22 @@ def trial_status(config, n_events: int = 10) -> dict:
     except CheckpointError as e:
         error = str(e)
     events = read_jsonl(layout.events_log)
-    job = next((e.get("job") for e in reversed(events) if e["event"] == "start"), None)
+    job = next((e.get("job") for e in reversed(events) if e["event"] == Event.START), None)
     this_job = [e for e in events if e.get("job") == job] if job else []
     stats = read_jsonl(layout.stats_log)
-    ended = next((e["event"] for e in reversed(this_job) if e["event"] in ("done", "gave_up", "failed")), None)
+    ended = next((e["event"] for e in reversed(this_job) if e["event"] in ENDED), None)
     return {
         "experiment_name": config.experiment_name,
         "trial_name": config.trial_name,
         "checkpoint_root": str(layout.checkpoint_root),
         "last_valid": last_valid,
         "checkpoint_error": error,
-        "restarts": sum(e["event"] == "restart" for e in this_job),
+        "restarts": sum(e["event"] == Event.RESTART for e in this_job),
         "job": job,
         "state": ended or ("unknown" if job else "never run"),
         "last_step": stats[-1] if stats else None,
-        "last_recovery": next((e for e in reversed(events) if e["event"] == "recovery"), None),
-        "recover_interval": next((e for e in reversed(this_job) if e["event"] == "recover_interval"), None),
+        "last_recovery": next((e for e in reversed(events) if e["event"] == Event.RECOVERY), None),
+        "recover_interval": next((e for e in reversed(this_job) if e["event"] == Event.RECOVER_INTERVAL), None),
         "events": events[-n_events:],
         "live": None,
     }

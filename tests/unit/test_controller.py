@@ -20,11 +20,11 @@ from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.config import load_config
 from supervisor.control.controller import Controller, Outcome, Result, State, UnexpectedState, transition
-from supervisor.exit_codes import ExitCode
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
+from supervisor.exit_codes import ExitCode
 from workers.data import PromptLoader
 from workers.errors import StaleWeights
 
