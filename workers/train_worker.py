@@ -17,11 +17,9 @@ import ray
 import torch
 
 from supervisor.checkpoint.durable import file_digest
-from supervisor.checkpoint.layout import step_of
+from supervisor.checkpoint.layout import DRIVER_STATE, step_of
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.model import weights_checksum
-
-DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
 
 
 @ray.remote

@@ -1,7 +1,9 @@
-"""Every path of the on-disk layout, in one place (DESIGN.md "On-disk layout").
+"""Every path and file name of the on-disk layout, in one place (DESIGN.md "On-disk layout").
 
 Pure: nothing here creates or touches a file. Names come from the validated config, and every derived
-path is checked to stay inside the trial's root, so no name can walk out of it.
+path is checked to stay inside the trial's root, so no name can walk out of it. The engines' own shard
+files (DCP's `__{rank}_*.distcp`, DeepSpeed's `global_step{G}/`) are named by their libraries; the names
+relaunch needs to find them are here too.
 """
 from __future__ import annotations
 
@@ -9,15 +11,26 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-RECOVER_INFO_FILES = (
-    "step_info.json",
-    "saver_info.json",
-    "evaluator_info.json",
-    "stats_logger_info.json",
-    "checkpoint_info.json",
-    "dataloader_info.pkl",
-)
+# recover_info/ (and each step directory's meta/ mirror of it)
+STEP_INFO = "step_info.json"
+SAVER_INFO = "saver_info.json"
+EVALUATOR_INFO = "evaluator_info.json"
+STATS_LOGGER_INFO = "stats_logger_info.json"
+CHECKPOINT_INFO = "checkpoint_info.json"
+DATALOADER_INFO = "dataloader_info.pkl"
+RECOVER_INFO_FILES = (STEP_INFO, SAVER_INFO, EVALUATOR_INFO, STATS_LOGGER_INFO, CHECKPOINT_INFO, DATALOADER_INFO)
+
+# a recover step directory, recover_checkpoint/globalstep{G}/
 STEP_DIR = re.compile(r"^globalstep(\d+)$")
+MANIFEST = "manifest.json"      # every file of the step with its size and sha256, the engine, the world size
+RUN_CONFIG = "run_config.json"  # the full config of the run, so `relaunch export` can rebuild the model
+META = "meta"                   # the recover_info of the step, mirrored beside its shards
+DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
+DCP_METADATA = ".metadata"      # DCP's index, written by rank 0 last: a DCP step without it is incomplete
+DEEPSPEED_RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
+REFERENCE_DIR = "reference"     # recover_checkpoint/reference/: the KL reference's weights, shared by steps
+REFERENCE_PREFIX = f"../{REFERENCE_DIR}/"  # a step manifest's entry for the reference file it needs
+
 EXPORT_DIR = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 TMP_PREFIX = ".tmp."
 
@@ -81,4 +94,24 @@ class TrialLayout:
 def step_of(path: Path) -> int | None:
     """The global step a recover step directory holds, from its name (None: not a step directory)."""
     m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def rng_file(directory: Path, rank: int) -> Path:
+    """One rank's RNG states in a step directory."""
+    return directory / f"rng_rank{rank}.pt"
+
+
+def deepspeed_tag(global_step: int) -> str:
+    """DeepSpeed's checkpoint tag (its subdirectory) inside our step directory."""
+    return f"global_step{global_step}"
+
+
+def reference_file(recover_root: Path, step: int) -> Path:
+    """The KL reference's weights as refreshed after `step`."""
+    return recover_root / REFERENCE_DIR / f"ref_globalstep{step}.safetensors"
+
+
+def step_of_reference(name: str) -> int | None:
+    m = re.search(r"ref_globalstep(\d+)\.safetensors$", name)
     return int(m.group(1)) if m else None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import pickle
-import re
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +27,21 @@ from supervisor.checkpoint.durable import (
     tmp_name,
     write_atomic,
 )
-from supervisor.checkpoint.layout import RECOVER_INFO_FILES, TMP_PREFIX, TrialLayout, step_of
+from supervisor.checkpoint.layout import (
+    CHECKPOINT_INFO,
+    DCP_METADATA,
+    MANIFEST,
+    META,
+    RECOVER_INFO_FILES,
+    REFERENCE_PREFIX,
+    TMP_PREFIX,
+    TrialLayout,
+    step_of,
+    step_of_reference,
+)
 from supervisor.testing.fault_points import fault_point
 
 SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-RUN_CONFIG = "run_config.json"  # the full config of the run, so `relaunch export` can rebuild the model
-META = "meta"
-REFERENCE_PREFIX = "../reference/"  # manifest entries of a step's reference policy file, shared by later steps
 
 
 class CheckpointError(RuntimeError):
@@ -86,11 +92,6 @@ def _decode_info(name: str, data: bytes):
     return load_plain_pickle(data) if name.endswith(".pkl") else json.loads(data)
 
 
-def step_of_reference(name: str) -> int | None:
-    m = re.search(r"ref_globalstep(\d+)\.safetensors$", name)
-    return int(m.group(1)) if m else None
-
-
 def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
     """Check every file of a step directory against its manifest and read its metadata through the safe
     unpicklers (a manifest rewritten to match a pickle payload is still refused); raise naming the bad file.
@@ -113,7 +114,7 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
             raise CheckpointError(f"{f}: size {f.stat().st_size}, expected {expect['size']}")
         if manifest != trusted and file_digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
-    if (path / ".metadata").is_file():
+    if (path / DCP_METADATA).is_file():
         from supervisor.checkpoint.safe_load import read_metadata  # torch: imported only where a checkpoint is read
 
         try:
@@ -155,8 +156,8 @@ class RecoverStore:
         rel_path = str(final.relative_to(self.layout.checkpoint_root))
         previous = self.published_steps()
         infos = dict(infos)
-        infos["checkpoint_info.json"] = {
-            **infos.get("checkpoint_info.json", {}), "schema_version": SCHEMA_VERSION, "global_step": global_step, "path": rel_path,
+        infos[CHECKPOINT_INFO] = {
+            **infos.get(CHECKPOINT_INFO, {}), "schema_version": SCHEMA_VERSION, "global_step": global_step, "path": rel_path,
             "world_size": world_size, "config_hash": config_hash,
             "published": sorted(set(previous) | {global_step}),
         }
@@ -195,11 +196,11 @@ class RecoverStore:
             return
         # Later commits: the mirror files first, the commit pointer last.
         for name in RECOVER_INFO_FILES:
-            if name != "checkpoint_info.json":
+            if name != CHECKPOINT_INFO:
                 write_atomic(info_dir / name, _encode_info(name, infos[name]))
                 fault_point(f"after_{name}", step=global_step)
-        write_atomic(info_dir / "checkpoint_info.json", _encode_info("checkpoint_info.json",
-                                                                      infos["checkpoint_info.json"]))
+        write_atomic(info_dir / CHECKPOINT_INFO, _encode_info(CHECKPOINT_INFO,
+                                                                      infos[CHECKPOINT_INFO]))
 
     def prune(self, newest: int) -> list[int]:
         """Delete published steps beyond `keep_last`, oldest first; only ever after a newer one is published."""
@@ -243,7 +244,7 @@ class RecoverStore:
     def committed_step(self) -> int | None:
         """The step recover_info/checkpoint_info.json points at, or None when unreadable."""
         try:
-            data = json.loads((self.layout.recover_info / "checkpoint_info.json").read_bytes())
+            data = json.loads((self.layout.recover_info / CHECKPOINT_INFO).read_bytes())
             return int(data["global_step"])
         except (OSError, ValueError, KeyError, TypeError):
             return None

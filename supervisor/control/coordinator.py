@@ -18,18 +18,18 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from supervisor.checkpoint.durable import file_digest, publish_dir, tmp_name
-from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
-from supervisor.checkpoint.store import (
+from supervisor.checkpoint.layout import (
+    DATALOADER_INFO,
     REFERENCE_PREFIX,
     RUN_CONFIG,
-    Checkpoint,
-    CheckpointError,
-    RecoverStore,
-    compatibility_error,
+    TMP_PREFIX,
+    TrialLayout,
+    reference_file,
 )
+from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStore, compatibility_error
 from supervisor.control.events import Event, EventLog
 from supervisor.control.step_info import StepInfo
-from workers.engines.reference import reference_file, reference_step
+from workers.engines.reference import reference_step
 
 
 @dataclass
@@ -119,7 +119,8 @@ class CheckpointCoordinator:
         if ckpt is not None:
             self.store.restore_mirror(ckpt)
             if ckpt.manifest.get("config_hash") != self.config.resume_hash():
-                self.events.emit(Event.WARNING, message="the config that matters for resume changed since this checkpoint")
+                self.events.emit(Event.WARNING,
+                                 message="the config that matters for resume changed since this checkpoint")
         return ckpt
 
     def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
@@ -128,7 +129,7 @@ class CheckpointCoordinator:
         staged their state in CPU memory: `collect_save` commits it once durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        driver_state = {"dataloader": infos["dataloader_info.pkl"], "global_step": s.global_step}
+        driver_state = {"dataloader": infos[DATALOADER_INFO], "global_step": s.global_step}
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))  # before the ranks write
         run_config = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         if background:

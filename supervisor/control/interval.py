@@ -57,7 +57,8 @@ class AutoInterval:
         self.spans.setdefault(row.get("job"), [row["time"], row["time"]])[1] = row["time"]
         if row["event"] == Event.COMMIT:
             self.costs.append(float(row.get("blocked_secs", row["secs"])))
-        elif row["event"] == Event.FAILURE and row.get("group") in ROLLBACK_GROUPS and row.get("cause") != "storage_error":
+        elif row["event"] == Event.FAILURE and row.get("group") in ROLLBACK_GROUPS \
+                and row.get("cause") != "storage_error":
             self.failures += 1
 
     @property

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from supervisor.checkpoint.layout import (
+    CHECKPOINT_INFO,
+    DATALOADER_INFO,
+    EVALUATOR_INFO,
+    SAVER_INFO,
+    STATS_LOGGER_INFO,
+    STEP_INFO,
+)
 from supervisor.checkpoint.store import SCHEMA_VERSION
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
 # recover_info file -> the RunState frequency control it carries
-CONTROLS = {"saver_info.json": "saver", "evaluator_info.json": "evaluator", "checkpoint_info.json": "recover"}
+CONTROLS = {SAVER_INFO: "saver", EVALUATOR_INFO: "evaluator", CHECKPOINT_INFO: "recover"}
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -40,12 +48,12 @@ class RunState:
                     "configured": c.configured()}
 
         return {
-            "step_info.json": {"schema_version": SCHEMA_VERSION, **self.step.to_dict()},
-            "saver_info.json": ctl(self.saver),
-            "evaluator_info.json": ctl(self.evaluator),
-            "checkpoint_info.json": ctl(self.recover),
-            "stats_logger_info.json": {"schema_version": SCHEMA_VERSION, "commit_step": self.step.global_step},
-            "dataloader_info.pkl": dataloader_state,
+            STEP_INFO: {"schema_version": SCHEMA_VERSION, **self.step.to_dict()},
+            SAVER_INFO: ctl(self.saver),
+            EVALUATOR_INFO: ctl(self.evaluator),
+            CHECKPOINT_INFO: ctl(self.recover),
+            STATS_LOGGER_INFO: {"schema_version": SCHEMA_VERSION, "commit_step": self.step.global_step},
+            DATALOADER_INFO: dataloader_state,
         }
 
     @classmethod
@@ -53,7 +61,7 @@ class RunState:
         """The state a checkpoint holds, and warnings about what it lacked or what the config changed."""
         warnings = []
         state = cls.fresh(config, steps_per_epoch)
-        raw = dict(infos["step_info.json"])
+        raw = dict(infos[STEP_INFO])
         if "steps_per_epoch" not in raw:
             warnings.append("step_info.json has no steps_per_epoch; using the data's")
             raw["steps_per_epoch"] = steps_per_epoch
@@ -79,7 +87,7 @@ class RunState:
             if configured is not None and configured != now:
                 warnings.append(f"{name}: the config's frequencies {now} differ from the checkpoint's {configured}; "
                                 f"the config wins")
-        loader = infos.get("dataloader_info.pkl", {})
+        loader = infos.get(DATALOADER_INFO, {})
         expected = state.step.next()
         if (loader.get("epoch"), loader.get("epoch_step")) != (expected.epoch, expected.epoch_step):
             if "epoch" in loader:

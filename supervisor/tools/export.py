@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.durable import publish_dir, tmp_name
-from supervisor.checkpoint.layout import step_of
-from supervisor.checkpoint.store import MANIFEST, RUN_CONFIG, CheckpointError, read_checkpoint
+from supervisor.checkpoint.layout import MANIFEST, RUN_CONFIG, step_of
+from supervisor.checkpoint.store import CheckpointError, read_checkpoint
 from supervisor.config import Config
 
 MODEL_PREFIX = "model."

@@ -8,8 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.checkpoint.layout import step_of
-from supervisor.checkpoint.store import MANIFEST, META, REFERENCE_PREFIX, RUN_CONFIG, CheckpointError, read_checkpoint
+from supervisor.checkpoint.layout import (
+    DATALOADER_INFO,
+    MANIFEST,
+    META,
+    REFERENCE_PREFIX,
+    RUN_CONFIG,
+    STEP_INFO,
+    step_of,
+)
+from supervisor.checkpoint.store import CheckpointError, read_checkpoint
 
 
 def _json(path: Path) -> dict | None:
@@ -59,7 +67,7 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
     valid = loaded is not None
     lines.append("valid        yes" if valid else f"valid        NO: {reason}")
     manifest = _json(checkpoint / MANIFEST) or {}
-    step = _json(checkpoint / META / "step_info.json") or {}
+    step = _json(checkpoint / META / STEP_INFO) or {}
     config = _json(checkpoint / RUN_CONFIG) or {}
     lines.append(f"global step  {step.get('global_step', step_of(checkpoint))}  (epoch {step.get('epoch', '?')}, "
                  f"epoch step {step.get('epoch_step', '?')}, {step.get('steps_per_epoch', '?')} steps per epoch)")
@@ -78,7 +86,7 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
         state = _size(shared.stat().st_size) if name.startswith(REFERENCE_PREFIX) and shared.is_file() else "MISSING"
         lines.append(f"  {name:<36} {state:>10}")
     if valid:
-        loader = loaded.infos["dataloader_info.pkl"]
+        loader = loaded.infos[DATALOADER_INFO]
         lines.append("a resume would load:")
         if manifest.get("engine", "fsdp") == "deepspeed":  # ZeRO files are read by DeepSpeed's own unpickler
             lines.append(f"  DeepSpeed ZeRO partitions of tag global_step{loaded.global_step} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.layout import STEP_INFO, TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
 from supervisor.control.events import ENDED, Event, read_jsonl
 
@@ -16,7 +16,7 @@ def trial_status(config, n_events: int = 10) -> dict:
     try:
         ckpt = store.load_latest().checkpoint
         if ckpt is not None:
-            s = ckpt.infos["step_info.json"]
+            s = ckpt.infos[STEP_INFO]
             last_valid = {"global_step": ckpt.global_step, "epoch": s["epoch"], "epoch_step": s["epoch_step"],
                           "path": str(ckpt.path)}
     except CheckpointError as e:

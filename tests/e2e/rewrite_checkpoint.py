@@ -34,8 +34,8 @@ def rank_main(rank: int, world_size: int, port: int, source: Path, staging: Path
 
 def main(source: Path, fileroot: Path, world_size: int) -> Path:
     from supervisor.checkpoint.durable import file_digest
-    from supervisor.checkpoint.layout import TrialLayout
-    from supervisor.checkpoint.store import RUN_CONFIG, RecoverStore, read_checkpoint
+    from supervisor.checkpoint.layout import RUN_CONFIG, TrialLayout
+    from supervisor.checkpoint.store import RecoverStore, read_checkpoint
     from supervisor.testing.local_cluster import free_port
 
     ckpt = read_checkpoint(source)

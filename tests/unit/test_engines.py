@@ -3,10 +3,10 @@ load, reference file retention, and the config rules that keep a DeepSpeed or KL
 import pytest
 import torch
 
-from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.layout import TrialLayout, reference_file
 from supervisor.checkpoint.store import RecoverStore, compatibility_error
 from supervisor.config import DEFAULT_CONFIG, Backend, ConfigError, load_config
-from workers.engines.reference import reference_file, reference_step
+from workers.engines.reference import reference_step
 from workers.grpo import kl_penalty, policy_loss
 
 

@@ -16,17 +16,12 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
 from workers.engines.base import lr_scheduler
 from workers.engines.export import write_hf
 from workers.engines.reference import ReferencePolicy, grpo_loss
 from workers.engines.rng import load_rng, save_rng
 from workers.model import forward_logits
-
-RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
-
-
-def checkpoint_tag(global_step: int) -> str:
-    return f"global_step{global_step}"
 
 
 def ds_config(config, world_size: int) -> dict:
@@ -82,11 +77,12 @@ class DeepSpeedEngine:
 
         Each rank reports its own `zero_pp_rank_{r}_*` shards and RNG file; rank 0 also the shared files
         (`latest`, ZeRO-1/2's model states, DeepSpeed's zero_to_fp32.py)."""
-        tag = checkpoint_tag(global_step)
+        tag = deepspeed_tag(global_step)
         self.engine.save_checkpoint(str(directory), tag=tag)
         written = [save_rng(directory, self.rank)]
         dist.barrier()  # every rank's files are on disk before rank 0 lists the shared ones
-        written += [f"{tag}/{p.name}" for p in (directory / tag).iterdir() if RANK_FILE.format(self.rank) in p.name]
+        mine = DEEPSPEED_RANK_FILE.format(self.rank)
+        written += [f"{tag}/{p.name}" for p in (directory / tag).iterdir() if mine in p.name]
         if self.rank == 0:
             written += [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()
                         and "zero_pp_rank_" not in p.name and not p.name.startswith("rng_rank")]
@@ -98,10 +94,10 @@ class DeepSpeedEngine:
         """Collective: model, optimizer and LR scheduler from the named tag (never from `latest`)."""
         if not same_world_size:
             raise ValueError(f"{directory}: a DeepSpeed checkpoint loads only with the world size it was saved with")
-        path, _ = self.engine.load_checkpoint(str(directory), tag=checkpoint_tag(global_step),
+        path, _ = self.engine.load_checkpoint(str(directory), tag=deepspeed_tag(global_step),
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
-            raise FileNotFoundError(f"{directory / checkpoint_tag(global_step)}: DeepSpeed found no checkpoint")
+            raise FileNotFoundError(f"{directory / deepspeed_tag(global_step)}: DeepSpeed found no checkpoint")
         if self.reference is not None:
             self.reference.load(directory.parent, global_step)
         return load_rng(directory, self.rank, same_world_size)

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from supervisor.checkpoint import safe_load
+from supervisor.checkpoint.layout import DCP_METADATA
 from supervisor.testing.fault_points import armed
 from workers.engines.base import collective_timeout, lr_scheduler
 from workers.engines.export import write_hf
@@ -123,7 +124,7 @@ class FSDPEngine:
 
     def _shards(self, directory: Path) -> list[str]:
         written = [p.name for p in directory.iterdir() if p.name.startswith(f"__{self.rank}_")]
-        return written + [".metadata"] if self.rank == 0 else written
+        return written + [DCP_METADATA] if self.rank == 0 else written
 
     def _save_small(self, directory: Path, global_step: int) -> list[str]:
         """This rank's RNG file (and, on the steps it changed, the reference weights beside the step)."""

@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 
 from supervisor.checkpoint.durable import write_atomic
+from supervisor.checkpoint.layout import reference_file
 from workers.grpo import kl_penalty, policy_loss, token_logprobs
 from workers.model import build_model, forward_logits
-
-REFERENCE_DIR = "reference"
 
 
 def reference_step(global_step: int, every: int | None) -> int | None:
@@ -26,10 +25,6 @@ def reference_step(global_step: int, every: int | None) -> int | None:
         return None
     step = (global_step + 1) // every * every - 1
     return step if step >= 0 else None
-
-
-def reference_file(recover_root: Path, step: int) -> Path:
-    return recover_root / REFERENCE_DIR / f"ref_globalstep{step}.safetensors"
 
 
 class ReferencePolicy:

@@ -11,9 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def rng_file(directory: Path, rank: int) -> Path:
-    return directory / f"rng_rank{rank}.pt"
+from supervisor.checkpoint.layout import rng_file
 
 
 def rng_state() -> dict:
