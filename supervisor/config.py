@@ -24,6 +24,9 @@ class ConfigError(ValueError):
     """Bad config file, key or value; the message is one line naming the key path or file."""
 
 
+AUTO = "auto"  # a value relaunch decides while the job runs (recover.freq_secs, recover.spare_workers)
+
+
 class _Strict(BaseModel):
     # A number where text is expected (`trial_name=42` on the command line, parsed as YAML) is that text.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
@@ -76,6 +79,16 @@ class Frequency(_Strict):
     @property
     def any_set(self) -> bool:
         return any(v is not None for v in (self.freq_epochs, self.freq_steps, self.freq_secs))
+
+    @property
+    def secs_auto(self) -> bool:
+        """freq_secs is decided while the job runs (recover.freq_secs: auto)."""
+        return self.freq_secs == AUTO
+
+    @property
+    def fixed_secs(self) -> float | None:
+        """freq_secs as a number of seconds, None when unset or auto."""
+        return None if self.secs_auto else self.freq_secs
 
 
 class ClusterConfig(_Strict):
@@ -185,7 +198,7 @@ class RecoverConfig(Frequency):
     @field_validator("freq_secs", mode="before")
     @classmethod
     def _number_or_auto(cls, value: Any) -> Any:
-        if value is None or value == "auto":
+        if value is None or value == AUTO:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"must be a number of seconds greater than 0, or auto (got {value!r})")

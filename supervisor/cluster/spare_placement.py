@@ -6,6 +6,8 @@ engines, and it is put on a node that runs no rank: a node loss then does not ta
 """
 from __future__ import annotations
 
+from supervisor.config import AUTO
+
 Resources = dict[str, float]
 
 
@@ -20,7 +22,7 @@ def rank_resources(cluster) -> Resources:
 def spare_count(setting: int | str, total: Resources, cluster) -> int:
     """The pool's size: `recover.spare_workers` as given, or for `auto` 1 when the cluster's total resources
     hold the TrainGroup, the engines and one spare, else 0."""
-    if setting != "auto":
+    if setting != AUTO:
         return int(setting)
     ranks = cluster.n_train_workers + 1
     need = {"CPU": ranks * cluster.cpus_per_worker + cluster.n_rollout_workers * cluster.cpus_per_worker,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from supervisor.config import AUTO
+
 
 @dataclass
 class FreqCtl:
@@ -25,13 +27,12 @@ class FreqCtl:
 
     @classmethod
     def from_config(cls, freq) -> "FreqCtl":
-        auto = freq.freq_secs == "auto"
-        return cls(freq.freq_epochs, freq.freq_steps, None if auto else freq.freq_secs, secs_auto=auto)
+        return cls(freq.freq_epochs, freq.freq_steps, freq.fixed_secs, secs_auto=freq.secs_auto)
 
     def configured(self) -> dict:
         """The frequencies as configured (recorded in checkpoints, compared on resume)."""
         return {"freq_epochs": self.freq_epochs, "freq_steps": self.freq_steps,
-                "freq_secs": "auto" if self.secs_auto else self.freq_secs}
+                "freq_secs": AUTO if self.secs_auto else self.freq_secs}
 
     def check(self, epoch_end: bool, elapsed_secs: float) -> bool:
         """Account one completed step (that took `elapsed_secs`); True when a condition fires."""

@@ -82,7 +82,7 @@ class StepRunner:
         self.phase: Phase | None = None
         self.last_reward: float | None = None
         self.interval = None  # recover.freq_secs: auto; it sees the trial's past and every new event
-        if config.recover.freq_secs == "auto":
+        if config.recover.secs_auto:
             self.interval = AutoInterval.from_history(read_jsonl(events.path))
             events.listeners.append(self.interval.observe)
 

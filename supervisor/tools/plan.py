@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from supervisor.config import Config, Frequency
+from supervisor.config import AUTO, Config, Frequency
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
@@ -49,7 +49,7 @@ def _rule_text(freq: Frequency) -> str:
 
 
 def _secs_text(secs) -> str:
-    if secs == "auto":
+    if secs == AUTO:
         return "every Young/Daly interval (auto: from the measured save stall and the time between failures)"
     return f"every {secs:g} s" if secs else ""
 
@@ -61,11 +61,11 @@ def _schedule(name: str, freq: Frequency, steps_per_epoch: int, total_steps: int
         return
     steps = fire_steps(freq, steps_per_epoch, total_steps)
     when = _steps_text(steps)
-    if freq.freq_secs and freq.freq_secs != "auto":
+    if freq.fixed_secs:
         when += (f", and whenever {freq.freq_secs:g} s have passed since the last one (for one to fire by time "
                  f"alone, steps must take {freq.freq_secs / total_steps:.0f} s on average)")
     plan.lines.append(f"{name:<10} {when} [{_rule_text(freq)}]{extra}")
-    if not steps and freq.freq_secs == "auto":
+    if not steps and freq.secs_auto:
         pass  # the interval is decided while the job runs
     elif not steps and freq.freq_secs:
         plan.warnings.append(
