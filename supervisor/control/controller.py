@@ -25,6 +25,7 @@ from supervisor.cluster.errors import CapacityError, Group
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog
+from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
 from supervisor.control.repair_clock import RepairClock
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
@@ -106,6 +107,7 @@ class Controller:
         self.make_train_group, self.make_rollout_group = make_train_group, make_rollout_group
         self.supervisor_restarted = supervisor_restarted
         self.current = Current(State.STARTING)
+        self.log = run_log(events.attempt)
         self.clock = RepairClock()          # where the time of the repair in progress goes
         self.spares = spares                # the warm spare pool (cluster/spares.py), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
@@ -181,8 +183,8 @@ class Controller:
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
         decision = self.policy.decide(fault, now=time.time())
         where = f" on node {fault.node[:8]}" if fault.node else ""
-        print(f"[relaunch] step {step} ({self.phase}): {fault.kind.value}: {fault.message}{where} -> "
-              f"{decision.reason}", flush=True)
+        self.log.warning(f"{fault.kind.value}: {fault.message}{where} -> {decision.reason}",
+                         extra={"step": step, "phase": self.phase})
         if fault.kind is FaultKind.STORAGE_ERROR and saving:
             # every rank came back from the failed save (else the TrainGroup restart cleans up after its kill)
             removed = self.checkpoints.discard_failed_save() if fault.settled else []
@@ -338,7 +340,7 @@ class Controller:
             raise CheckpointError(f"{ckpt.path}: {e}; run `relaunch clean-restart CONFIG` to start fresh") from e
         for w in warnings if warn else ():
             self.events.emit(Event.WARNING, message=w)
-            print(f"[relaunch] warning: {w}", flush=True)
+            self.log.warning(f"warning: {w}", extra={"step": ckpt.global_step, "phase": self.phase})
         return state
 
     def _shutdown(self) -> None:
