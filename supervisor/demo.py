@@ -10,6 +10,7 @@ import threading
 import time
 
 from supervisor.checkpoint.layout import TrialLayout
+from supervisor.config import Config
 from supervisor.control.events import ENDED, Event, read_jsonl
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
@@ -62,7 +63,7 @@ def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
     return out
 
 
-def run_demo(config, kill_at_step: int) -> int:
+def run_demo(config: Config, kill_at_step: int) -> int:
     layout = TrialLayout.from_config(config)
     print("[demo] starting a local Ray cluster: a head node and 2 worker nodes of 3 CPUs", flush=True)
     cluster = LocalCluster()

@@ -13,6 +13,7 @@ import os
 import ray
 import torch
 
+from supervisor.config import Config
 from supervisor.testing.fault_points import fault_points
 from workers.errors import StaleWeights
 from workers.generate import generate
@@ -21,7 +22,7 @@ from workers.model import build_model, build_tokenizer, weights_checksum
 
 @ray.remote
 class RolloutWorker:
-    def __init__(self, config, index: int = 0):
+    def __init__(self, config: Config, index: int = 0):
         torch.set_num_threads(1)
         self.config, self.rank = config, index  # `rank`: the engine's index, for fault points
         self.tokenizer = build_tokenizer(config.model)

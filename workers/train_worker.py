@@ -18,6 +18,7 @@ import torch
 
 from supervisor.checkpoint.durable import file_digest
 from supervisor.checkpoint.layout import DRIVER_STATE, step_of
+from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.model import weights_checksum
 
@@ -27,7 +28,7 @@ class TrainWorker:
     """Started cold as a rank of a new TrainGroup, or ahead of need as a warm spare (supervisor/cluster/spares.py):
     it learns its rank and world size only when it joins a group (`setup`)."""
 
-    def __init__(self, config):
+    def __init__(self, config: Config):
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
         self.config = config
         self.rank: int | None = None

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.config import Config
+
 # recover_info/ (and each step directory's meta/ mirror of it)
 STEP_INFO = "step_info.json"
 SAVER_INFO = "saver_info.json"
@@ -43,7 +45,7 @@ class TrialLayout:
     trial_name: str
 
     @classmethod
-    def from_config(cls, config) -> "TrialLayout":
+    def from_config(cls, config: Config) -> "TrialLayout":
         return cls(config.cluster.fileroot, config.cluster.user, config.experiment_name, config.trial_name)
 
     def _inside(self, root: Path, *parts: str) -> Path:

@@ -157,7 +157,8 @@ class RecoverStore:
         previous = self.published_steps()
         infos = dict(infos)
         infos[CHECKPOINT_INFO] = {
-            **infos.get(CHECKPOINT_INFO, {}), "schema_version": SCHEMA_VERSION, "global_step": global_step, "path": rel_path,
+            **infos.get(CHECKPOINT_INFO, {}), "schema_version": SCHEMA_VERSION, "global_step": global_step,
+            "path": rel_path,
             "world_size": world_size, "config_hash": config_hash,
             "published": sorted(set(previous) | {global_step}),
         }

@@ -17,6 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from supervisor.cluster.errors import CapacityError, Group, GroupError
+from supervisor.config import Config
 from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
 
@@ -117,11 +118,11 @@ class _Members:
         self.orphans = kill([m.handle for m in members], self.orphans)
 
 
-def placement_group_name(config) -> str:
+def placement_group_name(config: Config) -> str:
     return f"relaunch/{config.experiment_name}/{config.trial_name}/train"
 
 
-def remove_leftover_placement_groups(config) -> int:
+def remove_leftover_placement_groups(config: Config) -> int:
     """Remove this trial's TrainGroup placement groups left by a Supervisor that died: Ray keeps them while it
     restarts the actor that made them."""
     name, removed = placement_group_name(config), 0
@@ -141,7 +142,7 @@ class TrainGroup(_Members):
 
     group = Group.TRAIN
 
-    def __init__(self, config, world_size: int, timeout: float, spares=None):
+    def __init__(self, config: Config, world_size: int, timeout: float, spares=None):
         super().__init__(timeout)
         self.config, self.world_size = config, world_size
         cluster = config.cluster
@@ -240,7 +241,7 @@ class RolloutGroup(_Members):
 
     group = Group.ROLLOUT
 
-    def __init__(self, config, timeout: float):
+    def __init__(self, config: Config, timeout: float):
         super().__init__(timeout)
         self.config = config
         self._where: dict[int, ray.ObjectRef] = {}

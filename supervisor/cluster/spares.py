@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from supervisor.cluster.groups import drain, kill
 from supervisor.cluster.spare_placement import choose_nodes, rank_resources
+from supervisor.config import Config
 from workers.train_worker import TrainWorker
 
 PROBE_SECS = 2.0  # how long a warm spare may take to answer before it counts as dead
@@ -39,11 +40,11 @@ class Spare:
     warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
 
 
-def spare_prefix(config) -> str:
+def spare_prefix(config: Config) -> str:
     return f"relaunch/{config.experiment_name}/{config.trial_name}/spare/"
 
 
-def remove_leftover_spares(config) -> int:
+def remove_leftover_spares(config: Config) -> int:
     """Kill this trial's spares left by a Supervisor that died (named actors, found by their prefix)."""
     removed = 0
     for name in ray.util.list_named_actors():
@@ -57,7 +58,7 @@ def remove_leftover_spares(config) -> int:
 
 
 class SparePool:
-    def __init__(self, config, size: int):
+    def __init__(self, config: Config, size: int):
         self.config, self.size = config, size
         self.spares: list[Spare] = []
         self.orphans: list[ray.ObjectRef] = []

@@ -15,6 +15,7 @@ from supervisor.checkpoint.layout import TrialLayout
 from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.cluster.spares import SparePool, remove_leftover_spares
+from supervisor.config import Config
 from supervisor.control.controller import Controller, JobResult, State
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
@@ -29,14 +30,14 @@ from workers.rewards import UserCodeError, load_reward_fn
 NAMESPACE = "relaunch"  # the Ray namespace of every relaunch job's named actors
 
 
-def supervisor_name(config) -> str:
+def supervisor_name(config: Config) -> str:
     """The Supervisor's actor name: one controller per trial on a cluster, and `relaunch status` finds it."""
     return f"{config.experiment_name}/{config.trial_name}"
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Supervisor:
-    def __init__(self, config, job_id: str):
+    def __init__(self, config: Config, job_id: str):
         self.config, self.job_id = config, job_id
         layout = TrialLayout.from_config(config)
         prior = [e for e in read_jsonl(layout.events_log) if e.get("job") == job_id]

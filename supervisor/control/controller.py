@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
 from supervisor.cluster.errors import CapacityError, Group
+from supervisor.config import Config
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog
@@ -99,7 +100,7 @@ class JobResult:
 
 
 class Controller:
-    def __init__(self, config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
+    def __init__(self, config: Config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
                  sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
@@ -198,8 +199,8 @@ class Controller:
             return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:
             self.clock.start(fault.kind.value, decision.action.value, fault.detect_secs)
-            self.events.emit(Event.RESTART, n=self.policy.restarts, limit=self.policy.retries, what=decision.action.value,
-                             cause=fault.kind.value, delay_secs=decision.delay_secs)
+            self.events.emit(Event.RESTART, n=self.policy.restarts, limit=self.policy.retries,
+                             what=decision.action.value, cause=fault.kind.value, delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
 
     @property
@@ -285,7 +286,8 @@ class Controller:
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
         if missing:
-            self.events.emit(Event.WARNING, message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
+            self.events.emit(Event.WARNING,
+                             message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
         with self.clock.part("resync"):
             replaced = r.engines.replace(())
             if replaced:

@@ -27,6 +27,7 @@ from supervisor.checkpoint.layout import (
     reference_file,
 )
 from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStore, compatibility_error
+from supervisor.config import Config
 from supervisor.control.events import Event, EventLog
 from supervisor.control.step_info import StepInfo
 from workers.engines.reference import reference_step
@@ -88,7 +89,7 @@ T = TypeVar("T")
 
 
 class CheckpointCoordinator:
-    def __init__(self, config, layout: TrialLayout, events: EventLog):
+    def __init__(self, config: Config, layout: TrialLayout, events: EventLog):
         self.config, self.layout, self.events = config, layout, events
         self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None
         self._reference_entries: dict[int, dict] = {}  # reference step -> its manifest entry

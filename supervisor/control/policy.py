@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from supervisor.cluster.errors import Group
+from supervisor.config import Config
 from supervisor.control.classify import Fault, FaultKind
 
 
@@ -43,7 +44,7 @@ class RestartPolicy:
     last_fault: float | None = None     # when the previous fault was seen (wall clock, seconds)
 
     @classmethod
-    def from_config(cls, config) -> "RestartPolicy":
+    def from_config(cls, config: Config) -> "RestartPolicy":
         return cls(
             retries=config.recover.retries if config.recover.mode.enabled else 0,
             backoff_secs=config.recover.backoff_secs,

@@ -18,6 +18,7 @@ from supervisor.checkpoint.layout import (
     STEP_INFO,
 )
 from supervisor.checkpoint.store import SCHEMA_VERSION
+from supervisor.config import Config
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
@@ -37,7 +38,7 @@ class RunState:
     evaluator: FreqCtl
 
     @classmethod
-    def fresh(cls, config, steps_per_epoch: int) -> "RunState":
+    def fresh(cls, config: Config, steps_per_epoch: int) -> "RunState":
         return cls(StepInfo.before_start(steps_per_epoch), FreqCtl.from_config(config.saver),
                    FreqCtl.from_config(config.recover), FreqCtl.from_config(config.evaluator))
 
@@ -57,7 +58,7 @@ class RunState:
         }
 
     @classmethod
-    def from_infos(cls, infos: dict, config, steps_per_epoch: int) -> tuple["RunState", list[str]]:
+    def from_infos(cls, infos: dict, config: Config, steps_per_epoch: int) -> tuple["RunState", list[str]]:
         """The state a checkpoint holds, and warnings about what it lacked or what the config changed."""
         warnings = []
         state = cls.fresh(config, steps_per_epoch)

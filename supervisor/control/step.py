@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from supervisor.cluster.errors import Group, GroupError
+from supervisor.config import Config
 from supervisor.control.coordinator import CheckpointCoordinator, Staged
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.interval import AutoInterval
@@ -69,7 +70,7 @@ class Owed:
 class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
-    def __init__(self, config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
+    def __init__(self, config: Config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
                  checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None]):
         self.config, self.loader, self.reward_fn = config, loader, reward_fn
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point

@@ -6,10 +6,11 @@ from collections import Counter
 
 from supervisor.checkpoint.layout import STEP_INFO, TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
+from supervisor.config import Config
 from supervisor.control.events import ENDED, Event, read_jsonl
 
 
-def trial_status(config, n_events: int = 10) -> dict:
+def trial_status(config: Config, n_events: int = 10) -> dict:
     layout = TrialLayout.from_config(config)
     store = RecoverStore(layout, config.recover.keep_last)
     last_valid, error = None, None
@@ -92,7 +93,7 @@ def _brief(value) -> str:
     return str(value)
 
 
-def live_progress(config, address: str | None) -> tuple[dict | None, str | None]:
+def live_progress(config: Config, address: str | None) -> tuple[dict | None, str | None]:
     """The running Supervisor's own answer when a cluster address is known, else why not."""
     if not address:
         return None, None

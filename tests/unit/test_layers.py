@@ -17,7 +17,7 @@ MAY_IMPORT = {
     "supervisor.cluster": ("supervisor.checkpoint", "supervisor.testing"),
     "supervisor.checkpoint": ("supervisor.testing",),
     "supervisor.testing": (),
-    "workers": ("supervisor.checkpoint", "supervisor.testing"),
+    "workers": ("supervisor.config", "supervisor.checkpoint", "supervisor.testing"),
 }
 
 

@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from supervisor.config import Config
+
 ENGINES = {"fsdp": "workers.engines.fsdp:FSDPEngine", "deepspeed": "workers.engines.deepspeed:DeepSpeedEngine"}
 
 
@@ -40,7 +42,7 @@ class TrainEngine(Protocol):
         """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
 
 
-def init_process_group(config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
+def init_process_group(config: Config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
     """Join the group's process group: nccl on GPU, gloo on CPU. Collectives time out well after a hung step
     does, so the Supervisor decides what a hang is, not gloo or NCCL (as on main since f0af01d)."""
     use_gpu = config.cluster.gpus_per_worker > 0
@@ -53,7 +55,7 @@ def init_process_group(config, rank: int, world_size: int, master_addr: str, mas
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 
 
-def collective_timeout(config) -> datetime.timedelta:
+def collective_timeout(config: Config) -> datetime.timedelta:
     """Well after a hung step is seen (recover.step_timeout_secs): the Supervisor, not gloo, decides what a hang is."""
     return datetime.timedelta(seconds=2 * config.recover.step_timeout_secs + 60)
 
@@ -63,7 +65,7 @@ def lr_scheduler(optimizer, warmup: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
 
-def build_parts(config) -> tuple:
+def build_parts(config: Config) -> tuple:
     """What an engine needs that no process group does: the engine's module imported (its seconds of import
     time), the tokenizer and the unsharded model, built exactly as the engine would build them itself
     (seeded by `seed`), so a warm spare's model is the one a cold rank builds."""
@@ -74,7 +76,7 @@ def build_parts(config) -> tuple:
     return tokenizer, build_model(config.model, tokenizer, config.seed)
 
 
-def make_engine(config, rank: int, world_size: int, master_addr: str, master_port: int,
+def make_engine(config: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                 parts: tuple | None = None) -> TrainEngine:
     """Join the process group and build the engine `actor.backend` names (imported only when chosen), from
     `parts` (build_parts) when given."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
+from supervisor.config import Config
 from workers.engines.base import lr_scheduler
 from workers.engines.export import write_hf
 from workers.engines.reference import ReferencePolicy, grpo_loss
@@ -24,7 +25,7 @@ from workers.engines.rng import load_rng, save_rng
 from workers.model import forward_logits
 
 
-def ds_config(config, world_size: int) -> dict:
+def ds_config(config: Config, world_size: int) -> dict:
     actor, samples = config.actor, config.data.batch_size * config.data.group_size
     return {
         "train_micro_batch_size_per_gpu": samples // world_size, "gradient_accumulation_steps": 1,
@@ -34,7 +35,7 @@ def ds_config(config, world_size: int) -> dict:
 
 
 class DeepSpeedEngine:
-    def __init__(self, config, rank: int, world_size: int, device: torch.device, tokenizer,
+    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
                  model: torch.nn.Module):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DCP_METADATA
+from supervisor.config import Config
 from supervisor.testing.fault_points import armed
 from workers.engines.base import collective_timeout, lr_scheduler
 from workers.engines.export import write_hf
@@ -45,7 +46,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class FSDPEngine:
-    def __init__(self, config, rank: int, world_size: int, device: torch.device, tokenizer,
+    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
                  model: torch.nn.Module):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device

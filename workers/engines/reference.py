@@ -15,6 +15,7 @@ import torch
 
 from supervisor.checkpoint.durable import write_atomic
 from supervisor.checkpoint.layout import reference_file
+from supervisor.config import Config
 from workers.grpo import kl_penalty, policy_loss, token_logprobs
 from workers.model import build_model, forward_logits
 
@@ -28,7 +29,7 @@ def reference_step(global_step: int, every: int | None) -> int | None:
 
 
 class ReferencePolicy:
-    def __init__(self, config, tokenizer, device: torch.device):
+    def __init__(self, config: Config, tokenizer, device: torch.device):
         self.every = config.actor.ref_update_steps
         self.coef = config.actor.kl_coef
         self.model = build_model(config.model, tokenizer, config.seed).to(device).eval().requires_grad_(False)
