@@ -19,10 +19,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q setuptools wheel  # --no-build-isolation builds with what the venv has
   "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.16,<0.20"
   "$VENV/bin/pip" install -q -e ".[test,deepspeed,bench]"  # bench: Ray Train, for benchmarks/baselines.py
-  # DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once
-  # (cached in ~/.cache/torch_extensions), never inside a TrainWorker's start-up or a timed step.
-  "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
   touch "$stamp"
+fi
+# DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once (cached in
+# $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, ~1 min), never inside a TrainWorker's start-up or a
+# timed step; again whenever that cache is gone (a new machine that kept the checkout and its .venv).
+ext_dir=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+if ! compgen -G "$ext_dir/*/deepspeed_shm_comm/*.so" >/dev/null; then
+  "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 fi
 cmd=${1:-run}
 shift || true
