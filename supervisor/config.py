@@ -187,8 +187,8 @@ class RecoverConfig(Frequency):
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
     spare_workers: Union[int, Literal["auto"]] = Field(
         "auto", description="warm TrainWorker processes kept ready (imports done, model built, in no process "
-                            "group) to replace ranks at a restart; auto: 1 when the cluster has room for it beside "
-                            "the TrainGroup and the engines, else 0")
+                            "group) to replace ranks at a restart; auto: one per rank as far as the cluster has "
+                            "room for them beside the TrainGroup and the engines")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")

@@ -20,14 +20,19 @@ def rank_resources(cluster) -> Resources:
 
 
 def spare_count(setting: int | str, total: Resources, cluster) -> int:
-    """The pool's size: `recover.spare_workers` as given, or for `auto` 1 when the cluster's total resources
-    hold the TrainGroup, the engines and one spare, else 0."""
+    """The pool's size: `recover.spare_workers` as given, or for `auto` one spare per rank as far as the
+    cluster's total resources hold them beside the TrainGroup and the engines (a restart is only as fast as
+    its slowest rank: one rank started cold sets the pace)."""
     if setting != AUTO:
         return int(setting)
-    ranks = cluster.n_train_workers + 1
-    need = {"CPU": ranks * cluster.cpus_per_worker + cluster.n_rollout_workers * cluster.cpus_per_worker,
-            "GPU": ranks * cluster.gpus_per_worker + cluster.n_rollout_workers * cluster.gpus_per_engine}
-    return int(all(total.get(k, 0.0) >= v for k, v in need.items() if v))
+
+    def fits(spares: int) -> bool:
+        ranks = cluster.n_train_workers + spares
+        need = {"CPU": ranks * cluster.cpus_per_worker + cluster.n_rollout_workers * cluster.cpus_per_worker,
+                "GPU": ranks * cluster.gpus_per_worker + cluster.n_rollout_workers * cluster.gpus_per_engine}
+        return all(total.get(k, 0.0) >= v for k, v in need.items() if v)
+
+    return max((n for n in range(cluster.n_train_workers + 1) if fits(n)), default=0)
 
 
 def choose_nodes(free: dict[str, Resources], avoid: set[str], need: Resources, n: int) -> list[str]:

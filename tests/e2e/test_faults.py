@@ -63,8 +63,8 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     failure = trial.events("failure")[0]
     assert failure["node"] == train_node
     assert train_node not in trial.events("loaded")[-1]["nodes"]
-    # the warm spare (recover.spare_workers auto: 1 here) was on the other node and served one rank
-    assert [(e["taken"], e["cold"]) for e in trial.events("spares") if e["action"] == "taken"][-1] == (1, 1)
+    # the warm spares (recover.spare_workers auto: one per rank here) were on the other node and served both
+    assert [(e["taken"], e["cold"]) for e in trial.events("spares") if e["action"] == "taken"][-1] == (2, 0)
     stats = trial.stats()
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()

@@ -13,12 +13,14 @@ E2E_TOTAL = {"CPU": 7.0, "memory": 1e9}
 @pytest.mark.parametrize("setting, total, cluster, expected", [
     (3, {"CPU": 1.0}, {}, 3),                                        # an explicit size is kept as given
     (0, E2E_TOTAL, {}, 0),
-    ("auto", E2E_TOTAL, {}, 1),                                      # 2 ranks + 1 engine + 1 spare = 4 <= 7
+    ("auto", E2E_TOTAL, {}, 2),                                      # 2 ranks + 1 engine + 2 spares = 5 <= 7
+    ("auto", {"CPU": 16.0}, {}, 2),                                  # never more spares than ranks
     ("auto", {"CPU": 3.0}, {}, 0),                                   # only the group and the engine fit
-    ("auto", {"CPU": 4.0}, {}, 1),                                   # exactly room for one more rank
+    ("auto", {"CPU": 4.0}, {}, 1),                                   # room for one more rank, not two
     ("auto", E2E_TOTAL, {"n_train_workers": 4, "cpus_per_worker": 2}, 0),   # 12 CPUs wanted
     ("auto", {"CPU": 16.0, "GPU": 2.0}, {"gpus_per_worker": 1}, 0),  # 3 GPUs wanted for 2 ranks and a spare
     ("auto", {"CPU": 16.0, "GPU": 3.0}, {"gpus_per_worker": 1}, 1),
+    ("auto", {"CPU": 16.0, "GPU": 4.0}, {"gpus_per_worker": 1}, 2),
     ("auto", {"CPU": 16.0, "GPU": 3.0}, {"gpus_per_worker": 1, "gpus_per_engine": 1}, 0),
 ])
 def test_spare_count(setting, total, cluster, expected):
