@@ -16,10 +16,24 @@ from supervisor.checkpoint.durable import write_atomic
 
 def _append(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, sort_keys=True) + "\n")
+    with open(path, "a+b") as f:
+        _drop_torn_tail(f)
+        f.write((json.dumps(obj, sort_keys=True) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
+
+
+def _drop_torn_tail(f) -> None:
+    """Cut off a last line without its newline (a crash mid-write): a row appended to it would be read as
+    part of the torn line and skipped with it."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(end - 1)
+    if f.read(1) == b"\n":
+        return
+    f.seek(0)
+    f.truncate(f.read().rfind(b"\n") + 1)
 
 
 def read_jsonl(path: Path) -> list[dict]:
