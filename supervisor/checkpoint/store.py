@@ -7,7 +7,8 @@ a temporary name and renamed when complete. The commit point is the atomic repla
 `recover_info/checkpoint_info.json`, which lists the published steps; recover_info/ mirrors the newest.
 
 Loading reads everything from the selected step directory, never from the mirror, so a crash between the
-two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`).
+two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`), unless published
+step directories show that it went missing: then nothing is deleted and the run stops naming it.
 """
 from __future__ import annotations
 
@@ -237,6 +238,20 @@ class RecoverStore:
             return []
         return sorted(s for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None)
 
+    def orphaned_steps(self) -> list[int]:
+        """Published step directories that recover_info/ (absent) must once have committed. The one way a
+        step directory exists before the first recover_info/ is a crash between the first publish and the
+        first commit: a lone step whose own checkpoint_info lists no other step. Anything else was committed."""
+        steps = self.published_steps()
+        if len(steps) != 1:
+            return steps
+        try:
+            info = json.loads((self.layout.step_dir(steps[0]) / META / "checkpoint_info.json").read_bytes())
+            first = info["published"] == [steps[0]]
+        except (OSError, ValueError, KeyError, TypeError):
+            first = False  # unreadable: not provably the first one; keep it and stop
+        return [] if first else steps
+
     def has_recover_state(self) -> bool:
         return self.layout.recover_info.exists()
 
@@ -255,6 +270,12 @@ class RecoverStore:
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""
         if not self.has_recover_state():
+            orphans = self.orphaned_steps()
+            if orphans:
+                raise CheckpointError(
+                    f"{self.layout.recover_info}: missing, but {self.layout.recover_checkpoint} holds published "
+                    f"checkpoints of steps {orphans}; restore recover_info/ (a partial copy? a wrong "
+                    f"cluster.fileroot?) to resume, or run `relaunch clean-restart CONFIG` to start fresh")
             return LoadResult(None)
         committed = self.committed_step()
         steps = self.published_steps()

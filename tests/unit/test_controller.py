@@ -523,3 +523,16 @@ def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_st
                       ("taken", 1, 1, 0), ("refilled", None, None, 1)]
     assert pool.refills == [["n1", "n1"], ["n1", "n1"]]  # away from the ranks' nodes
     assert len(pool) == 0  # the pool is shut down with the job
+
+
+def test_a_run_whose_recover_info_went_missing_stops_with_exit_2_and_keeps_its_checkpoints(tmp_path):
+    import shutil
+
+    controller, layout, _ = make_controller(tmp_path, World(), "total_train_epochs=1")
+    assert controller.run().exit_code == 0
+    steps = sorted(p.name for p in layout.recover_checkpoint.glob("globalstep*"))
+    shutil.rmtree(layout.recover_info)
+    controller, layout, _ = make_controller(tmp_path, World(), "total_train_epochs=1")
+    result = controller.run()
+    assert result.exit_code == 2 and str(layout.recover_info) in result.message and "clean-restart" in result.message
+    assert sorted(p.name for p in layout.recover_checkpoint.glob("globalstep*")) == steps

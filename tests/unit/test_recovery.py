@@ -260,3 +260,23 @@ def test_a_checkpoint_this_process_committed_is_checked_by_size_not_hashed_again
     with pytest.raises(CheckpointError):
         fresh.load_latest()  # every hash is "x" here, so it finds none valid
     assert hashed
+
+
+def test_a_missing_recover_info_beside_published_steps_stops_and_deletes_nothing(store):
+    import shutil
+
+    commit(store, 4)
+    commit(store, 9)
+    shutil.rmtree(store.layout.recover_info)  # a partial copy, or a wrong path
+    with pytest.raises(CheckpointError, match=r"recover_info: missing.*\[4, 9\].*relaunch clean-restart"):
+        store.load_latest()
+    assert store.published_steps() == [4, 9]
+
+
+def test_a_crash_between_the_first_publish_and_the_first_commit_is_a_fresh_start(store):
+    import shutil
+
+    commit(store, 4)
+    shutil.rmtree(store.layout.recover_info)  # as if killed at after_publish of the very first commit
+    assert store.load_latest().checkpoint is None
+    assert store.remove_leftovers(None) == [store.layout.step_dir(4)]
