@@ -44,6 +44,7 @@ class Supervisor:
         self.policy = RestartPolicy.from_config(config)
         self.policy.restarts = sum(e["event"] == "restart" for e in prior)
         self.policy.last_fault = max((e["time"] for e in prior if e["event"] == "failure"), default=None)
+        self.policy.started = any(e["event"] == "loaded" for e in prior)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log)

@@ -30,6 +30,7 @@ class FaultKind(str, enum.Enum):
     STALE_WEIGHTS = "stale_weights"          # an engine refused a call for another weights version
     STORAGE_ERROR = "storage_error"          # disk full, permissions, I/O: a save or export failed
     USER_ERROR = "user_error"                # the reward function or dataset raised
+    RUNTIME_ENV = "runtime_env_failed"       # Ray could not set up a worker's runtime env (pip, working dir)
     SUPERVISOR_DIED = "supervisor_died"      # Ray restarted the Supervisor actor
     INTERNAL_ERROR = "internal_error"        # a bug in relaunch itself
 
@@ -95,8 +96,10 @@ def classify(err: GroupError | BaseException) -> Fault:
     def fault(kind: FaultKind, message: str) -> Fault:
         return Fault(kind, message, group, actors, node, waited, err.settled)
 
-    if isinstance(cause, (UserCodeError, rex.RuntimeEnvSetupError)):  # the user's code or environment
+    if isinstance(cause, UserCodeError):
         return fault(FaultKind.USER_ERROR, first_line(cause))
+    if isinstance(cause, rex.RuntimeEnvSetupError):  # the policy decides: the user's env, or a transient failure
+        return fault(FaultKind.RUNTIME_ENV, f"{who}: {first_line(cause)}")
     if isinstance(cause, rex.OutOfDiskError):
         return fault(FaultKind.STORAGE_ERROR, f"{who}: {first_line(cause)}")
     if isinstance(cause, rex.GetTimeoutError) or isinstance(err.error, rex.GetTimeoutError):

@@ -116,6 +116,8 @@ class Controller:
             self.events.emit("state", previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
         self.state = new
+        if new is State.RUNNING:
+            self.policy.started = True
         self.pending = result if new in (State.REPAIRING, State.FAILED, State.FINISHED) else None
 
     def _work(self) -> Result:

@@ -2,7 +2,8 @@
 
 No Ray, no clock of its own: given a classified fault and the time it was seen, it answers what to do and
 how long to wait first. Every repair, the Supervisor's own restart included, spends one of `recover.retries`;
-a skipped save spends none. The first restart after a quiet period is immediate; backoff applies only to
+a skipped save spends none. A runtime env that cannot be set up fails the job before its first start (the
+user's env is broken) and is a start-up fault to retry after it (a replacement node's transient failure). The first restart after a quiet period is immediate; backoff applies only to
 faults that follow each other within `recover.quiet_secs` (a crash loop), doubling up to its cap.
 The controller applies the decision; unit tests drive this object alone.
 """
@@ -41,6 +42,7 @@ class RestartPolicy:
     restarts: int = 0
     burst: int = 0                      # restarts since the last quiet period
     last_fault: float | None = None     # when the previous fault was seen (wall clock, seconds)
+    started: bool = False               # both groups started once: a runtime env that fails now is transient
 
     @classmethod
     def from_config(cls, config) -> "RestartPolicy":
@@ -67,6 +69,8 @@ class RestartPolicy:
                                                   f"(recover.on_save_error=skip)")
         if kind is FaultKind.USER_ERROR and not self.retry_user_errors:
             return Decision(Action.FAIL, f"user code raised: {fault.message}")
+        if kind is FaultKind.RUNTIME_ENV and not self.started:  # before any start it is the job's own env
+            return Decision(Action.FAIL, f"the runtime env could not be set up: {fault.message}")
         if self.restarts >= self.retries:
             return Decision(Action.FAIL, f"retries exhausted ({self.restarts}/{self.retries}); last fault: "
                                          f"{kind.value}: {fault.message}")

@@ -105,6 +105,7 @@ def test_a_survivors_gloo_error_after_its_peer_died_is_a_collective_failure():
     (rex.GetTimeoutError("no answer"), Group.TRAIN, FaultKind.HANG),
     (rex.ObjectLostError("ab" * 14, "owner", "call site"), Group.ROLLOUT, FaultKind.OBJECT_LOST),
     (rex.OwnerDiedError("ab" * 14, "owner", "call site"), Group.ROLLOUT, FaultKind.OBJECT_LOST),
+    (rex.RuntimeEnvSetupError("Failed to set up runtime environment"), Group.TRAIN, FaultKind.RUNTIME_ENV),
 ])
 def test_ray_errors_of_a_group_call(error, group, kind):
     fault = classify(GroupError(group, error, ("X",), "node1", 1.0))

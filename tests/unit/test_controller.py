@@ -46,7 +46,7 @@ class World:
         self.hung_engines: set[int] = set()
         self.lose_next_push = False
         self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
-        self.storage_full = self.reward_raises = False
+        self.storage_full = self.reward_raises = self.env_fails = False
         self.train_groups = 0
         self.checksums = 0  # how often the trainers hashed their full weights
         self.write_polls = 1  # a background save is reported unfinished to this many polls
@@ -72,6 +72,8 @@ class World:
             self.storage_full = True
         elif fault == "user":
             self.reward_raises = True
+        elif fault == "runtime_env":
+            self.env_fails = True
 
 
 class FakeTrainers:
@@ -180,6 +182,10 @@ class FakeEngines:
         self.world.strike(phase, step)
         for i in sorted(self.world.dead_engines):
             raise GroupError(Group.ROLLOUT, rex.ActorDiedError(), (f"RolloutWorker[{i}]",), "n0", 0.1)
+        if self.world.env_fails:
+            self.world.env_fails = False
+            error = rex.RuntimeEnvSetupError("Failed to set up runtime environment: pip install timed out")
+            raise GroupError(Group.ROLLOUT, error, ("RolloutWorker[1]",), "n0", 0.1)
         if self.world.hung_engines:
             names = tuple(f"RolloutWorker[{i}]" for i in sorted(self.world.hung_engines))
             raise GroupError(Group.ROLLOUT, rex.GetTimeoutError("no answer"), names, "n0", 10.0)
@@ -536,3 +542,17 @@ def test_a_run_whose_recover_info_went_missing_stops_with_exit_2_and_keeps_its_c
     result = controller.run()
     assert result.exit_code == 2 and str(layout.recover_info) in result.message and "clean-restart" in result.message
     assert sorted(p.name for p in layout.recover_checkpoint.glob("globalstep*")) == steps
+
+
+def test_a_runtime_env_failure_fails_the_first_start_and_is_retried_after_it(tmp_path, clean):
+    world = World()
+    world.armed[("resync", -1)] = "runtime_env"  # the job's own env is broken: nothing ever started
+    result, layout, *_ = run(tmp_path / "first", world)
+    assert result.exit_code == EXIT_FAILED and "runtime env could not be set up" in result.message
+    world = World()
+    world.armed[("rollout", 5)] = "runtime_env"  # a replacement node's transient failure, after the start
+    result, layout, *_ = run(tmp_path / "later", world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    restarts = [e for e in read_jsonl(layout.events_log) if e["event"] == "restart"]
+    assert [(e["cause"], e["what"]) for e in restarts] == [("runtime_env_failed", "restart_engines")]

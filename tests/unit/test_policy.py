@@ -86,3 +86,13 @@ def test_a_storage_error_that_left_ranks_stuck_restarts_the_train_group():
 
 def test_zero_retries_fails_at_once():
     assert RestartPolicy(retries=0).decide(fault()).action is Action.FAIL
+
+
+def test_a_runtime_env_failure_fails_before_the_first_start_and_is_a_counted_restart_after_it():
+    p = RestartPolicy(retries=3)
+    d = p.decide(fault(FaultKind.RUNTIME_ENV))
+    assert d.action is Action.FAIL and "runtime env" in d.reason and p.restarts == 0
+    p.started = True
+    assert p.decide(fault(FaultKind.RUNTIME_ENV)).action is Action.RESTART_TRAIN_GROUP
+    assert p.decide(fault(FaultKind.RUNTIME_ENV, Group.ROLLOUT)).action is Action.RESTART_ENGINES
+    assert p.restarts == 2
