@@ -25,7 +25,7 @@ from supervisor.cluster.errors import CapacityError, Group
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog
-from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
+from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
 
@@ -298,7 +298,7 @@ class Controller:
     def _restart_engines(self, fault: Fault) -> None:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
         r, t = self.runner, time.monotonic()
-        faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
+        faulty = engines_to_replace(fault)
         if self.spares is not None and self.spares.make_room(len(faulty)):
             self.events.emit("spares", action="released", pool=len(self.spares), size=self.spares.size)
             self.refill_due = True

@@ -92,6 +92,15 @@ class RestartPolicy:
         return Action.RESTART_TRAIN_GROUP
 
 
+def engines_to_replace(fault: Fault) -> tuple[str, ...]:
+    """The engines a rollout fault names are replaced (dead, hung, a poisoned device, a broken sync: a
+    process that still answers a probe may be unusable), but where only what they were given was at fault:
+    a lost weights object, or weights of another version (a resync fixes both)."""
+    if fault.group is not Group.ROLLOUT or fault.kind in (FaultKind.OBJECT_LOST, FaultKind.STALE_WEIGHTS):
+        return ()
+    return fault.actors
+
+
 def train_group_sizes(wanted: int, minimum: int | None, samples: int) -> list[int]:
     """World sizes to try for a TrainGroup, largest first: `wanted`, then, if shrinking is allowed, every
     smaller size down to `minimum` that splits the step's samples evenly."""

@@ -44,6 +44,7 @@ class World:
         self.broken_collective = False
         self.dead_engines: set[int] = set()
         self.hung_engines: set[int] = set()
+        self.poisoned_engines: set[int] = set()  # a device error on every call, until replaced
         self.lose_next_push = False
         self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
         self.storage_full = self.reward_raises = self.env_fails = False
@@ -72,6 +73,8 @@ class World:
             self.storage_full = True
         elif fault == "user":
             self.reward_raises = True
+        elif fault == "engine_device":
+            self.poisoned_engines.add(0)
         elif fault == "runtime_env":
             self.env_fails = True
 
@@ -182,6 +185,9 @@ class FakeEngines:
         self.world.strike(phase, step)
         for i in sorted(self.world.dead_engines):
             raise GroupError(Group.ROLLOUT, rex.ActorDiedError(), (f"RolloutWorker[{i}]",), "n0", 0.1)
+        for i in sorted(self.world.poisoned_engines):
+            err = rex.RayTaskError("generate", "tb", RuntimeError("CUDA error: an illegal memory access"))
+            raise GroupError(Group.ROLLOUT, err.as_instanceof_cause(), (f"RolloutWorker[{i}]",), "n0", 0.1)
         if self.world.env_fails:
             self.world.env_fails = False
             error = rex.RuntimeEnvSetupError("Failed to set up runtime environment: pip install timed out")
@@ -219,6 +225,7 @@ class FakeEngines:
 
     def replace(self, faulty):
         broken = {int(n.split("[")[1][:-1]) for n in faulty} | self.world.dead_engines | self.world.hung_engines
+        self.world.poisoned_engines -= broken  # a poisoned engine answers probes: only naming it replaces it
         self.world.dead_engines, self.world.hung_engines = set(), set()
         for i in broken:
             self.held[i] = None
@@ -277,7 +284,7 @@ PHASES = ["rollout", "score", "train", "weights", "push", "export", "evaluate", 
           "background_export"]
 MODES = ["recover.write_mode=async", "recover.write_mode=sync"]
 TRAIN_FAULTS = ["rank_death", "rank_hang", "peer_collective"]
-ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object"]
+ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object", "engine_device"]
 
 
 def final_history(layout: TrialLayout) -> list[int]:
@@ -333,7 +340,8 @@ def test_an_engine_fault_at_any_phase_replaces_engines_alone_and_never_retrains(
     events = read_jsonl(layout.events_log)
     assert world.train_groups == 1 and [e["global_step"] for e in events if e["event"] == "loaded"] == [-1]
     failures = [e["cause"] for e in events if e["event"] == "failure"]
-    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "lost_object": "object_lost"}[fault]]
+    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "lost_object": "object_lost",
+                         "engine_device": "device_error"}[fault]]
     # every rollout and evaluation was generated once per step, with the weights of its step
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
     assert all(version == step + int(greedy) for step, version, greedy in engines.generated)

@@ -2,7 +2,7 @@ import pytest
 
 from supervisor.cluster.errors import Group
 from supervisor.control.classify import Fault, FaultKind
-from supervisor.control.policy import Action, RestartPolicy
+from supervisor.control.policy import Action, RestartPolicy, engines_to_replace
 
 
 def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False):
@@ -96,3 +96,14 @@ def test_a_runtime_env_failure_fails_before_the_first_start_and_is_a_counted_res
     assert p.decide(fault(FaultKind.RUNTIME_ENV)).action is Action.RESTART_TRAIN_GROUP
     assert p.decide(fault(FaultKind.RUNTIME_ENV, Group.ROLLOUT)).action is Action.RESTART_ENGINES
     assert p.restarts == 2
+
+
+@pytest.mark.parametrize("kind, replaced", [
+    (FaultKind.ENGINE_DIED, True), (FaultKind.HANG, True), (FaultKind.DEVICE_ERROR, True),
+    (FaultKind.COLLECTIVE_FAILED, True), (FaultKind.INTERNAL_ERROR, True),
+    (FaultKind.OBJECT_LOST, False), (FaultKind.STALE_WEIGHTS, False),  # what it was given, not the engine
+])
+def test_the_engines_a_rollout_fault_names_are_replaced(kind, replaced):
+    f = Fault(kind, "boom", Group.ROLLOUT, ("RolloutWorker[0]",))
+    assert engines_to_replace(f) == (("RolloutWorker[0]",) if replaced else ())
+    assert engines_to_replace(fault(kind, Group.TRAIN)) == ()
