@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
-from supervisor.cluster.errors import CapacityError, Group
+from supervisor.cluster.errors import CapacityError, Group, first_line
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog
@@ -219,11 +219,21 @@ class Controller:
         if not self.refill_due or self.spares is None or self.runner.finished:
             return
         if len(self.spares) < self.spares.size:
-            nodes = self.spares.refill(self.runner.trainers.nodes)
+            nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.runner.trainers.nodes)
             if nodes:
                 self.events.emit("spares", action="refilled", started=len(nodes), nodes=nodes,
                                  pool=len(self.spares), size=self.spares.size)
         self.refill_due = len(self.spares) < self.spares.size
+
+    def _best_effort(self, what: str, work: Callable, *args):
+        """Optional work (the spare pool's upkeep): whatever it raises (a GCS error, ...) is a warning, never a
+        fault that would roll back a completed step or fail the job; it is tried again later. None if it failed."""
+        try:
+            return work(*args)
+        except Exception as e:  # noqa: BLE001 - nothing of the run depends on it
+            self.events.emit("warning", message=f"{what} failed: {type(e).__name__}: {first_line(e)}; "
+                                                f"tried again later")
+            return None
 
     def _time(self, part: str, since: float) -> float:
         """Add the seconds since `since` to the recovery breakdown's `part`; returns now."""
@@ -299,7 +309,8 @@ class Controller:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
         r, t = self.runner, time.monotonic()
         faulty = engines_to_replace(fault)
-        if self.spares is not None and self.spares.make_room(len(faulty)):
+        if self.spares is not None and self._best_effort("making room for the engines", self.spares.make_room,
+                                                         len(faulty)):
             self.events.emit("spares", action="released", pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
         replaced = r.engines.replace(faulty)

@@ -564,3 +564,38 @@ def test_a_runtime_env_failure_fails_the_first_start_and_is_retried_after_it(tmp
     assert_complete_and_exact(layout, clean[0])
     restarts = [e for e in read_jsonl(layout.events_log) if e["event"] == "restart"]
     assert [(e["cause"], e["what"]) for e in restarts] == [("runtime_env_failed", "restart_engines")]
+
+
+class FlakyPool(FakePool):
+    """A pool whose upkeep meets GCS errors: the first refill and every make_room raise."""
+
+    def refill(self, avoid):
+        if not self.refills:
+            self.refills.append(None)
+            raise rex.RaySystemError("GCS unavailable: failed to get cluster resources")
+        return super().refill(avoid)
+
+    def make_room(self, n: int) -> int:
+        raise rex.RaySystemError("GCS unavailable: failed to get available resources")
+
+
+def test_the_spare_pools_upkeep_fails_soft_and_is_retried(tmp_path, clean):
+    world, pool = World(), FlakyPool(1)
+    world.armed[("rollout", 5)] = "engine_death"  # the engine restart asks the pool to make room
+    controller, layout, _ = make_controller(tmp_path, world)
+
+    def make_train_group(n):
+        group = FakeTrainers(world, n)
+        group.from_spares = pool.take(n)
+        return group
+
+    controller.make_train_group, controller.spares = make_train_group, pool
+    assert controller.run().exit_code == 0
+    assert_complete_and_exact(layout, clean[0])  # nothing rolled back: one TrainGroup, one engine restart
+    events = read_jsonl(layout.events_log)
+    assert world.train_groups == 1
+    assert [(e["cause"], e["what"]) for e in events if e["event"] == "restart"] == [("engine_died", "restart_engines")]
+    warnings = [e["message"] for e in events if e["event"] == "warning"]
+    assert len(warnings) == 2 and "refilling the spare pool failed" in warnings[0]
+    assert "making room for the engines failed" in warnings[1]
+    assert [e["pool"] for e in events if e["event"] == "spares" and e["action"] == "refilled"] == [1]  # retried
