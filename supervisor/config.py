@@ -168,6 +168,10 @@ class RecoverConfig(Frequency):
     max_backoff_secs: float = Field(30.0, ge=0, description="longest restart delay")
     quiet_secs: float = Field(300.0, ge=0, description="a fault this long after the previous one starts a new "
                                                        "burst: its restart is immediate")
+    incident_secs: float = Field(60.0, ge=0, description="a fault seen while a repair is applied, this soon after "
+                                                          "the fault that started it, is part of the same incident "
+                                                          "(a node that held a rank and an engine): repaired too, "
+                                                          "without spending another retry")
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
     start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
                                                                 "model build, rendezvous) is hung")

@@ -150,7 +150,7 @@ class Controller:
         self.events.emit("failure", cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
-        decision = self.policy.decide(fault, now=time.time())
+        decision = self.policy.decide(fault, now=time.time(), repairing=self.state is State.REPAIRING)
         where = f" on node {fault.node[:8]}" if fault.node else ""
         print(f"[relaunch] step {step} ({self.phase}): {fault.kind.value}: {fault.message}{where} -> "
               f"{decision.reason}", flush=True)
@@ -170,8 +170,9 @@ class Controller:
             if self.recovery is None:  # a fault during a repair adds to the repair in progress
                 self.recovery = {"cause": fault.kind.value, "what": decision.action.value, "seen": time.time(),
                                  "detection": fault.detect_secs or 0.0}
-            self.events.emit("restart", n=self.policy.restarts, limit=self.policy.retries, what=decision.action.value,
-                             cause=fault.kind.value, delay_secs=decision.delay_secs)
+            self.events.emit("restart" if decision.counted else "repair", n=self.policy.restarts,
+                             limit=self.policy.retries, what=decision.action.value, cause=fault.kind.value,
+                             delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
 
     @property

@@ -599,3 +599,16 @@ def test_the_spare_pools_upkeep_fails_soft_and_is_retried(tmp_path, clean):
     assert len(warnings) == 2 and "refilling the spare pool failed" in warnings[0]
     assert "making room for the engines failed" in warnings[1]
     assert [e["pool"] for e in events if e["event"] == "spares" and e["action"] == "refilled"] == [1]  # retried
+
+
+def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(tmp_path, clean):
+    world = World()
+    world.armed[("rollout", 5)] = "engine_death"           # the node's engine is seen first
+    world.then = [(("weights", 4), "rank_death")]         # its rank while the engines are resynced
+    result, layout, *_ = run(tmp_path, world, "recover.retries=1")
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    events = read_jsonl(layout.events_log)
+    assert [(e["event"], e["cause"], e["what"]) for e in events if e["event"] in ("restart", "repair")] == [
+        ("restart", "engine_died", "restart_engines"), ("repair", "worker_died", "restart_train_group")]
+    assert world.train_groups == 2

@@ -107,3 +107,28 @@ def test_the_engines_a_rollout_fault_names_are_replaced(kind, replaced):
     f = Fault(kind, "boom", Group.ROLLOUT, ("RolloutWorker[0]",))
     assert engines_to_replace(f) == (("RolloutWorker[0]",) if replaced else ())
     assert engines_to_replace(fault(kind, Group.TRAIN)) == ()
+
+
+def test_faults_seen_while_repairing_soon_after_the_first_are_one_incident_and_one_retry():
+    p = RestartPolicy(retries=3, backoff_secs=1, incident_secs=60)
+    first = p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=100)  # the node's engine is seen first
+    assert first.action is Action.RESTART_ENGINES and first.counted and p.restarts == 1
+    rank = p.decide(fault(FaultKind.WORKER_DIED), now=103, repairing=True)  # then its rank, while repairing
+    assert rank.action is Action.RESTART_TRAIN_GROUP and not rank.counted and rank.delay_secs == 0
+    assert p.restarts == 1 and "part of the fault 3s ago" in rank.reason
+
+
+@pytest.mark.parametrize("now, repairing", [(103, False),   # the repair was done: a new fault
+                                            (200, True)])   # a repair failing long after: a crash loop
+def test_a_fault_after_the_repair_or_outside_the_window_is_counted(now, repairing):
+    p = RestartPolicy(retries=3, incident_secs=60)
+    p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=100)
+    d = p.decide(fault(), now=now, repairing=repairing)
+    assert d.counted and p.restarts == 2
+
+
+def test_one_incident_with_no_retry_left_is_still_repaired_but_a_new_one_fails():
+    p = RestartPolicy(retries=1, incident_secs=60)
+    p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=0)
+    assert p.decide(fault(), now=5, repairing=True).action is Action.RESTART_TRAIN_GROUP
+    assert p.decide(fault(), now=90, repairing=True).action is Action.FAIL
