@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from conftest import CONFIG, REPO, SHORT, Trial, curve, job_env, relaunch, start_relaunch, status_json
+from conftest import CONFIG, REPO, SHORT, Trial, job_env, metrics, relaunch, start_relaunch, status_json
 
 pytestmark = pytest.mark.e2e
 
@@ -69,8 +69,8 @@ def fired(tmp_path) -> int:
 def assert_exact(trial: Trial, reference: Trial) -> None:
     stats = trial.stats()
     assert [s["global_step"] for s in stats] == list(range(24))  # every step logged exactly once
-    assert curve(stats) == curve(reference.stats())
-    assert trial.final_weights() == reference.final_weights()
+    assert metrics(stats) == metrics(reference.stats())
+    assert trial.final_checksum() == reference.final_checksum()
     assert not [e for e in trial.events("failure") if e["cause"] in ("stale_weights", "internal_error")]
     assert status_json(trial)["state"] == "done"
 
