@@ -1,13 +1,13 @@
 """Every path of the on-disk layout, in one place (DESIGN.md "On-disk layout").
 
-Pure: nothing here creates or touches a file. Names come from the validated config, and every derived
+Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated config, and every derived
 path is checked to stay inside the trial's root, so no name can walk out of it.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 RECOVER_INFO_FILES = (
     "step_info.json",
@@ -82,3 +82,15 @@ def step_of(path: Path) -> int | None:
     """The global step a recover step directory holds, from its name (None: not a step directory)."""
     m = STEP_DIR.match(path.name)
     return int(m.group(1)) if m else None
+
+
+def inside(root: Path, relative: str) -> Path:
+    """`root / relative` when it names something inside `root`; ValueError when `relative` (a path recorded in
+    a checkpoint's manifest or DCP metadata) is absolute, climbs out with `..`, or leads out through a symlink."""
+    rel = PurePosixPath(relative)
+    if not rel.parts or rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"path {relative!r} is not inside the checkpoint directory")
+    path = root / rel
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"path {relative!r} leads out of the checkpoint directory through a symlink")
+    return path

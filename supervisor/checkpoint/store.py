@@ -29,7 +29,7 @@ from supervisor.checkpoint.durable import (
     tmp_name,
     write_atomic,
 )
-from supervisor.checkpoint.layout import RECOVER_INFO_FILES, TMP_PREFIX, TrialLayout, step_of
+from supervisor.checkpoint.layout import RECOVER_INFO_FILES, TMP_PREFIX, TrialLayout, inside, step_of
 from supervisor.testing.fault_points import fault_point
 
 SCHEMA_VERSION = 1
@@ -107,7 +107,7 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
     for name, expect in sorted(files.items()):
-        f = path / name
+        f = _entry_path(path, name)
         if not f.is_file():
             raise CheckpointError(f"{f}: missing")
         if f.stat().st_size != expect["size"]:
@@ -115,11 +115,11 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
         if manifest != trusted and file_digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
     if (path / ".metadata").is_file():
-        from supervisor.checkpoint.safe_load import read_metadata  # torch: imported only where a checkpoint is read
+        from supervisor.checkpoint.safe_load import check_dcp  # torch: imported only where a checkpoint is read
 
         try:
-            read_metadata(path)
-        except Exception as e:  # noqa: BLE001 - refused or unreadable metadata: the checkpoint is damaged
+            check_dcp(path, entries=manifest != trusted)
+        except Exception as e:  # noqa: BLE001 - refused or unreadable metadata or entry: the checkpoint is damaged
             raise CheckpointError(f"{path / '.metadata'}: cannot load ({e})") from e
     infos = {}
     for name in RECOVER_INFO_FILES:
@@ -128,6 +128,17 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
         except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
             raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
     return Checkpoint(step, path, manifest, infos)
+
+
+def _entry_path(step_dir: Path, name: str) -> Path:
+    """The file a manifest entry names: inside the step directory, or (REFERENCE_PREFIX) inside the reference
+    directory beside it; anything else (absolute, `..`, a symlink out) is a damaged checkpoint."""
+    try:
+        if name.startswith(REFERENCE_PREFIX):
+            return inside(step_dir.parent / REFERENCE_PREFIX.split("/")[1], name[len(REFERENCE_PREFIX):])
+        return inside(step_dir, name)
+    except ValueError as e:
+        raise CheckpointError(f"{step_dir / MANIFEST}: {e}") from e
 
 
 class RecoverStore:

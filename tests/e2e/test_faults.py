@@ -262,3 +262,36 @@ def test_a_trainGroup_that_does_not_fit_shrinks_when_allowed(cluster, trial):
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert "did not offer 4 x {'CPU': 2" in last and "capacity_timeout_secs" in last
+
+
+def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster, reference, trial, tmp_path):
+    """Five engines and two ranks fill the cluster, so the node of a rank carries an engine too. Every engine
+    hangs in step 6's rollout, so the node's death is seen first on its engine (the engines are restarted) and
+    then on its rank, while the engines are resynced: one incident, one retry (recover.retries=1 suffices)."""
+    hangs = ["RolloutWorker.generate.enter:hang:step=6"] * 5
+    env = job_env({"RELAUNCH_FAULT": ",".join(hangs), "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, "cluster.n_rollout_workers=5", "recover.spare_workers=0",
+                          "recover.retries=1", *trial.overrides, "--address", cluster.address, env=env,
+                          log=tmp_path / "job.log")
+    added = False
+    try:
+        deadline = time.time() + 300
+        while len(list(tmp_path.glob("fired-*"))) < len(hangs):  # every engine is in step 6's rollout
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        train_node = trial.events("loaded")[0]["nodes"][0]
+        cluster.kill_node(cluster.node_of(train_node))
+        cluster.add_node()  # room for the replacements: the cluster had none to spare
+        added = True
+        assert proc.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if not added:
+            cluster.add_node()
+    failures = trial.events("failure")
+    assert (failures[0]["cause"], failures[0]["node"]) == ("engine_died", train_node)
+    assert "worker_died" in [e["cause"] for e in failures[1:]]
+    assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
+    assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
+    assert_recovered_exactly(trial, reference, restarts=1)
