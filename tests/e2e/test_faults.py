@@ -295,3 +295,4 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster,
     assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
     assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
     assert_recovered_exactly(trial, reference, restarts=1)
+
