@@ -120,13 +120,14 @@ class TrainWorker:
         self.background, self.background_step = self._writer.submit(finish), global_step
 
     @fault_points
-    def save_result(self, global_step: int, block: bool) -> dict[str, dict] | None:
+    def save_result(self, global_step: int) -> dict[str, dict] | None:
         """{file: {size, sha256}} of the background save of `global_step` once every file of it is durable;
-        None while it is still being written (with `block`, waits until it is). Raises the write's error if
-        it failed. Asking again gives the same answer, so the Supervisor can poll every rank until all are done."""
+        None while it is still being written. Raises the write's error if it failed. Asking again gives the
+        same answer, so the Supervisor can poll every rank until all are done (it never blocks here: a slow
+        write is waited for by polling, so that the rank stays seen alive)."""
         if self.background is None or self.background_step != global_step:
             raise RuntimeError(f"no recover save of step {global_step} was begun on this rank")
-        if not block and not self.background.done():
+        if not self.background.done():
             return None
         return self.background.result()
 
@@ -152,15 +153,15 @@ class TrainWorker:
             self.exporting = global_step, self._writer.submit(self.engine.export_hf, Path(directory), full)
 
     @fault_points
-    def export_result(self, global_step: int, block: bool) -> bool:
-        """Whether the background export of `global_step` is written (with `block`, waits until it is);
-        raises the write's error if it failed. Ranks other than 0 write nothing: always True."""
+    def export_result(self, global_step: int) -> bool:
+        """Whether the background export of `global_step` is written (polled, like `save_result`); raises the
+        write's error if it failed. Ranks other than 0 write nothing: always True."""
         if self.rank != 0:
             return True
         if self.exporting is None or self.exporting[0] != global_step:
             raise RuntimeError(f"no HF export of step {global_step} was begun on this rank")
         future = self.exporting[1]
-        if not block and not future.done():
+        if not future.done():
             return False
         future.result()
         return True
