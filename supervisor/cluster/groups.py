@@ -223,7 +223,10 @@ class TrainGroup(_Members):
         return files
 
     def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
+        """Every rank starts the background save or none does: each prepares its part alone (a storage error
+        there fails the call with every peer settled, so the save is skipped), then all start the upload."""
         self.call_all("begin_save", staging, global_step, driver_state)
+        self.call_all("start_upload", global_step)
 
     def save_result(self, global_step: int, block: bool) -> dict | None:
         """Every rank's files of the background save once all are durable, else None (see TrainWorker); with

@@ -69,16 +69,18 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def storage_cause(error: BaseException) -> Optional[OSError]:
-    """The OSError behind a storage failure: a plain OSError, or one wrapped by DCP's CheckpointException."""
+def storage_cause(error: BaseException, in_dcp: bool = False) -> Optional[OSError]:
+    """The OSError behind a storage failure: a plain OSError, or one wrapped by DCP's CheckpointException
+    (inside which a missing file or directory is the storage's fault too, not a bug)."""
     if isinstance(error, CheckpointException):
         for failure in error.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
-            found = storage_cause(inner) if isinstance(inner, BaseException) else None
+            found = storage_cause(inner, in_dcp=True) if isinstance(inner, BaseException) else None
             if found is not None:
                 return found
         return None
-    if isinstance(error, OSError) and (error.errno in _STORAGE_ERRNOS or "No space left" in str(error)):
+    errnos = _STORAGE_ERRNOS | {errno.ENOENT} if in_dcp else _STORAGE_ERRNOS
+    if isinstance(error, OSError) and (error.errno in errnos or "No space left" in str(error)):
         return error
     if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _STORAGE_MARKERS):
         return OSError(errno.ENOSPC, first_line(error))

@@ -110,13 +110,16 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
 
 @pytest.mark.quick
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
-    # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank
-    r = run_with_fault(cluster, trial, tmp_path, "dcp_write:enospc:step=9:rank=1")
+    # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank; then, at
+    # step 14, rank 0 alone fails before its upload starts (its driver_state.pt write): the save is skipped on
+    # every rank, and the next one pairs up (recover.write_mode auto: fsdp writes in the background)
+    r = run_with_fault(cluster, trial, tmp_path,
+                       "dcp_write:enospc:step=9:rank=1,TrainWorker.begin_save.enter:enospc:step=14:rank=0")
     assert r.returncode == 0, r.stdout + r.stderr
     failed = trial.events("save_failed")
-    assert len(failed) == 1 and "No space left" in failed[0]["error"] and failed[0]["global_step"] == 9
-    assert failed[0]["what"] == "background save"  # recover.write_mode auto: fsdp writes in the background
-    assert 9 not in [e["global_step"] for e in trial.events("commit")]
+    assert [(e["global_step"], e["what"]) for e in failed] == [(9, "background save"), (14, "save")]
+    assert all("No space left" in e["error"] for e in failed)
+    assert [e["global_step"] for e in trial.events("commit")] == [4, 19, 23]
     assert_recovered_exactly(trial, reference, restarts=0)
 
 

@@ -81,6 +81,16 @@ def test_disk_full_inside_dcp_is_a_storage_error(tmp_path):
     assert fault.settled and fault.actors == ("TrainWorker[rank 1]",)
 
 
+def test_a_missing_directory_inside_dcp_is_a_storage_error_but_elsewhere_a_bug(tmp_path):
+    import traceback
+
+    # what a rank's DCP upload raises when its staging directory was removed under it: (error, traceback) per rank
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "gone" / "__1_0.distcp"))
+    gone_fault = classify(from_worker(CheckpointException("write failed", {1: (missing, traceback.extract_stack())})))
+    assert gone_fault.kind is FaultKind.STORAGE_ERROR and "No such file" in gone_fault.message
+    assert classify(from_worker(FileNotFoundError(2, "No such file", "x"))).kind is FaultKind.INTERNAL_ERROR
+
+
 @full_disk
 def test_disk_full_in_torch_save_and_a_plain_oserror_are_storage_errors():
     assert classify(from_worker(real_torch_save_enospc())).kind is FaultKind.STORAGE_ERROR
