@@ -90,6 +90,7 @@ class Controller:
         self.recovery: dict | None = None   # where the time of the repair in progress went, in seconds
         self.spares = spares                # the warm spare pool (supervisor/cluster/spares.py), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
+        self.transitioned = time.monotonic()  # when the last transition was applied (the driver's watchdog)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -112,6 +113,7 @@ class Controller:
 
     def _enter(self, new: State, result: Result) -> None:
         """The one place a transition is applied and logged."""
+        self.transitioned = time.monotonic()
         if new is not self.state:
             self.events.emit("state", previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
@@ -197,8 +199,8 @@ class Controller:
             self.supervisor_restarted = False
             if ckpt is not None:  # so the failure is reported at the step it interrupted; stats stay until decided
                 self.runner.state = self._state_of(ckpt)
-            return self._on_fault(Fault(FaultKind.SUPERVISOR_DIED, "the Supervisor actor died and was restarted "
-                                        "by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
+            return self._on_fault(Fault(FaultKind.SUPERVISOR_DIED, "the Supervisor actor died (or hung) and was "
+                                        "restarted by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
         self._restart_train_group()
         return Result(Outcome.OK)
 
