@@ -113,15 +113,19 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
 
 @pytest.mark.timeout(900)
 def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_path):
-    """Up to 8 SIGKILLs and SIGSTOPs of random actors at random moments (the Supervisor only killed: a
-    stopped Supervisor is not detected); RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
+    """Up to 8 SIGKILLs and SIGSTOPs of random actors and the Supervisor at random moments (a stopped
+    Supervisor is restarted by the driver's watchdog), and two storage errors each on one rank only (a
+    background save's DCP write at step 14, rank 0's part before its upload at step 9);
+    RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
     import ray
 
     seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos seed {seed} (rerun with RELAUNCH_CHAOS_SEED={seed})")
     rng = random.Random(seed)
+    storage = ["TrainWorker.begin_save.enter:enospc:step=9:rank=0", "dcp_write:enospc:step=14:rank=1"]
+    env = job_env({"RELAUNCH_FAULT": ",".join(storage), "RELAUNCH_FAULT_DIR": str(tmp_path)})
     proc = start_relaunch("run", str(CONFIG), *JOB, *trial.overrides, "--address", cluster.address,
-                          env=job_env(), log=tmp_path / "job.log")
+                          env=env, log=tmp_path / "job.log")
     stopped, done = [], []
     ray.init(address=cluster.address, namespace="relaunch", logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
@@ -136,7 +140,7 @@ def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_p
                 continue
             targets = [w for w in p["workers"] if w["pid"]] + [{"name": "Supervisor", "pid": p["supervisor_pid"]}]
             target = rng.choice(targets)
-            sig = signal.SIGKILL if target["name"] == "Supervisor" or rng.random() < 0.5 else signal.SIGSTOP
+            sig = signal.SIGKILL if rng.random() < 0.5 else signal.SIGSTOP
             try:
                 os.kill(target["pid"], sig)
             except ProcessLookupError:
@@ -157,6 +161,7 @@ def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_p
     log = (tmp_path / "job.log").read_text()
     assert code == 0, f"seed {seed}, faults {done}\n{log[-4000:]}"
     assert len(done) >= 3, f"seed {seed}: the job ended after {done}"
+    assert fired(tmp_path) == len(storage)
     assert_exact(trial, reference)
 
 
