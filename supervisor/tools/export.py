@@ -145,5 +145,9 @@ def deepspeed_weights(checkpoint: Path, step: int) -> dict[str, torch.Tensor]:
     with weights_only loading (safe_load.deepspeed_files)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with safe_load.deepspeed_files():
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=f"global_step{step}")
+    try:
+        with safe_load.deepspeed_files():
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=f"global_step{step}")
+    except (ValueError, KeyError, TypeError, OSError) as e:  # files that load safely but are not DeepSpeed's
+        raise ExportError(f"damaged checkpoint: {checkpoint}: DeepSpeed cannot read it "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
