@@ -107,7 +107,7 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
     # a hung engine is replaced alone: no TrainGroup restart follows an engine's hang
     for e in hangs:
         if e["group"] == "rollout":
-            nxt = [x for x in trial.events("restart") if x["time"] > e["time"]][0]
+            nxt = [x for x in trial.events() if x["event"] in ("restart", "repair") and x["time"] > e["time"]][0]
             assert nxt["what"] == "restart_engines"
 
 
