@@ -1,8 +1,9 @@
 """The driver: connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
 
-The driver holds no state of the run; it shows a progress bar from the Supervisor's answers, has Ray
-restart a Supervisor that hangs (control/watchdog.py), and turns the result into an exit code. The Supervisor is a named actor (`relaunch/{experiment}/{trial}`), so
-one trial can never have two controllers on a cluster, and `relaunch status` can find it.
+The driver holds no state of the run; it shows a progress bar from the Supervisor's answers, has Ray restart a
+Supervisor that hangs (control/watchdog.py), and turns the result into an exit code. The Supervisor is a named
+actor (`relaunch/{experiment}/{trial}`), so one trial can never have two controllers on a cluster, and
+`relaunch status` can find it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every path of the on-disk layout, in one place (DESIGN.md "On-disk layout").
 
-Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated config, and every derived
-path is checked to stay inside the trial's root, so no name can walk out of it.
+Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated
+config, and every derived path is checked to stay inside the trial's root, so no name can walk out of it.
 """
 from __future__ import annotations
 

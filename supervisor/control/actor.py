@@ -1,8 +1,9 @@
 """The Supervisor actor: a thin Ray shell around the controller, and the only writer of the run's state.
 
-It builds the controller with the real worker groups, runs it, and answers queries (`progress`, which says
-how long ago the controller last moved, for the driver's watchdog) while it runs. When Ray restarts it after its own death, it counts that as a fault like any other (the policy
-decides, backs off or gives up) and rebuilds everything from disk.
+It builds the controller with the real worker groups, runs it, and answers queries (`progress`, which says how
+long ago the controller last moved, for the driver's watchdog) while it runs. When Ray restarts it after its
+own death, it counts that as a fault like any other (the policy decides, backs off or gives up) and rebuilds
+everything from disk.
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 model directory, in one process.
 
 No cluster and no process group: the checkpoint is validated against its manifest (its DCP metadata read
-through the safe unpickler), the model's tensors are read straight from the shards of any world size
-(DCP reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32, its files read with
+through the safe unpickler), the model's tensors are read straight from the shards of any world size (DCP
+reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32, its files read with
 weights_only loading), cast to `--dtype` if asked, and written as safetensors, sharded with an index above
-`--max-shard-size`, next to config.json, the generation config and the tokenizer. The directory is published atomically like every
-other export.
+`--max-shard-size`, next to config.json, the generation config and the tokenizer. The directory is published
+atomically like every other export.
 """
 from __future__ import annotations
 

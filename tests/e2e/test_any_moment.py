@@ -23,15 +23,16 @@ pytestmark = pytest.mark.e2e
 JOB = [*SHORT, "cluster.n_rollout_workers=2", "recover.freq_epochs=1", "recover.retries=60", "recover.backoff_secs=0",
        "recover.step_timeout_secs=8", "recover.start_timeout_secs=40"]
 
-TRAIN_METHODS = ["where", "setup", "train", "weights", "begin_save", "save_result", "load_recover", "begin_export",
-                 "export_result"]
+TRAIN_METHODS = ["where", "setup", "train", "weights", "begin_save", "start_upload", "save_result", "load_recover",
+                 "begin_export", "export_result"]
 ENGINE_METHODS = ["where", "load_weights", "weight_status", "generate"]
 START_ONLY = {"where", "setup", "load_recover", "weight_status"}  # called at (re)starts: no step to pick
 # The steps at which each point with a step fires (entry, exit), spread over the run; saves happen at commits
 # (4, 9, 11, 14, 19, 23), exports and evaluations at epoch ends (11, 23). Recover saves are written in the
-# background (recover.write_mode auto): begun by `begin_save`, collected by `save_result`, and the writer
-# thread itself is killed mid-write at `background_write`; HF exports too (`begin_export`, `export_result`).
-STEP_OF = {"train": (2, 3), "weights": (5, 6), "begin_save": (9, 14), "save_result": (14, 19),
+# background (recover.write_mode auto): begun by `begin_save` and `start_upload`, collected by `save_result`, and
+# the writer thread itself is killed mid-write at `background_write`; HF exports too (`begin_export`,
+# `export_result`).
+STEP_OF = {"train": (2, 3), "weights": (5, 6), "begin_save": (9, 14), "start_upload": (11, 4), "save_result": (14, 19),
            "begin_export": (11, 23), "export_result": (23, 11),
            "load_weights": (13, 15), "generate": (16, 18)}
 PHASE_STEP = {"begin": 17, "rolled_out": 18, "scored": 19, "trained": 20, "pushed": 21, "exported": 23,
