@@ -3,9 +3,11 @@
 A Supervisor can hang without dying (SIGSTOPped, or blocked in fsync on a hung NFS mount) while it holds every
 actor of the job; nothing inside it can notice. The driver can: the Supervisor reports how long ago its
 controller last made a transition (each step, repair or start is one, and each is bounded by the timeouts of
-the calls it makes), and the driver bounds how long `progress()` may go unanswered while Ray says the actor
-is alive. Either bound passed, the driver has Ray restart the Supervisor, which rebuilds from disk and counts
-its own restart against `recover.retries` like any other fault.
+the calls it makes), and the driver bounds how long `progress()` may go unanswered while Ray says the actor is
+alive (recover.step_timeout_secs, at least 30 s; twice recover.start_timeout_secs until a new Supervisor first
+answers: it is importing and reading the run's history). Either bound passed, the driver has Ray restart the
+Supervisor, which rebuilds from disk and counts its own restart against `recover.retries` like any other
+fault.
 """
 from __future__ import annotations
 
@@ -27,26 +29,32 @@ def stall_bound(recover) -> float:
 
 @dataclass
 class Watchdog:
-    unanswered_secs: float   # progress() unanswered this long while the actor is alive: hung
-    stalled_secs: float      # no transition of the controller for this long: hung
+    unanswered_secs: float    # progress() unanswered this long while the actor is alive: hung
+    stalled_secs: float       # no transition of the controller for this long: hung
+    start_secs: float         # the unanswered bound of a Supervisor that has not answered yet: it is starting
     last_answer: float = 0.0  # driver's clock
+    answered: bool = False    # this incarnation of the Supervisor has answered once
 
     @classmethod
     def from_config(cls, config, now: float) -> "Watchdog":
         recover = config.recover
-        return cls(max(recover.step_timeout_secs, MIN_UNANSWERED_SECS), stall_bound(recover), now)
+        unanswered = max(recover.step_timeout_secs, MIN_UNANSWERED_SECS)
+        # a Supervisor's start gets what a TrainGroup's start gets: two start-up bounds (process, then setup)
+        return cls(unanswered, stall_bound(recover), max(2 * recover.start_timeout_secs, unanswered), now)
 
     def verdict(self, now: float, progress: dict | None, alive: bool) -> str | None:
         """Why the Supervisor is hung, or None. `progress` is its answer (None: none in time), `alive` whether
-        Ray has it running (not dead, not being restarted by Ray: that is no hang)."""
+        Ray has it running (not dead, not being restarted by Ray: that is no hang, and the next one starts)."""
         if progress is not None or not alive:
             self.last_answer = now
+            self.answered = progress is not None
         if progress is not None and progress["since_transition_secs"] > self.stalled_secs:
             return f"its controller made no transition for {progress['since_transition_secs']:.0f}s"
-        if now - self.last_answer > self.unanswered_secs:
+        bound = self.unanswered_secs if self.answered else self.start_secs
+        if now - self.last_answer > bound:
             return f"it has not answered for {now - self.last_answer:.0f}s"
         return None
 
     def restarted(self, now: float) -> None:
-        """The driver had it restarted: a new Supervisor gets the full bounds."""
-        self.last_answer = now
+        """The driver had it restarted: the new Supervisor is starting."""
+        self.last_answer, self.answered = now, False

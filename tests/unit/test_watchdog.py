@@ -9,12 +9,22 @@ def answer(since: float) -> dict:
 
 
 def test_a_frozen_supervisor_is_hung_once_unanswered_for_the_step_timeout():
-    w = Watchdog.from_config(load_config(None, ["recover.step_timeout_secs=45"]), now=0)
+    w = Watchdog.from_config(load_config(None, ["recover.step_timeout_secs=45", "recover.start_timeout_secs=50"]),
+                             now=0)
     assert w.verdict(1, answer(1), alive=True) is None
     assert w.verdict(40, None, alive=True) is None
     assert "not answered for 46s" in w.verdict(47, None, alive=True)
     w.restarted(47)
-    assert w.verdict(60, None, alive=True) is None  # the new Supervisor gets the full bound
+    assert w.verdict(140, None, alive=True) is None  # the new Supervisor is starting: the start-up bound
+    assert "not answered for 101s" in w.verdict(148, None, alive=True)
+
+
+def test_a_supervisor_restarted_by_ray_gets_the_start_up_bound_until_it_answers():
+    w = Watchdog(unanswered_secs=30, stalled_secs=1000, start_secs=60)
+    assert w.verdict(0, answer(1), alive=True) is None
+    assert w.verdict(10, None, alive=False) is None   # Ray restarts it (it was SIGKILLed)
+    assert w.verdict(65, None, alive=True) is None    # alive again, still starting
+    assert w.verdict(71, None, alive=True) is not None
 
 
 def test_the_unanswered_bound_has_a_floor_for_loaded_machines():
@@ -23,7 +33,7 @@ def test_the_unanswered_bound_has_a_floor_for_loaded_machines():
 
 
 def test_a_supervisor_that_ray_is_restarting_is_not_hung():
-    w = Watchdog(unanswered_secs=30, stalled_secs=1000)
+    w = Watchdog(unanswered_secs=30, stalled_secs=1000, start_secs=30)
     assert w.verdict(100, None, alive=False) is None  # dead or restarting: Ray's own restart
     assert w.verdict(125, None, alive=True) is None   # alive again, the bound counts from there
     assert w.verdict(131, None, alive=True) is not None
