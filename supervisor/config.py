@@ -181,7 +181,15 @@ class RecoverConfig(Frequency):
     max_backoff_secs: float = Field(30.0, ge=0, description="longest restart delay")
     quiet_secs: float = Field(300.0, ge=0, description="a fault this long after the previous one starts a new "
                                                        "burst: its restart is immediate")
+    incident_secs: float = Field(60.0, ge=0, description="a fault seen while a repair is applied, this soon after "
+                                                          "the fault that started it, is part of the same incident "
+                                                          "(a node that held a rank and an engine): repaired too, "
+                                                          "without spending another retry")
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
+    write_timeout_secs: float = Field(3600.0, gt=0, description="a background recover save or HF export still "
+                                                                "being written after this long is hung (its ranks "
+                                                                "are asked every few seconds meanwhile, so a dead "
+                                                                "or frozen one is seen within step_timeout_secs)")
     start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
                                                                 "model build, rendezvous) is hung")
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")

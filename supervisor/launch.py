@@ -1,13 +1,15 @@
 """The driver: connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
 
-The driver holds no state of the run; it shows a progress bar from the Supervisor's answers and turns
-the result into an exit code. The Supervisor is a named actor (`relaunch/{experiment}/{trial}`), so
-one trial can never have two controllers on a cluster, and `relaunch status` can find it.
+The driver holds no state of the run; it shows a progress bar from the Supervisor's answers, has Ray restart a
+Supervisor that hangs (control/watchdog.py), and turns the result into an exit code. The Supervisor is a named
+actor (`relaunch/{experiment}/{trial}`), so one trial can never have two controllers on a cluster, and
+`relaunch status` can find it.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 
 import ray
@@ -16,6 +18,7 @@ from tqdm import tqdm
 
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
+from supervisor.control.watchdog import Watchdog
 from supervisor.exit_codes import ExitCode
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
@@ -60,7 +63,7 @@ def run_job(config: Config, address: str | None) -> int:
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(config, uuid.uuid4().hex[:12])
         try:
-            result = _follow(supervisor, supervisor.run.remote())
+            result = _follow(supervisor, supervisor.run.remote(), Watchdog.from_config(config, time.monotonic()))
         except KeyboardInterrupt:
             ray.kill(supervisor, no_restart=True)
             print("relaunch: interrupted; the last valid checkpoint is kept", file=sys.stderr)
@@ -78,8 +81,9 @@ def run_job(config: Config, address: str | None) -> int:
     return code
 
 
-def _follow(supervisor, run_ref) -> dict:
-    """Wait for the run, drawing a progress bar from the Supervisor's progress answers."""
+def _follow(supervisor, run_ref, watchdog: Watchdog) -> dict:
+    """Wait for the run, drawing a progress bar from the Supervisor's progress answers; have Ray restart a
+    Supervisor that the watchdog finds hung (it rebuilds from disk and counts the restart)."""
     bar = tqdm(desc="relaunch", unit="step", mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
     try:
         while True:
@@ -88,7 +92,15 @@ def _follow(supervisor, run_ref) -> dict:
                 break
             try:
                 p = ray.get(supervisor.progress.remote(), timeout=5)
-            except Exception:  # noqa: BLE001 - the Supervisor may be restarting; the run ref will tell
+            except Exception:  # noqa: BLE001 - restarting, or hung: the watchdog tells
+                p = None
+            now = time.monotonic()
+            hung = watchdog.verdict(now, p, alive=p is not None or _alive(supervisor))
+            if hung:
+                print(f"[relaunch] the Supervisor is hung: {hung}; restarting it", flush=True)
+                ray.kill(supervisor, no_restart=False)
+                watchdog.restarted(now)
+            if p is None:
                 continue
             bar.total = p["total_steps"]
             bar.n = p["global_step"] + 1
@@ -102,3 +114,11 @@ def _follow(supervisor, run_ref) -> dict:
                     "global_step": -1, "reward": None, "details": ""}
     finally:
         bar.close()
+
+
+def _alive(supervisor) -> bool:
+    """Whether Ray has the Supervisor running (not dead, not being restarted); True when it cannot tell."""
+    try:
+        return ray._private.state.actors(supervisor._actor_id.hex()).get("State", "ALIVE") == "ALIVE"
+    except Exception:  # noqa: BLE001 - no answer from the GCS: do not take that for the Supervisor's death
+        return True

@@ -36,6 +36,7 @@ class TrainWorker:
         self.engine = None
         self.background: Future | None = None  # the recover save being written in the background, if any
         self.background_step: int | None = None
+        self.prepared: tuple[int, Path, list[str]] | None = None  # (step, staging, files) of a save begun, not started
         self.exporting: tuple[int, Future] | None = None  # (step, rank 0's HF export being written)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
         self.parts = None  # what warm() built, until setup hands it to the engine
@@ -101,31 +102,51 @@ class TrainWorker:
 
     @fault_points
     def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
-        """Collective; returns once this rank's state is staged in CPU memory: the engine writes it in the
-        background, and `save_result` reports it when it is durable. One save in flight at a time."""
+        """This rank's part of a background save that needs no peer (rank 0 writes `driver_state`): the first
+        of two calls, so that a storage error on one rank skips the save on every rank. Only once every rank's
+        `begin_save` succeeded does the Supervisor call `start_upload` on all of them."""
         if self.background is not None:
             wait([self.background])  # the Supervisor waits for the previous one first; this is a backstop
         directory = Path(staging)
-        driver = self._save_driver_state(directory, driver_state)
-        now, shards = self.engine.save_async(directory, global_step)  # nothing may raise from here to `submit`
-
-        def finish() -> dict[str, dict]:
-            try:
-                fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
-            finally:
-                written = shards.result()  # the write is over before this future is, whatever happened
-            return _digests(directory, driver + now + written)
-
-        self.background, self.background_step = self._writer.submit(finish), global_step
+        self.prepared = (global_step, directory, self._save_driver_state(directory, driver_state))
 
     @fault_points
-    def save_result(self, global_step: int, block: bool) -> dict[str, dict] | None:
+    def start_upload(self, global_step: int) -> None:
+        """Collective; returns once this rank's state is staged in CPU memory: the engine writes it in the
+        background, and `save_result` reports it when it is durable. One save in flight at a time."""
+        step, directory, driver = self.prepared
+        if step != global_step:
+            raise RuntimeError(f"start_upload of step {global_step}, but this rank began the save of step {step}")
+        self.prepared = None
+        tracked: Future = Future()  # tracked before anything can raise: save_result reports whatever happens
+        self.background, self.background_step = tracked, global_step
+        try:
+            now, shards = self.engine.save_async(directory, global_step)
+        except BaseException as e:
+            tracked.set_exception(e)
+            raise
+
+        def finish() -> None:
+            try:
+                try:
+                    fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
+                finally:
+                    written = shards.result()  # the write is over before the tracked future is, whatever happened
+                tracked.set_result(_digests(directory, driver + now + written))
+            except BaseException as e:  # noqa: BLE001 - the write's error is reported by save_result
+                tracked.set_exception(e)
+
+        self._writer.submit(finish)
+
+    @fault_points
+    def save_result(self, global_step: int) -> dict[str, dict] | None:
         """{file: {size, sha256}} of the background save of `global_step` once every file of it is durable;
-        None while it is still being written (with `block`, waits until it is). Raises the write's error if
-        it failed. Asking again gives the same answer, so the Supervisor can poll every rank until all are done."""
+        None while it is still being written. Raises the write's error if it failed. Asking again gives the
+        same answer, so the Supervisor can poll every rank until all are done (it never blocks here: a slow
+        write is waited for by polling, so that the rank stays seen alive)."""
         if self.background is None or self.background_step != global_step:
             raise RuntimeError(f"no recover save of step {global_step} was begun on this rank")
-        if not block and not self.background.done():
+        if not self.background.done():
             return None
         return self.background.result()
 
@@ -151,15 +172,15 @@ class TrainWorker:
             self.exporting = global_step, self._writer.submit(self.engine.export_hf, Path(directory), full)
 
     @fault_points
-    def export_result(self, global_step: int, block: bool) -> bool:
-        """Whether the background export of `global_step` is written (with `block`, waits until it is);
-        raises the write's error if it failed. Ranks other than 0 write nothing: always True."""
+    def export_result(self, global_step: int) -> bool:
+        """Whether the background export of `global_step` is written (polled, like `save_result`); raises the
+        write's error if it failed. Ranks other than 0 write nothing: always True."""
         if self.rank != 0:
             return True
         if self.exporting is None or self.exporting[0] != global_step:
             raise RuntimeError(f"no HF export of step {global_step} was begun on this rank")
         future = self.exporting[1]
-        if not block and not future.done():
+        if not future.done():
             return False
         future.result()
         return True

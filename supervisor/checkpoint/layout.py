@@ -1,15 +1,15 @@
 """Every path and file name of the on-disk layout, in one place (DESIGN.md "On-disk layout").
 
-Pure: nothing here creates or touches a file. Names come from the validated config, and every derived
-path is checked to stay inside the trial's root, so no name can walk out of it. The engines' own shard
-files (DCP's `__{rank}_*.distcp`, DeepSpeed's `global_step{G}/`) are named by their libraries; the names
-relaunch needs to find them are here too.
+Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated
+config, and every derived path is checked to stay inside the trial's root, so no name can walk out of it. The
+engines' own shard files (DCP's `__{rank}_*.distcp`, DeepSpeed's `global_step{G}/`) are named by their
+libraries; the names relaunch needs to find them are here too.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from supervisor.config import Config
 
@@ -117,3 +117,15 @@ def reference_file(recover_root: Path, step: int) -> Path:
 def step_of_reference(name: str) -> int | None:
     m = re.search(r"ref_globalstep(\d+)\.safetensors$", name)
     return int(m.group(1)) if m else None
+
+
+def inside(root: Path, relative: str) -> Path:
+    """`root / relative` when it names something inside `root`; ValueError when `relative` (a path recorded in
+    a checkpoint's manifest or DCP metadata) is absolute, climbs out with `..`, or leads out through a symlink."""
+    rel = PurePosixPath(relative)
+    if not rel.parts or rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"path {relative!r} is not inside the checkpoint directory")
+    path = root / rel
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"path {relative!r} leads out of the checkpoint directory through a symlink")
+    return path

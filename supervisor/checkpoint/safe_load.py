@@ -5,11 +5,18 @@ optimizer hyper-parameters) with `torch.load(weights_only=False)`: a copied chec
 on resume or export, whatever its manifest says. Here `.metadata` goes through an unpickler that admits
 only DCP's own metadata classes, and non-tensor entries through `torch.load(weights_only=True)`.
 Every place relaunch reads a DCP checkpoint (resume, export, verify, inspect) goes through this module.
+
+DeepSpeed reads its own `*_model_states.pt` / `*_optim_states.pt` with `torch.load(weights_only=False)`
+(zero_to_fp32, load_checkpoint); `deepspeed_files` makes every torch.load weights_only while it does,
+admitting only the few DeepSpeed classes those files hold.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,8 +24,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from supervisor.checkpoint.layout import inside
 
 METADATA_FILE = ".metadata"
 
@@ -34,6 +43,12 @@ _DCP_CLASSES = {
     ("torch.serialization", "_get_layout"),  # maps a layout's name to the torch.layout object, nothing else
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
 }
+
+
+# What DeepSpeed pickles into its model and optimizer state files besides tensors and plain containers (ZeRO
+# 1-3, checked on the checkpoints this repo writes): the ZeRO stage, the loss scaler, ZeRO-2's fragment addresses.
+_DEEPSPEED_CLASSES = ("deepspeed.runtime.zero.config:ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler:LossScaler",
+                      "deepspeed.utils.tensor_fragment:fragment_address")
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -55,6 +70,43 @@ def read_metadata(checkpoint: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def check_dcp(checkpoint: Path, entries: bool = True) -> None:
+    """A DCP checkpoint that loads without running code and reads nothing outside its directory: the metadata
+    through the safe unpickler, every storage path inside `checkpoint`, and (with `entries`) every non-tensor
+    entry through weights_only loading. Raises UnsafeCheckpointError (or OSError, ValueError) naming the problem."""
+    metadata = read_metadata(checkpoint)
+    for info in (metadata.storage_data or {}).values():
+        inside(Path(checkpoint), str(getattr(info, "relative_path", "")))
+    byte_entries = {k: None for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    if entries and byte_entries:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            load(byte_entries, checkpoint, no_dist=True)
+
+
+@contextlib.contextmanager
+def deepspeed_files():
+    """While DeepSpeed reads its checkpoint files: every torch.load is weights_only (DeepSpeed asks for
+    weights_only=False) and admits only _DEEPSPEED_CLASSES; a refused file raises UnsafeCheckpointError naming
+    it. Process-wide for the duration: use it only where nothing else loads files meanwhile."""
+    allowed = [getattr(importlib.import_module(m), n) for m, n in (c.split(":") for c in _DEEPSPEED_CLASSES)]
+    original = torch.load
+
+    def weights_only_load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(f"{f}: refused to load it ({str(e).splitlines()[0]})") from e
+
+    torch.load = weights_only_load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):

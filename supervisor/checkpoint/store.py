@@ -7,7 +7,8 @@ a temporary name and renamed when complete. The commit point is the atomic repla
 `recover_info/checkpoint_info.json`, which lists the published steps; recover_info/ mirrors the newest.
 
 Loading reads everything from the selected step directory, never from the mirror, so a crash between the
-two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`).
+two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`), unless published
+step directories show that it went missing: then nothing is deleted and the run stops naming it.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from supervisor.checkpoint.layout import (
     REFERENCE_PREFIX,
     TMP_PREFIX,
     TrialLayout,
+    inside,
     step_of,
     step_of_reference,
 )
@@ -107,7 +109,7 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
     for name, expect in sorted(files.items()):
-        f = path / name
+        f = _entry_path(path, name)
         if not f.is_file():
             raise CheckpointError(f"{f}: missing")
         if f.stat().st_size != expect["size"]:
@@ -115,11 +117,11 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
         if manifest != trusted and file_digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
     if (path / DCP_METADATA).is_file():
-        from supervisor.checkpoint.safe_load import read_metadata  # torch: imported only where a checkpoint is read
+        from supervisor.checkpoint.safe_load import check_dcp  # torch: imported only where a checkpoint is read
 
         try:
-            read_metadata(path)
-        except Exception as e:  # noqa: BLE001 - refused or unreadable metadata: the checkpoint is damaged
+            check_dcp(path, entries=manifest != trusted)
+        except Exception as e:  # noqa: BLE001 - refused or unreadable metadata or entry: the checkpoint is damaged
             raise CheckpointError(f"{path / '.metadata'}: cannot load ({e})") from e
     infos = {}
     for name in RECOVER_INFO_FILES:
@@ -128,6 +130,17 @@ def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
         except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
             raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
     return Checkpoint(step, path, manifest, infos)
+
+
+def _entry_path(step_dir: Path, name: str) -> Path:
+    """The file a manifest entry names: inside the step directory, or (REFERENCE_PREFIX) inside the reference
+    directory beside it; anything else (absolute, `..`, a symlink out) is a damaged checkpoint."""
+    try:
+        if name.startswith(REFERENCE_PREFIX):
+            return inside(step_dir.parent / REFERENCE_PREFIX.split("/")[1], name[len(REFERENCE_PREFIX):])
+        return inside(step_dir, name)
+    except ValueError as e:
+        raise CheckpointError(f"{step_dir / MANIFEST}: {e}") from e
 
 
 class RecoverStore:
@@ -239,6 +252,20 @@ class RecoverStore:
             return []
         return sorted(s for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None)
 
+    def orphaned_steps(self) -> list[int]:
+        """Published step directories that recover_info/ (absent) must once have committed. The one way a
+        step directory exists before the first recover_info/ is a crash between the first publish and the
+        first commit: a lone step whose own checkpoint_info lists no other step. Anything else was committed."""
+        steps = self.published_steps()
+        if len(steps) != 1:
+            return steps
+        try:
+            info = json.loads((self.layout.step_dir(steps[0]) / META / "checkpoint_info.json").read_bytes())
+            first = info["published"] == [steps[0]]
+        except (OSError, ValueError, KeyError, TypeError):
+            first = False  # unreadable: not provably the first one; keep it and stop
+        return [] if first else steps
+
     def has_recover_state(self) -> bool:
         return self.layout.recover_info.exists()
 
@@ -257,6 +284,12 @@ class RecoverStore:
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""
         if not self.has_recover_state():
+            orphans = self.orphaned_steps()
+            if orphans:
+                raise CheckpointError(
+                    f"{self.layout.recover_info}: missing, but {self.layout.recover_checkpoint} holds published "
+                    f"checkpoints of steps {orphans}; restore recover_info/ (a partial copy? a wrong "
+                    f"cluster.fileroot?) to resume, or run `relaunch clean-restart CONFIG` to start fresh")
             return LoadResult(None)
         committed = self.committed_step()
         steps = self.published_steps()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -24,6 +25,7 @@ from workers.train_worker import TrainWorker
 SETTLE_SECS = 10.0  # how long the peers of an actor that raised may take to finish the same call
 PROBE_TIMEOUT_SECS = 15.0  # how long a surviving engine may take to finish a call left behind by a fault
 KILL_WAIT_SECS = 10.0  # how long killed actors may take to be gone (a SIGSTOPped one takes about 5 s)
+WRITE_POLL_SECS = 1.0  # how often the ranks are asked whether a background write is done, while waiting for it
 
 
 @dataclass
@@ -59,6 +61,21 @@ def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> l
         except Exception:  # noqa: BLE001 - already gone
             pass
     return drain(waited + [h.where.remote() for h in handles], KILL_WAIT_SECS)[0]
+
+
+def wait_for_write(poll: Callable[[], list], bound: float, sleep: Callable[[float], None] = time.sleep,
+                   clock: Callable[[], float] = time.monotonic) -> list:
+    """Poll a background write until every rank's answer is not None (each poll is a call with the step's
+    bound, so a dead or frozen rank is seen as usual), for at most `bound` seconds: a slow, healthy write on
+    shared storage is no hang. Returns the answers; TimeoutError with the indices of the ranks still writing."""
+    start = clock()
+    while True:
+        answers = poll()
+        if all(a is not None for a in answers):
+            return answers
+        if clock() - start >= bound:
+            raise TimeoutError([i for i, a in enumerate(answers) if a is None])
+        sleep(WRITE_POLL_SECS)
 
 
 class _Members:
@@ -207,14 +224,29 @@ class TrainGroup(_Members):
         return files
 
     def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
+        """Every rank starts the background save or none does: each prepares its part alone (a storage error
+        there fails the call with every peer settled, so the save is skipped), then all start the upload."""
         self.call_all("begin_save", staging, global_step, driver_state)
+        self.call_all("start_upload", global_step)
 
     def save_result(self, global_step: int, block: bool) -> dict | None:
-        """Every rank's files of the background save once all are durable, else None (see TrainWorker)."""
-        parts = self.call_all("save_result", global_step, block)
+        """Every rank's files of the background save once all are durable, else None (see TrainWorker); with
+        `block`, waits for them up to recover.write_timeout_secs."""
+        poll = lambda: self.call_all("save_result", global_step)  # noqa: E731
+        parts = self._wait_for_write(poll, f"the recover save of step {global_step}") if block else poll()
         if any(p is None for p in parts):
             return None
         return {name: entry for part in parts for name, entry in part.items()}
+
+    def _wait_for_write(self, poll: Callable[[], list], what: str) -> list:
+        bound = self.config.recover.write_timeout_secs
+        try:
+            return wait_for_write(poll, bound)
+        except TimeoutError as e:
+            stuck = [self.members[i] for i in e.args[0]]
+            raise GroupError(self.group, GetTimeoutError(f"{what} still not written after {bound:.0f}s "
+                                                         f"(recover.write_timeout_secs)"),
+                             tuple(m.name for m in stuck), stuck[0].node_id, bound) from None
 
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
         return self.call_all("load_recover", step_dir, saved_world_size)[0]
@@ -226,7 +258,9 @@ class TrainGroup(_Members):
         self.call_all("begin_export", directory, global_step)
 
     def export_result(self, global_step: int, block: bool) -> bool:
-        return all(self.call_all("export_result", global_step, block))
+        """Whether the background export is written; with `block`, waits up to recover.write_timeout_secs."""
+        poll = lambda: [done or None for done in self.call_all("export_result", global_step)]  # noqa: E731
+        return all(self._wait_for_write(poll, f"the HF export of step {global_step}") if block else poll())
 
     def shutdown(self) -> None:
         """Kill every rank (survivors may be stuck in a collective with a dead one) and free the bundles."""

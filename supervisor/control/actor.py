@@ -1,12 +1,14 @@
 """The Supervisor actor: a thin Ray shell around the controller, and the only writer of the run's state.
 
-It builds the controller with the real worker groups, runs it, and answers queries (`progress`) while it
-runs. When Ray restarts it after its own death, it counts that as a fault like any other (the policy
-decides, backs off or gives up) and rebuilds everything from disk.
+It builds the controller with the real worker groups, runs it, and answers queries (`progress`, which says how
+long ago the controller last moved, for the driver's watchdog) while it runs. When Ray restarts it after its
+own death, it counts that as a fault like any other (the policy decides, backs off or gives up) and rebuilds
+everything from disk.
 """
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import ray
@@ -46,11 +48,13 @@ class Supervisor:
         self.policy = RestartPolicy.from_config(config)
         self.policy.restarts = sum(e["event"] == Event.RESTART for e in prior)
         self.policy.last_fault = max((e["time"] for e in prior if e["event"] == Event.FAILURE), default=None)
+        self.policy.started = any(e["event"] == Event.LOADED for e in prior)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log)
         self.checkpoints = CheckpointCoordinator(config, layout, self.events)
         self.controller: Controller | None = None
+        self.created = time.monotonic()
 
     # ---- queries (served concurrently with run) -------------------------------------------------
     def progress(self) -> dict:
@@ -65,6 +69,7 @@ class Supervisor:
             "train_nodes": r.trainers.nodes if r and r.trainers else [],
             "rollout_nodes": r.engines.nodes if r and r.engines else [],
             "supervisor_pid": os.getpid(),
+            "since_transition_secs": time.monotonic() - (c.transitioned if c else self.created),
             "workers": (r.trainers.describe() if r and r.trainers else []) +
                        (r.engines.describe() if r and r.engines else []),
         }

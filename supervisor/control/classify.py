@@ -30,6 +30,7 @@ class FaultKind(str, enum.Enum):
     STALE_WEIGHTS = "stale_weights"          # an engine refused a call for another weights version
     STORAGE_ERROR = "storage_error"          # disk full, permissions, I/O: a save or export failed
     USER_ERROR = "user_error"                # the reward function or dataset raised
+    RUNTIME_ENV = "runtime_env_failed"       # Ray could not set up a worker's runtime env (pip, working dir)
     SUPERVISOR_DIED = "supervisor_died"      # Ray restarted the Supervisor actor
     INTERNAL_ERROR = "internal_error"        # a bug in relaunch itself
 
@@ -68,16 +69,18 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def storage_cause(error: BaseException) -> Optional[OSError]:
-    """The OSError behind a storage failure: a plain OSError, or one wrapped by DCP's CheckpointException."""
+def storage_cause(error: BaseException, in_dcp: bool = False) -> Optional[OSError]:
+    """The OSError behind a storage failure: a plain OSError, or one wrapped by DCP's CheckpointException
+    (inside which a missing file or directory is the storage's fault too, not a bug)."""
     if isinstance(error, CheckpointException):
         for failure in error.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
-            found = storage_cause(inner) if isinstance(inner, BaseException) else None
+            found = storage_cause(inner, in_dcp=True) if isinstance(inner, BaseException) else None
             if found is not None:
                 return found
         return None
-    if isinstance(error, OSError) and (error.errno in _STORAGE_ERRNOS or "No space left" in str(error)):
+    errnos = _STORAGE_ERRNOS | {errno.ENOENT} if in_dcp else _STORAGE_ERRNOS
+    if isinstance(error, OSError) and (error.errno in errnos or "No space left" in str(error)):
         return error
     if isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _STORAGE_MARKERS):
         return OSError(errno.ENOSPC, first_line(error))
@@ -95,8 +98,10 @@ def classify(err: GroupError | BaseException) -> Fault:
     def fault(kind: FaultKind, message: str) -> Fault:
         return Fault(kind, message, group, actors, node, waited, err.settled)
 
-    if isinstance(cause, (UserCodeError, rex.RuntimeEnvSetupError)):  # the user's code or environment
+    if isinstance(cause, UserCodeError):
         return fault(FaultKind.USER_ERROR, first_line(cause))
+    if isinstance(cause, rex.RuntimeEnvSetupError):  # the policy decides: the user's env, or a transient failure
+        return fault(FaultKind.RUNTIME_ENV, f"{who}: {first_line(cause)}")
     if isinstance(cause, rex.OutOfDiskError):
         return fault(FaultKind.STORAGE_ERROR, f"{who}: {first_line(cause)}")
     if isinstance(cause, rex.GetTimeoutError) or isinstance(err.error, rex.GetTimeoutError):

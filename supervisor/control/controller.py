@@ -21,13 +21,13 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
-from supervisor.cluster.errors import CapacityError, Group
+from supervisor.cluster.errors import CapacityError, Group, first_line
 from supervisor.config import Config
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog
 from supervisor.control.log import run_log
-from supervisor.control.policy import Action, Decision, RestartPolicy, train_group_sizes
+from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
 from supervisor.control.repair_clock import RepairClock
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
@@ -112,6 +112,7 @@ class Controller:
         self.clock = RepairClock()          # where the time of the repair in progress goes
         self.spares = spares                # the warm spare pool (cluster/spares.py), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
+        self.transitioned = time.monotonic()  # when the last transition was applied (the driver's watchdog)
 
     @property
     def state(self) -> State:
@@ -137,10 +138,13 @@ class Controller:
 
     def _enter(self, new: State, result: Result) -> None:
         """The one place a transition is applied and logged."""
+        self.transitioned = time.monotonic()
         if new is not self.state:
             self.events.emit(Event.STATE, previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
         self.current = Current(new, result if new in (State.REPAIRING, State.FINISHED, State.FAILED) else None)
+        if new is State.RUNNING:
+            self.policy.started = True
 
     def _work(self) -> Result:
         """The current state's work; every error it raises becomes a classified, decided fault."""
@@ -182,7 +186,7 @@ class Controller:
         self.events.emit(Event.FAILURE, cause=fault.kind.value, message=fault.message, group=fault.group.value,
                          actor=fault.actor, actors=list(fault.actors), node=fault.node,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
-        decision = self.policy.decide(fault, now=time.time())
+        decision = self.policy.decide(fault, now=time.time(), repairing=self.state is State.REPAIRING)
         where = f" on node {fault.node[:8]}" if fault.node else ""
         self.log.warning(f"{fault.kind.value}: {fault.message}{where} -> {decision.reason}",
                          extra={"step": step, "phase": self.phase})
@@ -199,8 +203,9 @@ class Controller:
             return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:
             self.clock.start(fault.kind.value, decision.action.value, fault.detect_secs)
-            self.events.emit(Event.RESTART, n=self.policy.restarts, limit=self.policy.retries,
-                             what=decision.action.value, cause=fault.kind.value, delay_secs=decision.delay_secs)
+            self.events.emit(Event.RESTART if decision.counted else Event.REPAIR, n=self.policy.restarts,
+                             limit=self.policy.retries, what=decision.action.value, cause=fault.kind.value,
+                             delay_secs=decision.delay_secs)
         return Result(Outcome.FAULT, decision, fault)
 
     @property
@@ -225,8 +230,8 @@ class Controller:
             self.supervisor_restarted = False
             if ckpt is not None:  # so the failure is reported at the step it interrupted; stats stay until decided
                 self.runner.state = self._state_of(ckpt)
-            return self._on_fault(Fault(FaultKind.SUPERVISOR_DIED, "the Supervisor actor died and was restarted "
-                                        "by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
+            return self._on_fault(Fault(FaultKind.SUPERVISOR_DIED, "the Supervisor actor died (or hung) and was "
+                                        "restarted by Ray; rebuilding from disk", Group.SUPERVISOR, ("Supervisor",)))
         self._restart_train_group()
         return Result(Outcome.OK)
 
@@ -237,11 +242,21 @@ class Controller:
         if not self.refill_due or self.spares is None or self.runner.finished:
             return
         if len(self.spares) < self.spares.size:
-            nodes = self.spares.refill(self.runner.trainers.nodes)
+            nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.runner.trainers.nodes)
             if nodes:
                 self.events.emit(Event.SPARES, action="refilled", started=len(nodes), nodes=nodes,
                                  pool=len(self.spares), size=self.spares.size)
         self.refill_due = len(self.spares) < self.spares.size
+
+    def _best_effort(self, what: str, work: Callable, *args):
+        """Optional work (the spare pool's upkeep): whatever it raises (a GCS error, ...) is a warning, never a
+        fault that would roll back a completed step or fail the job; it is tried again later. None if it failed."""
+        try:
+            return work(*args)
+        except Exception as e:  # noqa: BLE001 - nothing of the run depends on it
+            self.events.emit(Event.WARNING, message=f"{what} failed: {type(e).__name__}: {first_line(e)}; "
+                                                    f"tried again later")
+            return None
 
     def _repair(self, pending: Result) -> Result:
         decision, fault = pending.decision, pending.fault
@@ -303,8 +318,9 @@ class Controller:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
         r = self.runner
         with self.clock.part("teardown"):
-            faulty = fault.actors if fault.kind in (FaultKind.ENGINE_DIED, FaultKind.HANG) else ()
-            if self.spares is not None and self.spares.make_room(len(faulty)):
+            faulty = engines_to_replace(fault)
+            if self.spares is not None and self._best_effort("making room for the engines", self.spares.make_room,
+                                                             len(faulty)):
                 self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
                 self.refill_due = True
             replaced = r.engines.replace(faulty)

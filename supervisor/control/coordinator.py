@@ -145,7 +145,8 @@ class CheckpointCoordinator:
             if not ref.is_file():
                 raise OSError(errno.EIO, "rank 0 did not write the reference weights (is cluster.fileroot on "
                                          "storage every node sees?)", str(ref))
-            if ref_step not in self._reference_entries:  # hashed once, not on every save that names it
+            # hashed when it was written (a replayed refresh step rewrites it), not on every save that names it
+            if ref_step == s.global_step or ref_step not in self._reference_entries:
                 self._reference_entries = {ref_step: {"size": ref.stat().st_size, "sha256": file_digest(ref)}}
             files[REFERENCE_PREFIX + ref.name] = self._reference_entries[ref_step]
         files[RUN_CONFIG] = run_config

@@ -21,6 +21,7 @@ class Event(str, enum.Enum):
     STATE = "state"                          # the controller entered another state
     FAILURE = "failure"                      # a fault, classified: cause, group, actor, node, step, phase
     RESTART = "restart"                      # the policy's decision to repair: n of limit, what, delay
+    REPAIR = "repair"                        # a further fault of the same incident, repaired without a retry
     LOADED = "loaded"                        # a new TrainGroup loaded a checkpoint (or started fresh)
     RESYNC = "resync"                        # every engine holds the trainer's version and checksum
     COMMIT = "commit"                        # a recover checkpoint was published
@@ -44,10 +45,24 @@ ENDED = (Event.DONE, Event.GAVE_UP, Event.FAILED)  # the events that end a job
 
 def _append(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, sort_keys=True) + "\n")
+    with open(path, "a+b") as f:
+        _drop_torn_tail(f)
+        f.write((json.dumps(obj, sort_keys=True) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
+
+
+def _drop_torn_tail(f) -> None:
+    """Cut off a last line without its newline (a crash mid-write): a row appended to it would be read as
+    part of the torn line and skipped with it."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(end - 1)
+    if f.read(1) == b"\n":
+        return
+    f.seek(0)
+    f.truncate(f.read().rfind(b"\n") + 1)
 
 
 def read_jsonl(path: Path) -> list[dict]:

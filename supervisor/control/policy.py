@@ -3,7 +3,11 @@
 No Ray, no clock of its own: given a classified fault and the time it was seen, it answers what to do and
 how long to wait first. Every repair, the Supervisor's own restart included, spends one of `recover.retries`;
 a skipped save spends none. The first restart after a quiet period is immediate; backoff applies only to
-faults that follow each other within `recover.quiet_secs` (a crash loop), doubling up to its cap.
+faults that follow each other within `recover.quiet_secs` (a crash loop), doubling up to its cap. A fault that
+strikes while a repair is applied, within `recover.incident_secs` of the fault that started it, is part of
+the same incident (a node that held a rank and an engine): it is repaired too, without spending a retry.
+A runtime env that cannot be set up fails the job before its first start (the user's env is broken) and is
+a start-up fault to retry after it (a replacement node's transient failure).
 The controller applies the decision; unit tests drive this object alone.
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Decision:
     action: Action
     reason: str
     delay_secs: float = 0.0
+    counted: bool = True  # False: a further fault of the incident being repaired, which spent its retry already
 
 
 @dataclass
@@ -42,6 +47,9 @@ class RestartPolicy:
     restarts: int = 0
     burst: int = 0                      # restarts since the last quiet period
     last_fault: float | None = None     # when the previous fault was seen (wall clock, seconds)
+    started: bool = False               # both groups started once: a runtime env that fails now is transient
+    incident_secs: float = 60.0
+    incident: float | None = None       # when the first fault of the incident being repaired was seen
 
     @classmethod
     def from_config(cls, config: Config) -> "RestartPolicy":
@@ -50,13 +58,16 @@ class RestartPolicy:
             backoff_secs=config.recover.backoff_secs,
             max_backoff_secs=config.recover.max_backoff_secs,
             quiet_secs=config.recover.quiet_secs,
+            incident_secs=config.recover.incident_secs,
             retry_user_errors=config.reward.retry_user_errors,
             stop_on_save_error=config.recover.on_save_error.value == "stop",
         )
 
-    def decide(self, fault: Fault, now: float = 0.0) -> Decision:
+    def decide(self, fault: Fault, now: float = 0.0, repairing: bool = False) -> Decision:
+        """What to do about `fault`, seen at `now`; `repairing`: it struck while a repair was being applied."""
         kind = fault.kind
         quiet = self.last_fault is None or now - self.last_fault >= self.quiet_secs
+        same_incident = repairing and self.incident is not None and now - self.incident <= self.incident_secs
         self.last_fault = now
         if kind is FaultKind.INTERNAL_ERROR:
             return Decision(Action.FAIL, f"relaunch internal error: {fault.message}")
@@ -68,12 +79,20 @@ class RestartPolicy:
                                                   f"(recover.on_save_error=skip)")
         if kind is FaultKind.USER_ERROR and not self.retry_user_errors:
             return Decision(Action.FAIL, f"user code raised: {fault.message}")
+        if kind is FaultKind.RUNTIME_ENV and not self.started:  # before any start it is the job's own env
+            return Decision(Action.FAIL, f"the runtime env could not be set up: {fault.message}")
+        if same_incident and kind is not FaultKind.USER_ERROR:
+            # one physical fault (a node with a rank and an engine) is one retry, however its parts are seen
+            action = self.repair(fault)
+            return Decision(action, f"{action.value} after {kind.value}, part of the fault {now - self.incident:.0f}s "
+                                    f"ago (restart {self.restarts}/{self.retries})", counted=False)
         if self.restarts >= self.retries:
             return Decision(Action.FAIL, f"retries exhausted ({self.restarts}/{self.retries}); last fault: "
                                          f"{kind.value}: {fault.message}")
         self.burst = 0 if quiet else self.burst + 1
         delay = min(self.backoff_secs * 2 ** (self.burst - 1), self.max_backoff_secs) if self.burst else 0.0
         self.restarts += 1
+        self.incident = now
         action = self.repair(fault)
         return Decision(action, f"restart {self.restarts}/{self.retries} after {kind.value}", delay)
 
@@ -87,6 +106,15 @@ class RestartPolicy:
         if fault.group is Group.ROLLOUT:  # an engine's fault is repaired on the engines alone
             return Action.RESTART_ENGINES
         return Action.RESTART_TRAIN_GROUP
+
+
+def engines_to_replace(fault: Fault) -> tuple[str, ...]:
+    """The engines a rollout fault names are replaced (dead, hung, a poisoned device, a broken sync: a
+    process that still answers a probe may be unusable), but where only what they were given was at fault:
+    a lost weights object, or weights of another version (a resync fixes both)."""
+    if fault.group is not Group.ROLLOUT or fault.kind in (FaultKind.OBJECT_LOST, FaultKind.STALE_WEIGHTS):
+        return ()
+    return fault.actors
 
 
 def train_group_sizes(wanted: int, minimum: int | None, samples: int) -> list[int]:

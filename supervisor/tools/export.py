@@ -2,11 +2,11 @@
 model directory, in one process.
 
 No cluster and no process group: the checkpoint is validated against its manifest (its DCP metadata read
-through the safe unpickler), the model's tensors are read straight from the shards of any world size
-(DCP reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32), cast to `--dtype`
-if asked, and written as safetensors, sharded with an index above `--max-shard-size`, next to
-config.json, the generation config and the tokenizer. The directory is published atomically like every
-other export.
+through the safe unpickler), the model's tensors are read straight from the shards of any world size (DCP
+reassembles them; a DeepSpeed checkpoint goes through DeepSpeed's zero_to_fp32, its files read with
+weights_only loading), cast to `--dtype` if asked, and written as safetensors, sharded with an index above
+`--max-shard-size`, next to config.json, the generation config and the tokenizer. The directory is published
+atomically like every other export.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.durable import publish_dir, tmp_name
 from supervisor.checkpoint.layout import MANIFEST, RUN_CONFIG, step_of
 from supervisor.checkpoint.store import CheckpointError, read_checkpoint
-from supervisor.config import Config
+from supervisor.config import Backend, Config
 
 MODEL_PREFIX = "model."
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints above this
@@ -45,12 +45,18 @@ def run_config(checkpoint: Path) -> Config:
 
 
 def validated(checkpoint: Path) -> Config:
-    """The run's config of a checkpoint whose every file matches its manifest; ExportError naming the bad file."""
+    """The run's config of a checkpoint whose every file matches its manifest and whose manifest names the
+    engine the run used (the checkpoint's own claim does not choose how it is read); ExportError naming the
+    bad file."""
     config = run_config(checkpoint)
     try:
-        read_checkpoint(checkpoint)
+        manifest = read_checkpoint(checkpoint).manifest
     except CheckpointError as e:
         raise ExportError(f"damaged checkpoint: {e}") from e
+    engine, backend = manifest.get("engine", "fsdp"), config.actor.backend.value
+    if engine != backend:
+        raise ExportError(f"damaged checkpoint: {checkpoint / MANIFEST}: engine {engine}, but {RUN_CONFIG} says "
+                          f"actor.backend {backend}")
     return config
 
 
@@ -103,7 +109,7 @@ def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = N
     if model_cfg.path is not None and not (model_cfg.path / "config.json").is_file():
         raise ExportError(f"model.path {model_cfg.path} of this run is not here; pass --model DIR "
                           f"(a directory with the model's config.json and tokenizer)")
-    weights = checkpoint_weights(checkpoint)
+    weights = checkpoint_weights(checkpoint, config)
     target = DTYPES[dtype] if dtype else None
     if target is not None:
         weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
@@ -123,16 +129,25 @@ def export_recover_checkpoint(checkpoint: Path, out: Path, dtype: str | None = N
     publish_dir(tmp, out)
 
 
-def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The full model weights of a validated recover checkpoint, whichever engine wrote it."""
-    if json.loads((checkpoint / MANIFEST).read_text()).get("engine", "fsdp") == "deepspeed":
-        return deepspeed_weights(checkpoint, step_of(checkpoint))
-    return read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
+def checkpoint_weights(checkpoint: Path, config: Config) -> dict[str, torch.Tensor]:
+    """The full model weights of a `validated` recover checkpoint, read as the engine of its run wrote them;
+    ExportError naming a file that asks to run code."""
+    try:
+        if config.actor.backend is Backend.DEEPSPEED:
+            return deepspeed_weights(checkpoint, step_of(checkpoint))
+        return read_model_weights(checkpoint, label=f"reading {checkpoint.name}")
+    except safe_load.UnsafeCheckpointError as e:
+        raise ExportError(f"unsafe checkpoint: {str(e).splitlines()[0]}") from e
 
 
 def deepspeed_weights(checkpoint: Path, step: int) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own zero_to_fp32 merge of every rank's ZeRO partitions (stage 1, 2 or 3). It reads
-    DeepSpeed's optimizer files with a full unpickler: export only DeepSpeed checkpoints you trust."""
+    """DeepSpeed's own zero_to_fp32 merge of every rank's ZeRO partitions (stage 1, 2 or 3), its files read
+    with weights_only loading (safe_load.deepspeed_files)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=f"global_step{step}")
+    try:
+        with safe_load.deepspeed_files():
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=f"global_step{step}")
+    except (ValueError, KeyError, TypeError, OSError) as e:  # files that load safely but are not DeepSpeed's
+        raise ExportError(f"damaged checkpoint: {checkpoint}: DeepSpeed cannot read it "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e

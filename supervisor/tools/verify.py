@@ -52,10 +52,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     path = path.resolve()
     if step_of(path) is not None:
         try:
-            validated(path)
+            return checkpoint_weights(path, validated(path))
         except ExportError as e:
             raise VerifyError(str(e)) from e
-        return checkpoint_weights(path)
     if path.is_dir():
         return read_hf_weights(path)
     raise VerifyError(f"{path}: neither a HuggingFace directory nor a recover checkpoint (globalstep<N>)")

@@ -78,6 +78,12 @@ class Trial:
     def final_weights(self) -> bytes:
         return (self.exports()[-1] / "model.safetensors").read_bytes()
 
+    def final_checksum(self) -> tuple[int, str]:
+        """(step, weights checksum) of the last commit: what the run really ended with (an HF export is not
+        rewritten when a rollback replays its step)."""
+        commit = self.events("commit")[-1]
+        return commit["global_step"], commit["weights_checksum"]
+
     def wait_for_step(self, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -91,6 +97,12 @@ class Trial:
 def curve(stats: list[dict]) -> list[tuple]:
     """What must match between an interrupted and an uninterrupted run: every step's metrics."""
     return [(r["global_step"], r["reward"], r["loss"], r["grad_norm"]) for r in stats]
+
+
+def metrics(stats: list[dict]) -> list[dict]:
+    """Every field of every step's row (lr, kl, eval/reward, weights_version, ...) but its timings and the
+    figures of its save, which depend on the clock and on where saves happened."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "ckpt/"))} for r in stats]
 
 
 def status_json(trial: Trial, *extra: str, env: dict | None = None) -> dict:

@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIG, SHORT, Trial, curve, job_env, kill_session, relaunch, start_relaunch, status_json
+from conftest import (CONFIG, SHORT, Trial, curve, job_env, kill_session, metrics, relaunch, start_relaunch,
+                      status_json)
 
 pytestmark = pytest.mark.e2e
 
@@ -19,8 +20,8 @@ def run_with_fault(cluster, trial: Trial, tmp_path, fault: str, *extra: str):
 def assert_recovered_exactly(trial: Trial, reference: Trial, restarts: int = 1):
     stats = trial.stats()
     assert [s["global_step"] for s in stats] == list(range(24))
-    assert curve(stats) == curve(reference.stats())
-    assert trial.final_weights() == reference.final_weights()
+    assert metrics(stats) == metrics(reference.stats())
+    assert trial.final_checksum() == reference.final_checksum()
     st = status_json(trial)
     assert st["restarts"] == restarts and st["state"] == "done"
     if restarts:
@@ -109,13 +110,16 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
 
 @pytest.mark.quick
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
-    # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank
-    r = run_with_fault(cluster, trial, tmp_path, "dcp_write:enospc:step=9:rank=1")
+    # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank; then, at
+    # step 14, rank 0 alone fails before its upload starts (its driver_state.pt write): the save is skipped on
+    # every rank, and the next one pairs up (recover.write_mode auto: fsdp writes in the background)
+    r = run_with_fault(cluster, trial, tmp_path,
+                       "dcp_write:enospc:step=9:rank=1,TrainWorker.begin_save.enter:enospc:step=14:rank=0")
     assert r.returncode == 0, r.stdout + r.stderr
     failed = trial.events("save_failed")
-    assert len(failed) == 1 and "No space left" in failed[0]["error"] and failed[0]["global_step"] == 9
-    assert failed[0]["what"] == "background save"  # recover.write_mode auto: fsdp writes in the background
-    assert 9 not in [e["global_step"] for e in trial.events("commit")]
+    assert [(e["global_step"], e["what"]) for e in failed] == [(9, "background save"), (14, "save")]
+    assert all("No space left" in e["error"] for e in failed)
+    assert [e["global_step"] for e in trial.events("commit")] == [4, 19, 23]
     assert_recovered_exactly(trial, reference, restarts=0)
 
 
@@ -261,3 +265,63 @@ def test_a_trainGroup_that_does_not_fit_shrinks_when_allowed(cluster, trial):
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert "did not offer 4 x {'CPU': 2" in last and "capacity_timeout_secs" in last
+
+
+def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster, reference, trial, tmp_path):
+    """Five engines and two ranks fill the cluster, so the node of a rank carries an engine too. Every engine
+    hangs in step 6's rollout, so the node's death is seen first on its engine (the engines are restarted) and
+    then on its rank, while the engines are resynced: one incident, one retry (recover.retries=1 suffices)."""
+    hangs = ["RolloutWorker.generate.enter:hang:step=6"] * 5
+    env = job_env({"RELAUNCH_FAULT": ",".join(hangs), "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, "cluster.n_rollout_workers=5", "recover.spare_workers=0",
+                          "recover.retries=1", *trial.overrides, "--address", cluster.address, env=env,
+                          log=tmp_path / "job.log")
+    added = False
+    try:
+        deadline = time.time() + 300
+        while len(list(tmp_path.glob("fired-*"))) < len(hangs):  # every engine is in step 6's rollout
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        train_node = trial.events("loaded")[0]["nodes"][0]
+        cluster.kill_node(cluster.node_of(train_node))
+        cluster.add_node()  # room for the replacements: the cluster had none to spare
+        added = True
+        assert proc.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if not added:
+            cluster.add_node()
+    failures = trial.events("failure")
+    assert (failures[0]["cause"], failures[0]["node"]) == ("engine_died", train_node)
+    assert "worker_died" in [e["cause"] for e in failures[1:]]
+    assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
+    assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
+    assert_recovered_exactly(trial, reference, restarts=1)
+
+
+def test_a_stopped_supervisor_is_restarted_by_the_driver_and_the_run_ends_exact(cluster, reference, trial, tmp_path):
+    """The Supervisor's process SIGSTOPped mid-run holds every actor and answers nothing: the driver sees it
+    unanswered while Ray has it alive, has Ray restart it, and the new one rebuilds from disk (one restart)."""
+    import os
+    import signal
+
+    proc = start_relaunch("run", str(CONFIG), *SHORT, "recover.step_timeout_secs=10", *trial.overrides,
+                          "--address", cluster.address, env=job_env(), log=tmp_path / "job.log")
+    pid = None
+    try:
+        trial.wait_for_step(8, proc)
+        pid = status_json(trial, "--address", cluster.address)["live"]["supervisor_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        assert proc.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)  # ours to end if the driver did not have it killed
+            except ProcessLookupError:
+                pass
+    assert "the Supervisor is hung: it has not answered" in (tmp_path / "job.log").read_text()
+    assert [e["cause"] for e in trial.events("failure")] == ["supervisor_died"]
+    assert_recovered_exactly(trial, reference, restarts=1)

@@ -179,3 +179,44 @@ def test_pickle_payload_in_dcp_metadata_runs_nothing_on_export_verify_inspect_or
     assert trial.events("loaded")[-1]["global_step"] == 23
     assert [s["global_step"] for s in trial.stats()] == list(range(48))
     assert not marker.exists()
+
+
+def _deepspeed_shaped(published: Path, dst: Path, payload, run_backend: str) -> Path:
+    """A copied step directory made to look written by DeepSpeed, as a new user might be handed one: no DCP
+    files, DeepSpeed-named files holding `payload`, `engine: deepspeed` and matching hashes in its manifest,
+    and `run_backend` in its run_config.json."""
+    shutil.copytree(published, dst)
+    for f in [*dst.glob("*.distcp"), dst / ".metadata"]:
+        f.unlink()
+    tag = dst / f"global_step{dst.name[len('globalstep'):]}"
+    tag.mkdir()
+    torch.save({"module": payload}, tag / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": payload}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (dst / "latest").write_text(tag.name)
+    run_config = json.loads((dst / "run_config.json").read_text())
+    run_config["actor"]["backend"] = run_backend
+    (dst / "run_config.json").write_text(json.dumps(run_config))
+    manifest = json.loads((dst / "manifest.json").read_text())
+    files = {n: e for n, e in manifest["files"].items() if (dst / n).is_file()}
+    for f in [*tag.iterdir(), dst / "latest", dst / "run_config.json"]:
+        files[str(f.relative_to(dst))] = {"size": f.stat().st_size, "sha256": file_digest(f)}
+    (dst / "manifest.json").write_text(json.dumps(dict(manifest, files=files, engine="deepspeed")))
+    return tag
+
+
+def test_a_deepspeed_shaped_pickle_payload_runs_nothing_on_export_or_verify(reference, tmp_path):
+    published = sorted((reference.root / "default" / "recover_checkpoint").glob("globalstep*"),
+                       key=lambda p: int(p.name[10:]))[-1]
+    marker = tmp_path / "payload-ran"
+    for run_backend in ("fsdp", "deepspeed"):  # the manifest's claim alone, and with the run's config agreeing
+        step_dir = tmp_path / run_backend / published.name
+        tag = _deepspeed_shaped(published, step_dir, _Payload(marker), run_backend)
+        refused = (f"{step_dir / 'manifest.json'}: engine deepspeed, but run_config.json says actor.backend fsdp"
+                   if run_backend == "fsdp" else f"unsafe checkpoint: {tag}/")
+        for args in (("export", str(step_dir), "--out", str(tmp_path / "x")),
+                     ("verify", str(step_dir), "--against", str(reference.exports()[-1]))):
+            r = relaunch(*args)
+            last = r.stderr.strip().splitlines()[-1]
+            assert r.returncode == 2 and last.startswith("relaunch: error:") and refused in last, (args, r.stderr)
+            assert "Traceback" not in r.stderr and not marker.exists()
+    assert not (tmp_path / "x").exists()

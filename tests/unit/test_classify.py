@@ -81,6 +81,16 @@ def test_disk_full_inside_dcp_is_a_storage_error(tmp_path):
     assert fault.settled and fault.actors == ("TrainWorker[rank 1]",)
 
 
+def test_a_missing_directory_inside_dcp_is_a_storage_error_but_elsewhere_a_bug(tmp_path):
+    import traceback
+
+    # what a rank's DCP upload raises when its staging directory was removed under it: (error, traceback) per rank
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "gone" / "__1_0.distcp"))
+    gone_fault = classify(from_worker(CheckpointException("write failed", {1: (missing, traceback.extract_stack())})))
+    assert gone_fault.kind is FaultKind.STORAGE_ERROR and "No such file" in gone_fault.message
+    assert classify(from_worker(FileNotFoundError(2, "No such file", "x"))).kind is FaultKind.INTERNAL_ERROR
+
+
 @full_disk
 def test_disk_full_in_torch_save_and_a_plain_oserror_are_storage_errors():
     assert classify(from_worker(real_torch_save_enospc())).kind is FaultKind.STORAGE_ERROR
@@ -105,6 +115,7 @@ def test_a_survivors_gloo_error_after_its_peer_died_is_a_collective_failure():
     (rex.GetTimeoutError("no answer"), Group.TRAIN, FaultKind.HANG),
     (rex.ObjectLostError("ab" * 14, "owner", "call site"), Group.ROLLOUT, FaultKind.OBJECT_LOST),
     (rex.OwnerDiedError("ab" * 14, "owner", "call site"), Group.ROLLOUT, FaultKind.OBJECT_LOST),
+    (rex.RuntimeEnvSetupError("Failed to set up runtime environment"), Group.TRAIN, FaultKind.RUNTIME_ENV),
 ])
 def test_ray_errors_of_a_group_call(error, group, kind):
     fault = classify(GroupError(group, error, ("X",), "node1", 1.0))

@@ -45,9 +45,10 @@ class World:
         self.broken_collective = False
         self.dead_engines: set[int] = set()
         self.hung_engines: set[int] = set()
+        self.poisoned_engines: set[int] = set()  # a device error on every call, until replaced
         self.lose_next_push = False
         self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
-        self.storage_full = self.reward_raises = False
+        self.storage_full = self.reward_raises = self.env_fails = False
         self.train_groups = 0
         self.checksums = 0  # how often the trainers hashed their full weights
         self.write_polls = 1  # a background save is reported unfinished to this many polls
@@ -73,6 +74,10 @@ class World:
             self.storage_full = True
         elif fault == "user":
             self.reward_raises = True
+        elif fault == "engine_device":
+            self.poisoned_engines.add(0)
+        elif fault == "runtime_env":
+            self.env_fails = True
 
 
 class FakeTrainers:
@@ -181,6 +186,13 @@ class FakeEngines:
         self.world.strike(phase, step)
         for i in sorted(self.world.dead_engines):
             raise GroupError(Group.ROLLOUT, rex.ActorDiedError(), (f"RolloutWorker[{i}]",), "n0", 0.1)
+        for i in sorted(self.world.poisoned_engines):
+            err = rex.RayTaskError("generate", "tb", RuntimeError("CUDA error: an illegal memory access"))
+            raise GroupError(Group.ROLLOUT, err.as_instanceof_cause(), (f"RolloutWorker[{i}]",), "n0", 0.1)
+        if self.world.env_fails:
+            self.world.env_fails = False
+            error = rex.RuntimeEnvSetupError("Failed to set up runtime environment: pip install timed out")
+            raise GroupError(Group.ROLLOUT, error, ("RolloutWorker[1]",), "n0", 0.1)
         if self.world.hung_engines:
             names = tuple(f"RolloutWorker[{i}]" for i in sorted(self.world.hung_engines))
             raise GroupError(Group.ROLLOUT, rex.GetTimeoutError("no answer"), names, "n0", 10.0)
@@ -214,6 +226,7 @@ class FakeEngines:
 
     def replace(self, faulty):
         broken = {int(n.split("[")[1][:-1]) for n in faulty} | self.world.dead_engines | self.world.hung_engines
+        self.world.poisoned_engines -= broken  # a poisoned engine answers probes: only naming it replaces it
         self.world.dead_engines, self.world.hung_engines = set(), set()
         for i in broken:
             self.held[i] = None
@@ -272,7 +285,7 @@ PHASES = ["rollout", "score", "train", "weights", "push", "export", "evaluate", 
           "background_export"]
 MODES = ["recover.write_mode=async", "recover.write_mode=sync"]
 TRAIN_FAULTS = ["rank_death", "rank_hang", "peer_collective"]
-ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object"]
+ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object", "engine_device"]
 
 
 def final_history(layout: TrialLayout) -> list[int]:
@@ -328,7 +341,8 @@ def test_an_engine_fault_at_any_phase_replaces_engines_alone_and_never_retrains(
     events = read_jsonl(layout.events_log)
     assert world.train_groups == 1 and [e["global_step"] for e in events if e["event"] == "loaded"] == [-1]
     failures = [e["cause"] for e in events if e["event"] == "failure"]
-    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "lost_object": "object_lost"}[fault]]
+    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "lost_object": "object_lost",
+                         "engine_device": "device_error"}[fault]]
     # every rollout and evaluation was generated once per step, with the weights of its step
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
     assert all(version == step + int(greedy) for step, version, greedy in engines.generated)
@@ -533,3 +547,78 @@ def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_st
                       ("taken", 1, 1, 0), ("refilled", None, None, 1)]
     assert pool.refills == [["n1", "n1"], ["n1", "n1"]]  # away from the ranks' nodes
     assert len(pool) == 0  # the pool is shut down with the job
+
+
+def test_a_run_whose_recover_info_went_missing_stops_with_exit_2_and_keeps_its_checkpoints(tmp_path):
+    import shutil
+
+    controller, layout, _ = make_controller(tmp_path, World(), "total_train_epochs=1")
+    assert controller.run().exit_code == 0
+    steps = sorted(p.name for p in layout.recover_checkpoint.glob("globalstep*"))
+    shutil.rmtree(layout.recover_info)
+    controller, layout, _ = make_controller(tmp_path, World(), "total_train_epochs=1")
+    result = controller.run()
+    assert result.exit_code == 2 and str(layout.recover_info) in result.message and "clean-restart" in result.message
+    assert sorted(p.name for p in layout.recover_checkpoint.glob("globalstep*")) == steps
+
+
+def test_a_runtime_env_failure_fails_the_first_start_and_is_retried_after_it(tmp_path, clean):
+    world = World()
+    world.armed[("resync", -1)] = "runtime_env"  # the job's own env is broken: nothing ever started
+    result, layout, *_ = run(tmp_path / "first", world)
+    assert result.exit_code == ExitCode.FAILED and "runtime env could not be set up" in result.message
+    world = World()
+    world.armed[("rollout", 5)] = "runtime_env"  # a replacement node's transient failure, after the start
+    result, layout, *_ = run(tmp_path / "later", world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    restarts = [e for e in read_jsonl(layout.events_log) if e["event"] == "restart"]
+    assert [(e["cause"], e["what"]) for e in restarts] == [("runtime_env_failed", "restart_engines")]
+
+
+class FlakyPool(FakePool):
+    """A pool whose upkeep meets GCS errors: the first refill and every make_room raise."""
+
+    def refill(self, avoid):
+        if not self.refills:
+            self.refills.append(None)
+            raise rex.RaySystemError("GCS unavailable: failed to get cluster resources")
+        return super().refill(avoid)
+
+    def make_room(self, n: int) -> int:
+        raise rex.RaySystemError("GCS unavailable: failed to get available resources")
+
+
+def test_the_spare_pools_upkeep_fails_soft_and_is_retried(tmp_path, clean):
+    world, pool = World(), FlakyPool(1)
+    world.armed[("rollout", 5)] = "engine_death"  # the engine restart asks the pool to make room
+    controller, layout, _ = make_controller(tmp_path, world)
+
+    def make_train_group(n):
+        group = FakeTrainers(world, n)
+        group.from_spares = pool.take(n)
+        return group
+
+    controller.make_train_group, controller.spares = make_train_group, pool
+    assert controller.run().exit_code == 0
+    assert_complete_and_exact(layout, clean[0])  # nothing rolled back: one TrainGroup, one engine restart
+    events = read_jsonl(layout.events_log)
+    assert world.train_groups == 1
+    assert [(e["cause"], e["what"]) for e in events if e["event"] == "restart"] == [("engine_died", "restart_engines")]
+    warnings = [e["message"] for e in events if e["event"] == "warning"]
+    assert len(warnings) == 2 and "refilling the spare pool failed" in warnings[0]
+    assert "making room for the engines failed" in warnings[1]
+    assert [e["pool"] for e in events if e["event"] == "spares" and e["action"] == "refilled"] == [1]  # retried
+
+
+def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(tmp_path, clean):
+    world = World()
+    world.armed[("rollout", 5)] = "engine_death"           # the node's engine is seen first
+    world.then = [(("weights", 4), "rank_death")]         # its rank while the engines are resynced
+    result, layout, *_ = run(tmp_path, world, "recover.retries=1")
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    events = read_jsonl(layout.events_log)
+    assert [(e["event"], e["cause"], e["what"]) for e in events if e["event"] in ("restart", "repair")] == [
+        ("restart", "engine_died", "restart_engines"), ("repair", "worker_died", "restart_train_group")]
+    assert world.train_groups == 2

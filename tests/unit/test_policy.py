@@ -2,7 +2,7 @@ import pytest
 
 from supervisor.cluster.errors import Group
 from supervisor.control.classify import Fault, FaultKind
-from supervisor.control.policy import Action, RestartPolicy
+from supervisor.control.policy import Action, RestartPolicy, engines_to_replace
 
 
 def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False):
@@ -86,3 +86,49 @@ def test_a_storage_error_that_left_ranks_stuck_restarts_the_train_group():
 
 def test_zero_retries_fails_at_once():
     assert RestartPolicy(retries=0).decide(fault()).action is Action.FAIL
+
+
+def test_a_runtime_env_failure_fails_before_the_first_start_and_is_a_counted_restart_after_it():
+    p = RestartPolicy(retries=3)
+    d = p.decide(fault(FaultKind.RUNTIME_ENV))
+    assert d.action is Action.FAIL and "runtime env" in d.reason and p.restarts == 0
+    p.started = True
+    assert p.decide(fault(FaultKind.RUNTIME_ENV)).action is Action.RESTART_TRAIN_GROUP
+    assert p.decide(fault(FaultKind.RUNTIME_ENV, Group.ROLLOUT)).action is Action.RESTART_ENGINES
+    assert p.restarts == 2
+
+
+@pytest.mark.parametrize("kind, replaced", [
+    (FaultKind.ENGINE_DIED, True), (FaultKind.HANG, True), (FaultKind.DEVICE_ERROR, True),
+    (FaultKind.COLLECTIVE_FAILED, True), (FaultKind.INTERNAL_ERROR, True),
+    (FaultKind.OBJECT_LOST, False), (FaultKind.STALE_WEIGHTS, False),  # what it was given, not the engine
+])
+def test_the_engines_a_rollout_fault_names_are_replaced(kind, replaced):
+    f = Fault(kind, "boom", Group.ROLLOUT, ("RolloutWorker[0]",))
+    assert engines_to_replace(f) == (("RolloutWorker[0]",) if replaced else ())
+    assert engines_to_replace(fault(kind, Group.TRAIN)) == ()
+
+
+def test_faults_seen_while_repairing_soon_after_the_first_are_one_incident_and_one_retry():
+    p = RestartPolicy(retries=3, backoff_secs=1, incident_secs=60)
+    first = p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=100)  # the node's engine is seen first
+    assert first.action is Action.RESTART_ENGINES and first.counted and p.restarts == 1
+    rank = p.decide(fault(FaultKind.WORKER_DIED), now=103, repairing=True)  # then its rank, while repairing
+    assert rank.action is Action.RESTART_TRAIN_GROUP and not rank.counted and rank.delay_secs == 0
+    assert p.restarts == 1 and "part of the fault 3s ago" in rank.reason
+
+
+@pytest.mark.parametrize("now, repairing", [(103, False),   # the repair was done: a new fault
+                                            (200, True)])   # a repair failing long after: a crash loop
+def test_a_fault_after_the_repair_or_outside_the_window_is_counted(now, repairing):
+    p = RestartPolicy(retries=3, incident_secs=60)
+    p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=100)
+    d = p.decide(fault(), now=now, repairing=repairing)
+    assert d.counted and p.restarts == 2
+
+
+def test_one_incident_with_no_retry_left_is_still_repaired_but_a_new_one_fails():
+    p = RestartPolicy(retries=1, incident_secs=60)
+    p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=0)
+    assert p.decide(fault(), now=5, repairing=True).action is Action.RESTART_TRAIN_GROUP
+    assert p.decide(fault(), now=90, repairing=True).action is Action.FAIL

@@ -260,3 +260,73 @@ def test_a_checkpoint_this_process_committed_is_checked_by_size_not_hashed_again
     with pytest.raises(CheckpointError):
         fresh.load_latest()  # every hash is "x" here, so it finds none valid
     assert hashed
+
+
+def test_a_missing_recover_info_beside_published_steps_stops_and_deletes_nothing(store):
+    import shutil
+
+    commit(store, 4)
+    commit(store, 9)
+    shutil.rmtree(store.layout.recover_info)  # a partial copy, or a wrong path
+    with pytest.raises(CheckpointError, match=r"recover_info: missing.*\[4, 9\].*relaunch clean-restart"):
+        store.load_latest()
+    assert store.published_steps() == [4, 9]
+
+
+def test_a_crash_between_the_first_publish_and_the_first_commit_is_a_fresh_start(store):
+    import shutil
+
+    commit(store, 4)
+    shutil.rmtree(store.layout.recover_info)  # as if killed at after_publish of the very first commit
+    assert store.load_latest().checkpoint is None
+    assert store.remove_leftovers(None) == [store.layout.step_dir(4)]
+
+
+def _rewrite_manifest(step_dir: Path, edit) -> None:
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    edit(manifest["files"])
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../../../../outside", "link"])
+def test_manifest_paths_out_of_the_step_directory_are_damage(store, tmp_path, name):
+    commit(store, 4)
+    newest = commit(store, 9)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x" * 10)
+    if name == "link":
+        (newest / "link").symlink_to(outside)
+    _rewrite_manifest(newest, lambda files: files.__setitem__(name, {"size": 10, "sha256": file_digest(outside)}))
+    result = store.load_latest()
+    assert result.checkpoint.global_step == 4
+    reason = result.fallbacks[0]
+    assert "manifest.json" in reason and ("not inside" in reason or "leads out" in reason)
+
+
+def test_a_pickle_in_a_non_tensor_dcp_entry_falls_back_like_a_bad_metadata(store, tmp_path):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    commit(store, 4)
+    newest = commit(store, 9)
+    marker = tmp_path / "executed"
+    for f in list(newest.glob("*.distcp")) + [newest / ".metadata"]:
+        f.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.ones(2)}, "scheduler": {"evil": _Payload(marker)}}, checkpoint_id=str(newest),
+                 no_dist=True)
+
+    def refresh(files):
+        for name in [n for n in files if n.endswith(".distcp")]:
+            del files[name]
+        for f in list(newest.glob("*.distcp")) + [newest / ".metadata"]:
+            files[f.name] = {"size": f.stat().st_size, "sha256": file_digest(f)}
+
+    _rewrite_manifest(newest, refresh)
+    fresh = RecoverStore(store.layout, keep_last=2)  # another process: nothing is trusted
+    result = fresh.load_latest()
+    assert result.checkpoint.global_step == 4 and "Weights only load failed" in result.fallbacks[0]
+    assert not marker.exists()

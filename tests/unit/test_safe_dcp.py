@@ -79,3 +79,46 @@ def test_pickle_payload_in_a_non_tensor_entry_is_refused_by_weights_only_loading
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"w": torch.zeros(2), "extra": None}, checkpoint_id=str(tmp_path), no_dist=True)
     assert marker.exists()
+
+
+def test_check_dcp_refuses_a_pickle_in_a_non_tensor_entry_before_it_runs(tmp_path):
+    marker = tmp_path / "ran"
+    save({"w": torch.ones(2), "scheduler": {"last_epoch": 3, "evil": _Payload(marker)}}, tmp_path)
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="Weights only load failed"):
+        safe_load.check_dcp(tmp_path)
+    assert not marker.exists()
+    safe_load.check_dcp(tmp_path, entries=False)  # a checkpoint this process wrote: its metadata only
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd", "../outside.distcp", "link.distcp"])
+def test_check_dcp_refuses_storage_paths_out_of_the_directory(tmp_path, where):
+    ckpt = tmp_path / "ckpt"
+    save({"w": torch.ones(2)}, ckpt)
+    if where == "link.distcp":
+        (tmp_path / "elsewhere.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes())
+        (ckpt / where).symlink_to(tmp_path / "elsewhere.distcp")
+    metadata = safe_load.read_metadata(ckpt)
+    for info in metadata.storage_data.values():
+        info.relative_path = where
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match="not inside|leads out"):
+        safe_load.check_dcp(ckpt)
+
+
+def test_deepspeed_files_are_read_weights_only_and_a_payload_is_refused_naming_the_file(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    states = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0),
+                                         "fp32": [torch.ones(3)]}}, states)
+    evil, marker = tmp_path / "mp_rank_00_model_states.pt", tmp_path / "ran"
+    torch.save({"module": _Payload(marker)}, evil)
+    with safe_load.deepspeed_files():
+        # DeepSpeed asks for weights_only=False; it gets weights_only loading with its own few classes
+        loaded = torch.load(states, map_location="cpu", weights_only=False)
+        assert loaded["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.gradients
+        with pytest.raises(safe_load.UnsafeCheckpointError, match=f"{evil}: refused"):
+            torch.load(evil, map_location="cpu", weights_only=False)
+    assert not marker.exists()
+    torch.load(states, weights_only=False)  # torch.load is itself again afterwards

@@ -5,7 +5,8 @@ C++ op built on first use; AdamW needs no build and steps the same way on every 
 schedule as the FSDP engine. Recover checkpoints are DeepSpeed's native format: `save_checkpoint` with tag
 `global_step{G}` and its `latest` file inside our step directory, which relaunch publishes atomically (so
 DeepSpeed's non-atomic `latest` never is the commit point), plus one RNG file per rank. Loading names the
-tag explicitly. DeepSpeed's `zero_to_fp32` reads the step directory as it is.
+tag explicitly, with weights_only loading (safe_load.deepspeed_files). DeepSpeed's `zero_to_fp32` reads the
+step directory as it is.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
 from supervisor.config import Config
 from workers.engines.base import lr_scheduler
@@ -95,8 +97,9 @@ class DeepSpeedEngine:
         """Collective: model, optimizer and LR scheduler from the named tag (never from `latest`)."""
         if not same_world_size:
             raise ValueError(f"{directory}: a DeepSpeed checkpoint loads only with the world size it was saved with")
-        path, _ = self.engine.load_checkpoint(str(directory), tag=deepspeed_tag(global_step),
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        with safe_load.deepspeed_files():  # a copied checkpoint cannot run code here (DeepSpeed unpickles fully)
+            path, _ = self.engine.load_checkpoint(str(directory), tag=deepspeed_tag(global_step),
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise FileNotFoundError(f"{directory / deepspeed_tag(global_step)}: DeepSpeed found no checkpoint")
         if self.reference is not None:

@@ -1,0 +1,53 @@
+"""The driver's watchdog: a hung Supervisor is one whose controller stopped moving, or that stopped answering
+while Ray has it running; a Supervisor Ray is restarting is not hung."""
+from supervisor.config import load_config
+from supervisor.control.watchdog import MIN_UNANSWERED_SECS, Watchdog, stall_bound
+
+
+def answer(since: float) -> dict:
+    return {"since_transition_secs": since}
+
+
+def test_a_frozen_supervisor_is_hung_once_unanswered_for_the_step_timeout():
+    w = Watchdog.from_config(load_config(None, ["recover.step_timeout_secs=45", "recover.start_timeout_secs=50"]),
+                             now=0)
+    assert w.verdict(1, answer(1), alive=True) is None
+    assert w.verdict(40, None, alive=True) is None
+    assert "not answered for 46s" in w.verdict(47, None, alive=True)
+    w.restarted(47)
+    assert w.verdict(140, None, alive=True) is None  # the new Supervisor is starting: the start-up bound
+    assert "not answered for 101s" in w.verdict(148, None, alive=True)
+
+
+def test_a_supervisor_restarted_by_ray_gets_the_start_up_bound_until_it_answers():
+    w = Watchdog(unanswered_secs=30, stalled_secs=1000, start_secs=60)
+    assert w.verdict(0, answer(1), alive=True) is None
+    assert w.verdict(10, None, alive=False) is None   # Ray restarts it (it was SIGKILLed)
+    assert w.verdict(65, None, alive=True) is None    # alive again, still starting
+    assert w.verdict(71, None, alive=True) is not None
+
+
+def test_the_unanswered_bound_has_a_floor_for_loaded_machines():
+    assert Watchdog.from_config(load_config(None, ["recover.step_timeout_secs=5"]), 0).unanswered_secs == \
+        MIN_UNANSWERED_SECS
+
+
+def test_a_supervisor_that_ray_is_restarting_is_not_hung():
+    w = Watchdog(unanswered_secs=30, stalled_secs=1000, start_secs=30)
+    assert w.verdict(100, None, alive=False) is None  # dead or restarting: Ray's own restart
+    assert w.verdict(125, None, alive=True) is None   # alive again, the bound counts from there
+    assert w.verdict(131, None, alive=True) is not None
+
+
+def test_a_supervisor_that_answers_but_whose_controller_stopped_is_hung():
+    config = load_config(None, [])
+    w = Watchdog.from_config(config, now=0)
+    bound = stall_bound(config.recover)
+    assert w.verdict(10, answer(bound - 1), alive=True) is None
+    assert "no transition for" in w.verdict(11, answer(bound + 1), alive=True)
+
+
+def test_the_stall_bound_covers_every_bounded_wait_of_one_transition():
+    r = load_config(None, []).recover
+    assert stall_bound(r) > r.capacity_timeout_secs + 2 * r.start_timeout_secs + r.write_timeout_secs + \
+        4 * r.step_timeout_secs
