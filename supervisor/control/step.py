@@ -26,6 +26,7 @@ from supervisor.cluster.errors import Group, GroupError
 from supervisor.control.coordinator import CheckpointCoordinator, PendingExport, Staged
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
 from supervisor.control.interval import AutoInterval
+from supervisor.control.memory import memory_fields
 from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
@@ -70,8 +71,9 @@ class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
     def __init__(self, config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
-                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None]):
+                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], spares=None):
         self.config, self.loader, self.reward_fn = config, loader, reward_fn
+        self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
         self.state = RunState.fresh(config, loader.steps_per_epoch)
@@ -126,7 +128,8 @@ class StepRunner:
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
                   for r in range(n)]
-        metrics = self.trainers.train(shards, s.global_step)[0]
+        results = self.trainers.train(shards, s.global_step)
+        metrics = results[0]
         # ---- the commit point: every rank took its optimizer step -----------------------------------
         t_train = time.monotonic()
         self.state.step = s
@@ -140,7 +143,9 @@ class StepRunner:
                  "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                  "lr": metrics["lr"], "weights_version": s.global_step + 1,
                  "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout,
-                 **({"kl": metrics["kl"]} if "kl" in metrics else {})},  # with actor.kl_coef
+                 **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
+                 **memory_fields([r["memory"] for r in results], rollout["memory"],
+                                 self.spares.peak_memory() if self.spares else [])},
             export=self.state.saver.check(s.is_epoch_end, elapsed),
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
