@@ -86,6 +86,7 @@ class StepRunner:
         self.failed: str | None = None  # "save" or "export": that background write raised; the controller decides
         self.phase: Phase | None = None
         self.last_reward: float | None = None
+        self.logged: tuple | None = None  # (when, TrainGroup) of the last row written: the time between steps
         self.interval = None  # recover.freq_secs: auto; it sees the trial's past and every new event
         if config.recover.freq_secs == "auto":
             self.interval = AutoInterval.from_history(read_jsonl(events.path))
@@ -168,8 +169,9 @@ class StepRunner:
     def _settle(self, o: Owed) -> None:
         s = o.step
         if self.engine_version != s.global_step + 1:
-            self.phase = Phase.PUSH
+            self.phase, t = Phase.PUSH, time.monotonic()
             self.sync_engines(gate=False, hashed=o.save)  # a saved step's commit names its checksum
+            o.paid_secs["push"] = time.monotonic() - t
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
@@ -178,9 +180,9 @@ class StepRunner:
             o.export, o.paid_secs["export"] = False, time.monotonic() - t
             self.fault_point("step.exported", s)
         if o.evaluate:
-            self.phase = Phase.EVALUATE
+            self.phase, t = Phase.EVALUATE, time.monotonic()
             o.row["eval/reward"] = self._evaluate(s)
-            o.evaluate = False
+            o.evaluate, o.paid_secs["evaluate"] = False, time.monotonic() - t
             self.fault_point("step.evaluated", s)
         if o.save and o.staged is None:
             self.phase, waited = Phase.SAVE, time.monotonic()
@@ -265,7 +267,14 @@ class StepRunner:
         elif o.staged:
             o.row["ckpt/bytes"] = o.staged.nbytes
             o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
+        o.row.update({f"time/{k}": o.paid_secs.get(k, 0.0) for k in ("push", "export", "evaluate")})
+        o.row["time/save"] = o.staged.secs if o.staged else 0.0  # the recover save's stall before this row
+        if self.logged and self.logged[1] is self.trainers:
+            # the last row's write (fsync), its save's commit, background collections, the controller's loop;
+            # absent on a new TrainGroup's first step (the gap was a repair)
+            o.row["time/between_steps"] = o.started - self.logged[0]
         o.row["time/step"] = time.monotonic() - o.started
+        self.logged = (time.monotonic(), self.trainers)
         self.stats.append(o.row)
         o.logged = True
 
