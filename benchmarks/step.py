@@ -1,6 +1,7 @@
 """Where a step's time goes, at each model size side by side: the default job's task run for an epoch per size.
 
-    .venv/bin/python benchmarks/step.py [--size tiny,100m,0.5b] [--epochs 1] [--quick] [--address ADDR] [--json FILE]
+    .venv/bin/python benchmarks/step.py [--size tiny,100m,0.5b] [--steps N] [--quick] [--address ADDR] [--json FILE]
+                                        [KEY=VALUE ...]
 
 Each size runs its shipped config (benchmarks/sizes.py) with its own saves, exports and evaluations, on a
 one-node Ray cluster with room for the ranks, the engine and a warm spare (or on ADDR). The phases come from
@@ -12,7 +13,9 @@ digest is timed here, on this process, over tensors of the model's shapes (worke
 push hashes the weights on steps that save (1 in recover.freq_steps). The sync's bandwidth is the weights'
 bytes over the median push of steps that do not hash, against a memcpy of the same bytes. Every figure is a
 median over the steps after the first (a new TrainGroup's first step has no period); sporadic phases (save,
-export, evaluation) also get their mean per step, which is what they cost. `--quick`: tiny, one epoch (CI).
+export, evaluation) also get their mean per step, which is what they cost. `--steps N` runs one epoch over the
+dataset's first N batches (a large model's steps are long); KEY=VALUE overrides apply to every size.
+`--quick`: tiny, one epoch (CI).
 """
 from __future__ import annotations
 
@@ -37,10 +40,16 @@ KINDS = ("train", "engine", "spare", "supervisor")
 CHUNK = 256 * 1024**2  # bytes copied at a time by the memcpy reference
 
 
-def run_size(size: str, address: str | None, fileroot: Path, epochs: int) -> list[dict]:
-    """The size's job run once; its stats rows."""
-    config = load_config(SIZES[size].config, [f"cluster.fileroot={fileroot}", f"trial_name=step-{size}",
-                                               f"total_train_epochs={epochs}"])
+def run_size(size: str, address: str | None, fileroot: Path, steps: int | None, overrides: list[str]) -> list[dict]:
+    """The size's job run for one epoch (of its first `steps` batches, if given); its stats rows."""
+    base = load_config(SIZES[size].config, overrides)
+    if steps:
+        data = fileroot / f"data-{size}.jsonl"
+        rows = base.data.path.read_text().splitlines(keepends=True)
+        data.write_text("".join(rows[:steps * base.data.batch_size]))
+        overrides = [*overrides, f"data.path={data}"]
+    config = load_config(SIZES[size].config, [*overrides, f"cluster.fileroot={fileroot}",
+                                               f"trial_name=step-{size}", "total_train_epochs=1"])
     cluster = None if address else LocalCluster(n_workers=0, head_cpus=4, object_store=SIZES[size].object_store)
     try:
         code = run_job(config, address or cluster.address)
@@ -128,14 +137,15 @@ def table(runs: list[dict]) -> list[tuple[str, ...]]:
 def main() -> None:
     parser = arguments(__doc__, "tiny, one epoch (CI)")
     parser.add_argument("--size", default="tiny,100m", help="sizes side by side, comma-separated: tiny,100m,0.5b")
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--steps", type=int, help="one epoch of this many steps (default: the whole dataset's)")
+    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     sizes = ["tiny"] if args.quick else parse_sizes(args.size)
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-step-"))
     runs = []
     for size in sizes:
-        rows = run_size(size, args.address, fileroot, 1 if args.quick else args.epochs)
-        runs.append(figures(size, rows, load_config(SIZES[size].config).recover.freq_steps))
+        rows = run_size(size, args.address, fileroot, None if args.quick else args.steps, args.overrides)
+        runs.append(figures(size, rows, load_config(SIZES[size].config, args.overrides).recover.freq_steps))
     report(table(runs), {"benchmark": "step", "runs": runs}, args.json)
     print("(median over the steps after the first; in brackets the mean per step; digest: one hash / per step)")
 
