@@ -7,14 +7,14 @@ its extra milliseconds go.
 Both run a size's job (benchmarks/sizes.py; the default job at tiny) with no saves, exports or evaluations
 (recover.mode=off): generate on a RolloutWorker, score, train on the TrainWorkers, push the weights. The bare
 loop drives supervisor/cluster/groups.py's TrainGroup and RolloutGroup directly, without events, stats rows,
-frequency checks or checksums. The figure compared is the median step: for the bare loop the start of the
+frequency checks or checksums, from a Ray task on the driver's node (where the Supervisor actor runs). The figure compared is the median step: for the bare loop the start of the
 rollout to the weights pushed; for the Supervisor the time from one stats row's write to the next
 (`time/between_steps` + `time/step`: the row's fsync and the controller's loop count). Start-up and shutdown
 do not blur it. Runs alternate (bare, Supervisor, ...), sizes side by side on one cluster.
 
-`--profile` samples the Supervisor's process with py-spy during its first run of each size (benchmarks/pyspy.py)
-and prints, per step, how much of its job thread's time waits on workers and which of its own functions take
-the rest.
+`--profile` samples the Supervisor's process with py-spy in one more run of each size (benchmarks/pyspy.py), and
+prints, per step, how much of its job thread's time waits on workers (by call) and which of its own functions
+take the rest.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import pyspy
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from recovery import run as run_job_timed
 from report import arguments, report
 from sizes import SIZES, parse_sizes
@@ -43,34 +44,42 @@ NO_SAVES = ["recover.mode=off", "saver.freq_epochs=null", "evaluator.freq_epochs
 
 
 def bare(address: str, config_path: Path, overrides: list[str]) -> list[float]:
-    """Seconds of every step."""
+    """Seconds of every step of the bare loop, run in a Ray task on the driver's node as the Supervisor actor
+    runs there: Ray starts its workers at nice 15, so on a loaded machine a loop in the driver (nice 0) would
+    get more CPU than the Supervisor does, and the comparison would not be like for like."""
     cfg = load_config(config_path, [*NO_SAVES, *overrides])
+    connect(cfg, address)
+    try:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.get(bare_loop.options(scheduling_strategy=here).remote(cfg))
+    finally:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def bare_loop(cfg) -> list[float]:
     loader = PromptLoader(read_prompts(cfg.data.path), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
     reward_fn, group = load_reward_fn(cfg.reward.fn), cfg.data.group_size
     steps = loader.steps_per_epoch * cfg.total_train_epochs
-    connect(cfg, address)
-    try:
-        engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)
-        trainers = TrainGroup(cfg, cfg.cluster.n_train_workers, cfg.recover.step_timeout_secs)
-        engines.push(trainers.weights(-1)[0], 0)
-        secs = []
-        for g in range(steps):
-            started = time.monotonic()
-            rows = [r for r in loader.batch(g // loader.steps_per_epoch, g % loader.steps_per_epoch)
-                    for _ in range(group)]
-            rollout = engines.generate([r["prompt"] for r in rows], g, version=g)
-            advantages = group_advantages(torch.tensor(score(reward_fn, rows, rollout["completions"])), group)
-            n = trainers.world_size
-            shards = [dict({k: rollout[k].chunk(n)[r] for k in ("input_ids", "attention_mask", "response_mask")},
-                           advantages=advantages.chunk(n)[r]) for r in range(n)]
-            trainers.train(shards, g)
-            engines.push(trainers.weights(g)[0], g + 1)
-            secs.append(time.monotonic() - started)
-        trainers.shutdown()
-        engines.shutdown()
-        return secs
-    finally:
-        ray.shutdown()
+    engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)
+    trainers = TrainGroup(cfg, cfg.cluster.n_train_workers, cfg.recover.step_timeout_secs)
+    engines.push(trainers.weights(-1)[0], 0)
+    secs = []
+    for g in range(steps):
+        started = time.monotonic()
+        rows = [r for r in loader.batch(g // loader.steps_per_epoch, g % loader.steps_per_epoch)
+                for _ in range(group)]
+        rollout = engines.generate([r["prompt"] for r in rows], g, version=g)
+        advantages = group_advantages(torch.tensor(score(reward_fn, rows, rollout["completions"])), group)
+        n = trainers.world_size
+        shards = [dict({k: rollout[k].chunk(n)[r] for k in ("input_ids", "attention_mask", "response_mask")},
+                       advantages=advantages.chunk(n)[r]) for r in range(n)]
+        trainers.train(shards, g)
+        engines.push(trainers.weights(g)[0], g + 1)
+        secs.append(time.monotonic() - started)
+    trainers.shutdown()
+    engines.shutdown()
+    return secs
 
 
 def supervised(address: str, fileroot: Path, trial: str, config_path: Path, overrides: list[str],
@@ -92,11 +101,13 @@ def measure(size: str, address: str, fileroot: Path, epochs: int, repeats: int, 
     raw = fileroot / f"profile-{size}.txt" if profile else None
     for i in range(repeats):
         per_step["bare"] += bare(address, config_path, overrides)[1:]  # the first step: as the Supervisor's
-        per_step["supervisor"] += supervised(address, fileroot, f"{size}-run{i}", config_path, overrides,
-                                             raw if i == 0 else None)
+        per_step["supervisor"] += supervised(address, fileroot, f"{size}-run{i}", config_path, overrides)
     b, s = statistics.median(per_step["bare"]), statistics.median(per_step["supervisor"])
     steps = len(per_step["supervisor"]) // repeats
-    prof = pyspy.summary(raw, steps) if raw and raw.exists() else None
+    prof = None
+    if raw:  # a run of its own: sampling pauses the process, its steps are not among those compared
+        supervised(address, fileroot, f"{size}-profiled", config_path, overrides, raw)
+        prof = pyspy.summary(raw, steps) if raw.exists() else None
     return {"size": size, "steps": steps, "repeats": repeats, "bare_step_secs": per_step["bare"],
             "supervisor_step_secs": per_step["supervisor"], "bare_median": b, "supervisor_median": s,
             "overhead_percent": (s - b) / b * 100, "profile": prof}
@@ -138,7 +149,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", help="sizes side by side, comma-separated: tiny,100m,0.5b")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--profile", action="store_true", help="sample the Supervisor with py-spy (first runs)")
+    parser.add_argument("--profile", action="store_true", help="sample the Supervisor with py-spy (one more run)")
     args = parser.parse_args()
     sizes = ["tiny"] if args.quick else parse_sizes(args.size)
     epochs, repeats = (1, 1) if args.quick else (args.epochs, args.repeats)
