@@ -44,6 +44,9 @@ def trial_status(config, n_events: int = 10) -> dict:
     }
 
 
+KINDS = ("train", "engine", "spare", "supervisor")  # the order status lists them in
+
+
 def peak_memory_of(stats: list[dict]) -> dict[str, float]:
     """Each actor kind's peak memory over the trial's steps (GB), from the `mem/` fields of its stats rows:
     {"train": 3.1, "engine": 2.0, ...}, plus `{kind}_cuda` where CUDA was used."""
@@ -53,7 +56,8 @@ def peak_memory_of(stats: list[dict]) -> dict[str, float]:
             if key.startswith("mem/") and key.endswith("_peak_gb"):
                 kind = key[len("mem/"):-len("_peak_gb")]
                 peaks[kind] = max(peaks.get(kind, 0.0), value)
-    return peaks
+    order = [*KINDS, *(f"{k}_cuda" for k in KINDS)]
+    return dict(sorted(peaks.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
 
 
 def format_status(st: dict) -> str:

@@ -68,8 +68,7 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     stats = trial.stats()
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
-    st = status_json(trial)
-    assert st["restarts"] >= 1 and st["memory"]["spare"] > 0  # a warm spare's peak memory is in the stats
+    assert status_json(trial)["restarts"] >= 1
 
 
 def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by_the_refill(

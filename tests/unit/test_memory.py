@@ -22,8 +22,8 @@ def test_row_fields_take_each_kinds_largest_process():
 
 
 def test_status_reports_the_peak_over_the_trials_steps():
-    rows = [{"mem/train_peak_gb": 1.5, "mem/engine_peak_gb": 1.0}, {"mem/train_peak_gb": 1.2, "mem/spare_peak_gb": 0.9}]
-    assert peak_memory_of(rows) == {"train": 1.5, "engine": 1.0, "spare": 0.9}
+    rows = [{"mem/engine_peak_gb": 1.0, "mem/train_peak_gb": 1.5}, {"mem/spare_peak_gb": 0.9, "mem/train_peak_gb": 1.2}]
+    assert list(peak_memory_of(rows).items()) == [("train", 1.5), ("engine", 1.0), ("spare", 0.9)]
     st = {"experiment_name": "e", "trial_name": "t", "checkpoint_root": "/r", "live": None, "state": "done",
           "last_valid": None, "checkpoint_error": None, "restarts": 0, "last_step": None, "events": [],
           "memory": peak_memory_of(rows)}
