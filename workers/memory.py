@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import resource
 
+import torch
+
 GB = 1e9
 
 
 def peak_memory() -> dict[str, float]:
     """{"rss_gb": peak RSS} and, when this process has used CUDA, {"cuda_gb": peak allocated}."""
     peak = {"rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, 4)}
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["cuda_gb"] = round(torch.cuda.max_memory_allocated() / GB, 4)
     return peak

@@ -1,4 +1,4 @@
-"""The policy model and its tokenizer: a HuggingFace directory, or a tiny Qwen2 built from the config.
+"""The policy model and its tokenizer: a HuggingFace directory, or a Qwen2 built from the config's sizes.
 
 A built model needs no download: its tokenizer is a word-level `tokenizers` model over the config's
 vocabulary (the tiny default) or a byte-level BPE trained here (workers/tokenizer.py, the sized configs),
