@@ -27,10 +27,18 @@ from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
 
 
-def run(address: str, fileroot: Path, trial: str, overrides: list[str]) -> tuple[float, TrialLayout]:
-    config = load_config(None, [f"cluster.fileroot={fileroot}", f"trial_name={trial}", *overrides])
+def run(address: str, fileroot: Path, trial: str, overrides: list[str], config_path: Path | None = None,
+        during=None) -> tuple[float, TrialLayout]:
+    """The job (the default config, or `config_path`) run to its end; `during(config)`, if given, is called
+    before it starts and returns a callable called after it ended (a profiler, say)."""
+    config = load_config(config_path, [f"cluster.fileroot={fileroot}", f"trial_name={trial}", *overrides])
     started = time.monotonic()
-    code = run_job(config, address)
+    after = during(config) if during else None
+    try:
+        code = run_job(config, address)
+    finally:
+        if after:
+            after()
     assert code == 0, f"{trial} failed with exit code {code}"
     return time.monotonic() - started, TrialLayout.from_config(config)
 

@@ -101,19 +101,29 @@ class ClusterConfig(_Strict):
     gpus_per_engine: float = Field(0, ge=0, description="Ray GPUs per RolloutWorker; >0 puts its model on the GPU")
 
 
-class ModelConfig(_Strict):
-    """A HuggingFace model directory, or (path null) a tiny Qwen2 built from these sizes, random init."""
+class TokenizerKind(str, enum.Enum):
+    WORD = "word"  # one token per whitespace-separated word of `model.vocab`: the tiny default
+    BPE = "bpe"    # a byte-level BPE of `model.vocab_size` tokens, trained here (workers/tokenizer.py)
 
-    path: Optional[Path] = Field(None, description="HF model directory; null builds a tiny model")
+
+class ModelConfig(_Strict):
+    """A HuggingFace model directory, or (path null) a Qwen2 built from these sizes, random init."""
+
+    path: Optional[Path] = Field(None, description="HF model directory; null builds a model from the sizes below")
+    tokenizer: TokenizerKind = Field(
+        TokenizerKind.WORD, description="word | bpe: the built model's tokenizer (path null only); bpe is trained "
+                                        "in memory on seeded generated text, no download (workers/tokenizer.py)")
     vocab: list[str] = Field(
         default_factory=lambda: ["<pad>", "<s>", "</s>", "="] + [str(d) for d in range(10)],
-        description="word-level vocabulary of the tiny model's tokenizer",
+        description="word-level vocabulary of the tiny model's tokenizer (model.tokenizer word)",
     )
-    hidden_size: int = Field(64, gt=0, description="the tiny model's width")
-    intermediate_size: int = Field(128, gt=0, description="the tiny model's MLP width")
-    num_layers: int = Field(2, gt=0, description="the tiny model's decoder layers")
-    num_heads: int = Field(4, gt=0, description="the tiny model's attention heads")
-    num_kv_heads: int = Field(2, gt=0, description="the tiny model's key/value heads (grouped-query attention)")
+    vocab_size: int = Field(32768, ge=512, le=262144, description="tokens of the BPE vocabulary, special tokens "
+                                                                  "included (model.tokenizer bpe)")
+    hidden_size: int = Field(64, gt=0, description="the built model's width")
+    intermediate_size: int = Field(128, gt=0, description="the built model's MLP width")
+    num_layers: int = Field(2, gt=0, description="the built model's decoder layers")
+    num_heads: int = Field(4, gt=0, description="the built model's attention heads")
+    num_kv_heads: int = Field(2, gt=0, description="the built model's key/value heads (grouped-query attention)")
 
 
 class ActorConfig(_Strict):

@@ -1,7 +1,8 @@
-"""The policy model and its tokenizer: a HuggingFace directory, or a tiny Qwen2 built from the config.
+"""The policy model and its tokenizer: a HuggingFace directory, or a Qwen2 built from the config's sizes.
 
-The tiny model needs no download: its tokenizer is a word-level `tokenizers` model over the config's
-vocabulary, wrapped as a HuggingFace fast tokenizer so exports load with AutoTokenizer.
+A built model needs no download: its tokenizer is a word-level `tokenizers` model over the config's
+vocabulary (the tiny default) or a byte-level BPE trained here (workers/tokenizer.py, the sized configs),
+wrapped as a HuggingFace fast tokenizer so exports load with AutoTokenizer.
 transformers is imported where it is used: the driver and the Supervisor import this package's actor
 classes but never build a model, and skip its seconds of import time.
 """
@@ -13,7 +14,7 @@ import torch
 
 
 def build_tokenizer(model_cfg):
-    """The model directory's own tokenizer (and chat template), or the tiny model's word-level one."""
+    """The model directory's own tokenizer (and chat template), or the built model's word-level or BPE one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -22,6 +23,10 @@ def build_tokenizer(model_cfg):
         if tok.pad_token is None:  # many causal LMs ship without one; rollouts are left-padded
             tok.pad_token = tok.eos_token
         return tok
+    if model_cfg.tokenizer.value == "bpe":
+        from workers.tokenizer import bpe_tokenizer
+
+        return bpe_tokenizer(model_cfg.vocab_size)
     vocab = {tok: i for i, tok in enumerate(model_cfg.vocab)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -17,6 +17,7 @@ from supervisor.config import Config
 from supervisor.testing.fault_points import fault_points
 from workers.errors import StaleWeights
 from workers.generate import generate
+from workers.memory import peak_memory
 from workers.model import build_model, build_tokenizer, weights_checksum
 
 
@@ -54,18 +55,21 @@ class RolloutWorker:
     @fault_points
     def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,
                  greedy: bool = False) -> dict:
-        """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks.
-        Refuses unless it holds weights `version`: no rollout is ever drawn from the wrong weights."""
+        """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks, and
+        this process's peak memory (`memory`). Refuses unless it holds weights `version`: no rollout is ever
+        drawn from the wrong weights."""
         if self.version != version:
             raise StaleWeights(f"asked for weights version {version} at step {global_step}, holds {self.version}")
         cfg = self.config
-        return generate(self.model, self.tokenizer, prompts, sample_ids, seed=cfg.seed, step=global_step,
-                        max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.rollout.temperature,
-                        greedy=greedy, chat_template=cfg.data.chat_template)
+        out = generate(self.model, self.tokenizer, prompts, sample_ids, seed=cfg.seed, step=global_step,
+                       max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.rollout.temperature,
+                       greedy=greedy, chat_template=cfg.data.chat_template)
+        return out | {"memory": peak_memory()}
 
 
 def merge_rollouts(chunks: list[dict]) -> dict:
-    """Concatenate engines' results in sample order, left-padding to a common width."""
+    """Concatenate engines' results in sample order, left-padding to a common width; the engines' largest peak
+    memory of each kind."""
     pad_id = chunks[0]["pad_id"]
     width = max(c["input_ids"].shape[1] for c in chunks)
 
@@ -77,4 +81,5 @@ def merge_rollouts(chunks: list[dict]) -> dict:
         "attention_mask": torch.cat([pad(c["attention_mask"], 0) for c in chunks]),
         "response_mask": torch.cat([pad(c["response_mask"], 0) for c in chunks]),
         "completions": [x for c in chunks for x in c["completions"]],
+        "memory": {k: max(c["memory"][k] for c in chunks) for k in chunks[0]["memory"]},
     }

@@ -20,6 +20,7 @@ from supervisor.checkpoint.durable import file_digest
 from supervisor.checkpoint.layout import DRIVER_STATE, step_of
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
+from workers.memory import peak_memory
 from workers.model import weights_checksum
 
 
@@ -65,7 +66,7 @@ class TrainWorker:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "port": port}
+                "pid": os.getpid(), "port": port, "memory": peak_memory()}  # a warm spare's, for the stats
 
     @fault_points
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -79,7 +80,8 @@ class TrainWorker:
 
     @fault_points
     def train(self, shard: dict, global_step: int) -> dict:
-        return self.engine.train_step(shard, global_step)
+        """The engine's metrics, and this process's peak memory (`memory`) for the step's stats row."""
+        return self.engine.train_step(shard, global_step) | {"memory": peak_memory()}
 
     @fault_points
     def weights(self, global_step: int, checksum: bool = False) -> tuple[dict | None, str | None]:

@@ -38,6 +38,7 @@ class Spare:
     handle: ray.actor.ActorHandle
     name: str
     warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
+    memory: dict | None = None  # its peak memory once warm (workers/memory.py)
 
 
 def spare_prefix(config: Config) -> str:
@@ -93,6 +94,18 @@ class SparePool:
         self._kill(broken)
         self.spares = [s for s, _ in (live + warming)[n:]]
         return [(s.handle, where) for s, where in taken]
+
+    def peak_memory(self) -> list[dict]:
+        """The peak memory of every spare that finished warming, read once from its warm-up's answer."""
+        waiting = [s for s in self.spares if s.memory is None]
+        ready = set(ray.wait([s.warm for s in waiting], num_returns=len(waiting), timeout=0)[0]) if waiting else ()
+        for s in waiting:
+            if s.warm in ready:
+                try:
+                    s.memory = ray.get(s.warm)["memory"]
+                except Exception:  # noqa: BLE001 - a dead spare: `take` finds and drops it
+                    s.memory = {}
+        return [s.memory for s in self.spares if s.memory]
 
     def refill(self, avoid: list[str | None]) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the

@@ -91,7 +91,8 @@ class Supervisor:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
         size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster)
         pool = SparePool(cfg, size) if size else None
-        runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point)
+        runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point,
+                            pool)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),

@@ -27,6 +27,7 @@ from supervisor.config import Config
 from supervisor.control.coordinator import CheckpointCoordinator, Staged
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.interval import AutoInterval
+from supervisor.control.memory import memory_fields
 from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
@@ -71,8 +72,9 @@ class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
     def __init__(self, config: Config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
-                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None]):
+                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], spares=None):
         self.config, self.loader, self.reward_fn = config, loader, reward_fn
+        self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
         self.state = RunState.fresh(config, loader.steps_per_epoch)
@@ -82,6 +84,7 @@ class StepRunner:
         self.owed: Owed | None = None
         self.phase: Phase | None = None
         self.last_reward: float | None = None
+        self.logged: tuple | None = None  # (when, TrainGroup) of the last row written: the time between steps
         self.interval = None  # recover.freq_secs: auto; it sees the trial's past and every new event
         if config.recover.secs_auto:
             self.interval = AutoInterval.from_history(read_jsonl(events.path))
@@ -138,7 +141,8 @@ class StepRunner:
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
                   for r in range(n)]
-        metrics = self.trainers.train(shards, s.global_step)[0]
+        results = self.trainers.train(shards, s.global_step)
+        metrics = results[0]
         # ---- the commit point: every rank took its optimizer step -----------------------------------
         t_train = time.monotonic()
         self.state.step = s
@@ -152,7 +156,9 @@ class StepRunner:
                  "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                  "lr": metrics["lr"], "weights_version": s.global_step + 1,
                  "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout,
-                 **({"kl": metrics["kl"]} if "kl" in metrics else {})},  # with actor.kl_coef
+                 **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
+                 **memory_fields([r["memory"] for r in results], rollout["memory"],
+                                 self.spares.peak_memory() if self.spares else [])},
             export=self.state.saver.check(s.is_epoch_end, elapsed),
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
@@ -175,8 +181,9 @@ class StepRunner:
     def _settle(self, o: Owed) -> None:
         s = o.step
         if self.engine_version != s.global_step + 1:
-            self.phase = Phase.PUSH
+            self.phase, t = Phase.PUSH, time.monotonic()
             self.sync_engines(gate=False, hashed=o.save)  # a saved step's commit names its checksum
+            o.paid_secs["push"] = time.monotonic() - t
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
@@ -184,9 +191,9 @@ class StepRunner:
             o.export, o.paid_secs["export"] = False, time.monotonic() - t
             self.fault_point("step.exported", s)
         if o.evaluate:
-            self.phase = Phase.EVALUATE
+            self.phase, t = Phase.EVALUATE, time.monotonic()
             o.row["eval/reward"] = self._evaluate(s)
-            o.evaluate = False
+            o.evaluate, o.paid_secs["evaluate"] = False, time.monotonic() - t
             self.fault_point("step.evaluated", s)
         if o.save and o.staged is None:
             self.phase, waited = Phase.SAVE, time.monotonic()
@@ -223,7 +230,14 @@ class StepRunner:
         elif o.staged:
             o.row["ckpt/bytes"] = o.staged.nbytes
             o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
+        o.row.update({f"time/{k}": o.paid_secs.get(k, 0.0) for k in ("push", "export", "evaluate")})
+        o.row["time/save"] = o.staged.secs if o.staged else 0.0  # the recover save's stall before this row
+        if self.logged and self.logged[1] is self.trainers:
+            # the last row's write (fsync), its save's commit, background collections, the controller's loop;
+            # absent on a new TrainGroup's first step (the gap was a repair)
+            o.row["time/between_steps"] = o.started - self.logged[0]
         o.row["time/step"] = time.monotonic() - o.started
+        self.logged = (time.monotonic(), self.trainers)
         self.stats.append(o.row)
         o.logged = True
 

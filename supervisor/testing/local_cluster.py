@@ -43,15 +43,17 @@ def ensure_default_ray_temp_dir() -> None:
 
 
 class LocalCluster:
-    def __init__(self, n_workers: int = 2, cpus_per_worker: int = 3, head_cpus: int = 1):
+    def __init__(self, n_workers: int = 2, cpus_per_worker: int = 3, head_cpus: int = 1,
+                 object_store: int = OBJECT_STORE):
+        """`object_store`: bytes of each node's object store (benchmarks at real size push whole models)."""
         from ray.cluster_utils import Cluster
 
         self.temp_dir = short_tmp("rlc")
-        self.cpus_per_worker = cpus_per_worker
+        self.cpus_per_worker, self.object_store = cpus_per_worker, object_store
         ensure_default_ray_temp_dir()
         self.cluster = Cluster()
         try:
-            self.cluster.add_node(num_cpus=head_cpus, object_store_memory=OBJECT_STORE, gcs_server_port=free_port(),
+            self.cluster.add_node(num_cpus=head_cpus, object_store_memory=object_store, gcs_server_port=free_port(),
                                   temp_dir=str(self.temp_dir), include_dashboard=False,
                                   _system_config=HEALTH_CHECKS)
             self.workers = [self.add_node() for _ in range(n_workers)]
@@ -61,7 +63,7 @@ class LocalCluster:
         self.address = self.cluster.address
 
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_worker, object_store_memory=OBJECT_STORE)
+        node = self.cluster.add_node(num_cpus=self.cpus_per_worker, object_store_memory=self.object_store)
         if hasattr(self, "workers"):
             self.workers.append(node)
         return node

@@ -41,7 +41,24 @@ def trial_status(config: Config, n_events: int = 10) -> dict:
         "recover_interval": next((e for e in reversed(this_job) if e["event"] == Event.RECOVER_INTERVAL), None),
         "events": events[-n_events:],
         "live": None,
+        "memory": peak_memory_of(stats),
     }
+
+
+KINDS = ("train", "engine", "spare", "supervisor")  # the order status lists them in
+
+
+def peak_memory_of(stats: list[dict]) -> dict[str, float]:
+    """Each actor kind's peak memory over the trial's steps (GB), from the `mem/` fields of its stats rows:
+    {"train": 3.1, "engine": 2.0, ...}, plus `{kind}_cuda` where CUDA was used."""
+    peaks: dict[str, float] = {}
+    for row in stats:
+        for key, value in row.items():
+            if key.startswith("mem/") and key.endswith("_peak_gb"):
+                kind = key[len("mem/"):-len("_peak_gb")]
+                peaks[kind] = max(peaks.get(kind, 0.0), value)
+    order = [*KINDS, *(f"{k}_cuda" for k in KINDS)]
+    return dict(sorted(peaks.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
 
 
 def format_status(st: dict) -> str:
@@ -72,6 +89,8 @@ def format_status(st: dict) -> str:
         cost = f"{ri['save_cost_secs']:.3f}s" if ri["save_cost_secs"] is not None else "not measured yet"
         lines.append(f"interval   recover save every {ri['secs']:.1f}s (auto: save stall {cost}, "
                      f"MTBF {ri['mtbf_secs']:.0f}s after {ri['failures']} failures)")
+    if st.get("memory"):
+        lines.append("memory     peak " + ", ".join(f"{kind} {gb:.2f} GB" for kind, gb in st["memory"].items()))
     if st["last_step"]:
         ls = st["last_step"]
         lines.append(f"last step  {ls['global_step']}: reward {ls['reward']:.3f} loss {ls['loss']:.4f}")

@@ -1,6 +1,8 @@
 """The walking skeleton, end to end, with the embedded local Ray a user gets from `relaunch run`."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import CONFIG, Trial, relaunch, status_json
@@ -45,6 +47,18 @@ def test_default_job_learns_and_exports_loadable_models(default_run: Trial):
     assert st["last_valid"]["global_step"] == 59 and st["restarts"] == 0
     assert st["experiment_name"] == "tiny-grpo" and st["trial_name"] == "trial0"
     assert [e["event"] for e in st["events"]][-1] == "done"
+
+
+@pytest.mark.quick
+def test_every_step_accounts_the_peak_memory_of_each_actor_kind(default_run: Trial):
+    machine_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    kinds = ("train", "engine", "supervisor")  # no spare: the embedded Ray has no room for one
+    for row in default_run.stats():
+        assert all(0.05 < row[f"mem/{kind}_peak_gb"] < machine_gb for kind in kinds), row
+    st = status_json(default_run)
+    assert set(st["memory"]) == set(kinds)
+    text = relaunch("status", str(CONFIG), *default_run.overrides).stdout
+    assert "memory     peak train" in text
 
 
 @pytest.mark.quick

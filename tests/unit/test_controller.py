@@ -107,7 +107,7 @@ class FakeTrainers:
     def train(self, shards, global_step):
         self._check("train", global_step)
         self.history.append(global_step)
-        return [{"loss": float(global_step), "grad_norm": 1.0, "lr": 0.1}]
+        return [{"loss": float(global_step), "grad_norm": 1.0, "lr": 0.1, "memory": {"rss_gb": 0.1}}]
 
     def weights(self, global_step, checksum=False):
         self._check("weights", global_step)
@@ -208,7 +208,7 @@ class FakeEngines:
         completions = [str((global_step * 3 + i) % 10) for i in range(n)]
         ids = torch.zeros(n, 3, dtype=torch.long)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones_like(ids),
-                "completions": completions}
+                "completions": completions, "memory": {"rss_gb": 0.1}}
 
     def push(self, ref, version, only=None):
         self._check("push", version - 1)
@@ -296,7 +296,8 @@ def final_history(layout: TrialLayout) -> list[int]:
 def assert_complete_and_exact(layout, clean_stats):
     stats = read_jsonl(layout.stats_log)
     assert [r["global_step"] for r in stats] == list(range(STEPS))      # every step logged, exactly once
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "ckpt/"))} for r in rows]  # noqa: E731
+    measured = ("time/", "ckpt/", "mem/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(measured)} for r in rows]  # noqa: E731
     assert strip(stats) == strip(clean_stats)                           # same metrics, evaluations included
     assert [r["global_step"] for r in stats if "eval/reward" in r] == [1, 3, 5, 7]
     assert final_history(layout) == list(range(STEPS))                  # no step trained twice, none dropped
