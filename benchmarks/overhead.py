@@ -42,7 +42,8 @@ def bare(address: str, overrides: list[str]) -> list[float]:
     try:
         engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)
         trainers = TrainGroup(cfg, cfg.cluster.n_train_workers, cfg.recover.step_timeout_secs)
-        engines.push(trainers.weights(-1)[0], 0)
+        stream = engines.connect(trainers)
+        stream.sync(-1)
         secs = []
         for g in range(steps):
             started = time.monotonic()
@@ -54,7 +55,7 @@ def bare(address: str, overrides: list[str]) -> list[float]:
             shards = [dict({k: rollout[k].chunk(n)[r] for k in ("input_ids", "attention_mask", "response_mask")},
                            advantages=advantages.chunk(n)[r]) for r in range(n)]
             trainers.train(shards, g)
-            engines.push(trainers.weights(g)[0], g + 1)
+            stream.sync(g)
             secs.append(time.monotonic() - started)
         trainers.shutdown()
         engines.shutdown()

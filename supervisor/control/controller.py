@@ -252,7 +252,8 @@ class Controller:
         if r.trainers is not None:
             r.trainers.shutdown()  # survivors may be stuck in a collective, or still writing a save
             r.trainers = None
-        r.owed, r.weights = None, None
+        r.owed, r.digest = None, None  # the new group's weights are the checkpoint's
+        r.close_stream()
         r.in_flight, r.exporting, r.failed = None, None, None  # background writes die unpublished with the ranks
         t = self._time("teardown", t)
         if r.engines is None:
@@ -303,7 +304,7 @@ class Controller:
         replaced = r.engines.replace(faulty)
         self.events.emit("engines_restarted", replaced=replaced)
         t = self._time("teardown", t)
-        r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)  # a new engine starts in its push
+        r.sync_engines(gate=True)  # a new engine starts in its sync
         self._time("resync", t)
         if self.recovery is not None:
             self.recovery["resynced"] = time.time()

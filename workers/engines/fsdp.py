@@ -56,6 +56,7 @@ class FSDPEngine:
             fully_shard(layer, mesh=mesh)
         self.model = fully_shard(model, mesh=mesh)
         actor = config.actor
+        self.params = list(self.model.parameters())  # in named_parameters' order: what the stream sends
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
         if config.async_recover:  # collective: every rank makes the background writer's group here
@@ -92,6 +93,15 @@ class FSDPEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full weights on CPU, the others an empty dict."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weight_params(self) -> list[tuple[str, torch.Size]]:
+        return [(name, p.shape) for name, p in self.model.named_parameters()]
+
+    def full_param(self, index: int) -> torch.Tensor:
+        """One all-gather of one parameter's shards (a DTensor's global shape is its `shape`)."""
+        with torch.no_grad():
+            p = self.params[index]
+            return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
