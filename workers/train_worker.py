@@ -42,6 +42,7 @@ class TrainWorker:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
         self.parts = None  # what warm() built, until setup hands it to the engine
         self.weights_group = None  # rank 0: its member of the weights-update group (workers/weight_sync.py)
+        self.weights_backend = "gloo"  # nccl: the buckets live on the GPU
 
     @fault_points
     def warm(self) -> dict:
@@ -91,6 +92,7 @@ class TrainWorker:
         self.weights_group = None  # the previous group's connections go first
         self.weights_group = join_group(master_address, master_port, 0, world_size, group_name, backend,
                                         op_timeout(self.config))
+        self.weights_backend = backend
         names, shapes = zip(*self.engine.weight_params())
         return {"names": list(names), "shapes": [list(s) for s in shapes]}
 
@@ -104,7 +106,7 @@ class TrainWorker:
         group = self.weights_group if targets else None
         return send(self.engine.full_param, [math.prod(shape) for _, shape in spec], getattr(torch, dtype),
                     self.config.rollout.weight_bucket_mb * 2**20, self.rank == 0, group, targets,
-                    op_timeout(self.config))
+                    op_timeout(self.config), self.engine.device if self.weights_backend == "nccl" else "cpu")
 
     @fault_points
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:

@@ -70,7 +70,9 @@ def combine(crcs: Sequence[int]) -> str:
 
 
 def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(t.view(torch.uint8).numpy())
+    """On CPU, where the bytes are. (On GPU this copies them to the host: the device reduction the module's
+    docstring describes is not written yet.)"""
+    return zlib.crc32(t.view(torch.uint8).cpu().numpy())
 
 
 def local_digest(tensors: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> str:
@@ -108,7 +110,8 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
 
 
 def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int,
-         sender: bool, group, targets: Sequence[int], timeout: datetime.timedelta) -> dict:
+         sender: bool, group, targets: Sequence[int], timeout: datetime.timedelta,
+         device: torch.device | str = "cpu") -> dict:
     """Every trainer rank calls it; rank 0 is the `sender` (its `group` may be None when there are no
     `targets`: a digest only). `full(i)` is the collective that gathers parameter i. Returns, on rank 0,
     the digest, the targets that failed (weights rank -> why) and figures; on the others, {}.
@@ -118,7 +121,7 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
     plan = plan_buckets(numels, torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
     live, failed = list(targets), {}
     size = max((bucket_len(b) for b in plan), default=0) if sender else 0
-    buffers = [torch.empty(size, dtype=dtype) for _ in range(2)]
+    buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
     in_flight: list[list] = [[], []]  # per buffer: the (target, work) pairs still sending it
     hashing: list[Future | None] = [None, None]  # per buffer: its bucket's hash, while it runs
     crcs: list[Future] = []
@@ -197,7 +200,7 @@ def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: in
     flat = [p.data.view(-1) for p in params]
     plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
     size = max((bucket_len(b) for b in plan), default=0)
-    buffers = [torch.empty(size, dtype=dtype) for _ in range(2)]
+    buffers = [torch.empty(size, dtype=dtype, device=flat[0].device if flat else "cpu") for _ in range(2)]
     crcs: list[Future] = []
 
     def post(k: int):

@@ -3,17 +3,21 @@ the bytes).
 
 The Supervisor hosts the group's rendezvous (a TCPStore on an ephemeral port), so every member joins in one
 call. A group joins the TrainGroup's rank 0 and every engine; a new TrainGroup or a replaced engine gets a
-new group (the controller opens one at every resync). A sync is one call on every rank and on each target
-engine, gathered trainers first: a rank that dies or hangs stops the stream for everyone, the engines
-included (they give up after workers/weight_sync.op_timeout), so the TrainGroup is blamed; an engine that
-dies, hangs or breaks its transfer is dropped by rank 0, which finishes the others and reports it, so that
-engine alone is blamed.
+new group (the controller opens one at every resync).
+
+Joining and syncing are one call on each member, waited for together; whoever dies or hangs is blamed, not
+those who gave up waiting for it. A rank that dies or hangs stops the stream for everyone: the engines give
+up after workers/weight_sync.op_timeout and raise, the TrainGroup is blamed. An engine that dies, hangs or
+breaks its transfer is dropped by rank 0 after at most that long (well within recover.step_timeout_secs),
+which finishes the others and reports it: that engine alone is blamed, and replaced or resynced.
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from supervisor.cluster.errors import Group, GroupError
 from workers.errors import StaleWeights, WeightSyncError
@@ -35,12 +39,8 @@ class WeightStream:
         joined = rank0.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend)
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)
                 for i, m in enumerate(engines.members)]
-        try:
-            wanted = {r["dtype"] for r in engines.gather(refs)}
-        except GroupError:
-            trainers.orphans.append(joined)
-            raise
-        spec = trainers.gather([joined], members=[rank0])[0]
+        (spec,), answers = self._gather([joined], [rank0], refs, engines.members)
+        wanted = {a["dtype"] for a in answers}
         if len(wanted) != 1:
             raise ValueError(f"the engines want their weights in different dtypes: {sorted(wanted)}")
         self.dtype = wanted.pop()
@@ -56,12 +56,7 @@ class WeightStream:
         targets = [engines.members[i] for i in only]
         receives = [m.handle.update_weights_from_distributed.remote(
             self.names, [self.dtype] * len(self.names), self.shapes, global_step + 1) for m in targets]
-        try:
-            sent = trainers.gather(sends)[0]
-        except GroupError:
-            engines.orphans += receives
-            raise
-        digests = engines.gather(receives, members=targets)  # a dropped engine fails or hangs here, named
+        (sent, *_), digests = self._gather(sends, trainers.members, receives, targets)
         if sent["failed"]:
             names = tuple(engines.members[rank - 1].name for rank in sent["failed"])
             raise GroupError(Group.ROLLOUT, WeightSyncError("; ".join(sent["failed"].values())), names)
@@ -70,6 +65,33 @@ class WeightStream:
             raise GroupError(Group.ROLLOUT, StaleWeights(f"digest {sent['digest']} sent, another landed"),
                              tuple(wrong))
         return sent
+
+    def _gather(self, trainer_refs: list, ranks: list, engine_refs: list, engines: list) -> tuple[list, list]:
+        """The results of the trainers' and the engines' calls, waited for together. Raises GroupError naming
+        who died, else who hung (the TrainGroup first: engines wait on it), else who raised."""
+        refs, timeout, start = trainer_refs + engine_refs, self.trainers.timeout, time.monotonic()
+        whose = [(self.trainers, m) for m in ranks] + [(self.engines, m) for m in engines]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        waited = round(time.monotonic() - start, 3)
+        errors = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - classified by the controller
+                errors[ref] = e
+        dead = [r for r in refs if isinstance(errors.get(r), RayActorError)]
+        raised = [r for r in refs if r in errors and r not in dead]
+        for culprits, error in ((dead, None), (pending, GetTimeoutError(f"no answer after {timeout:.0f}s")),
+                                (raised, None)):
+            if culprits:
+                group = whose[refs.index(culprits[0])][0]
+                mine = [r for r in culprits if whose[refs.index(r)][0] is group]
+                self.trainers.orphans += [r for r in pending if whose[refs.index(r)][0] is self.trainers]
+                self.engines.orphans += [r for r in pending if whose[refs.index(r)][0] is self.engines]
+                first = whose[refs.index(mine[0])][1]
+                raise GroupError(group.group, error or errors[mine[0]],
+                                 tuple(whose[refs.index(r)][1].name for r in mine), first.node_id, waited)
+        return ray.get(trainer_refs), ray.get(engine_refs)
 
     def close(self) -> None:
         """The rendezvous goes; the members drop their part when they join the next group."""

@@ -117,7 +117,8 @@ def classify(err: GroupError | BaseException) -> Fault:
     if isinstance(cause, torch.OutOfMemoryError) or (isinstance(cause, RuntimeError) and
                                                      any(m in text for m in _DEVICE_MARKERS)):
         return fault(FaultKind.DEVICE_ERROR, f"{who}: {first_line(cause)}")
-    if isinstance(cause, (DistError, WeightSyncError)) or (isinstance(cause, RuntimeError) and any(m in text for m in _PEER_MARKERS)):
+    if isinstance(cause, (DistError, WeightSyncError)) or (isinstance(cause, RuntimeError) and
+                                                          any(m in text for m in _PEER_MARKERS)):
         return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
     return fault(FaultKind.INTERNAL_ERROR, f"{who}: {type(cause).__name__}: {first_line(cause)}")
 

@@ -64,3 +64,15 @@ def test_overhead_benchmark(cluster, tmp_path):
     figures = bench("overhead", "--address", cluster.address, tmp_path=tmp_path)
     assert figures["steps"] == 12 and figures["bare_step_secs"][0] > 0 and figures["supervisor_step_secs"][0] > 0
     assert "Supervisor overhead" in figures["stdout"]
+
+
+def test_weight_sync_benchmark(cluster, tmp_path):
+    """The object-store push and the stream side by side; the engine holds the trainer's weights bitwise."""
+    figures = bench("weight_sync", "--address", cluster.address, tmp_path=tmp_path)
+    labels = [row[0] for row in figures["rows"]]
+    assert labels[1:7] == ["object-store push (before)", "stream (after)", "memcpy of the same bytes",
+                           "speed-up stream / object store", "stream bandwidth / memcpy",
+                           "object store bandwidth / memcpy"]
+    assert figures["stream_equals_trainer"] and figures["bytes"] > 0
+    assert figures["stream_secs"] > 0 and figures["object_store_secs"] > 0
+    assert "speed-up stream / object store" in figures["stdout"]

@@ -345,7 +345,8 @@ def test_an_engine_fault_at_any_phase_replaces_engines_alone_and_never_retrains(
     events = read_jsonl(layout.events_log)
     assert world.train_groups == 1 and [e["global_step"] for e in events if e["event"] == "loaded"] == [-1]
     failures = [e["cause"] for e in events if e["event"] == "failure"]
-    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "broken_stream": "collective_failed"}[fault]]
+    kinds = {"engine_death": "engine_died", "engine_hang": "hang", "broken_stream": "collective_failed"}
+    assert failures == [kinds[fault]]
     # every rollout and evaluation was generated once per step, with the weights of its step
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
     assert all(version == step + int(greedy) for step, version, greedy in engines.generated)
