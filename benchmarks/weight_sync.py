@@ -113,6 +113,7 @@ def measure(address: str, overrides: list[str], repeats: int) -> dict:
         return {"bytes": nbytes, "buckets": sent["buckets"], "params": nbytes // 4,
                 "object_store_secs": statistics.median(store), "stream_secs": statistics.median(hashed),
                 "stream_unhashed_secs": statistics.median(unhashed), "digest_thread_secs": sent["digest_secs"],
+                "rank0": {k: sent[k] for k in ("secs", "gather_secs", "wait_secs")},
                 "memcpy_secs": memcpy_secs(nbytes), "stream_equals_trainer": equal}
     finally:
         for group in (trainers, engines):
@@ -135,6 +136,8 @@ def table(size: str, f: dict) -> list[tuple[str, ...]]:
         ("object store bandwidth / memcpy", f"{gbps['object_store'] / gbps['memcpy']:.1%}"),
         ("digest: added to the sync", f"{digest:+.1%} ({f['stream_unhashed_secs']:.3f} s without it; "
                                       f"hash thread busy {f['digest_thread_secs']:.3f} s)"),
+        ("rank 0: sync, gathering, waiting for sends", " / ".join(f"{f['rank0'][k]:.3f} s" for k in
+                                                                  ("secs", "gather_secs", "wait_secs"))),
         ("engine holds the trainer's weights bitwise", str(f["stream_equals_trainer"])),
     ]
 

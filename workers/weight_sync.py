@@ -127,7 +127,7 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
     crcs: list[Future] = []
     error: BaseException | None = None
     current, tensor = -1, None
-    t0, hash_secs = time.monotonic(), [0.0]
+    t0, hash_secs, gather_secs, wait_secs = time.monotonic(), [0.0], 0.0, [0.0]
 
     def drop(target: int, e: BaseException) -> None:
         live.remove(target)
@@ -143,6 +143,7 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
         return works
 
     def settle(works: list) -> None:
+        t1 = time.monotonic()
         for target, work in works:
             if target in live:
                 try:
@@ -150,6 +151,7 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
                 except Exception as e:  # noqa: BLE001 - that target is dropped and reported
                     drop(target, e)
         works.clear()
+        wait_secs[0] += time.monotonic() - t1
 
     def timed_crc(t: torch.Tensor) -> int:
         t1 = time.monotonic()
@@ -166,7 +168,9 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
                     hashing[k % 2].result()  # the buffer's previous bucket is hashed
             for piece in bucket:
                 if piece.param != current:
+                    t1 = time.monotonic()
                     current, tensor = piece.param, full(piece.param)  # collective: every rank, every parameter
+                    gather_secs += time.monotonic() - t1
                     if not sender:
                         tensor = None
                 if sender and error is None:
@@ -190,7 +194,8 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
     settle(post(torch.tensor(values, dtype=torch.int64), TAG_DIGESTS))
     nbytes = sum(bucket_len(b) for b in plan) * buffers[0].element_size()
     return {"digest": combine(values), "failed": failed, "bytes": nbytes, "buckets": len(plan),
-            "secs": time.monotonic() - t0, "digest_secs": hash_secs[0]}
+            "secs": time.monotonic() - t0, "digest_secs": hash_secs[0], "gather_secs": gather_secs,
+            "wait_secs": wait_secs[0]}
 
 
 def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int, group,

@@ -36,9 +36,10 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path):
     from supervisor.cluster.groups import RolloutGroup, TrainGroup
     from supervisor.config import load_config
 
+    # 1 MiB buckets: parameters span buckets; 257 rows: the two ranks' shards of the MLP differ in length
     config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "cluster.n_rollout_workers=2",
                                   "rollout.weight_bucket_mb=1", "model.hidden_size=128",
-                                  "model.intermediate_size=256"])  # several buckets, parameters across them
+                                  "model.intermediate_size=257"])
     ray.init(address=cluster.address, namespace="relaunch-test", logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     engines = trainers = None

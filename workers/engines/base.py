@@ -28,8 +28,9 @@ class TrainEngine(Protocol):
     def weight_params(self) -> list[tuple[str, torch.Size]]:
         """The parameters streamed to the engines, in order: names (a tied weight once) and full shapes."""
 
-    def full_param(self, index: int) -> torch.Tensor:
-        """Collective: parameter `index` of weight_params(), whole (every rank calls it, in the same order)."""
+    def full_param(self, index: int) -> torch.Tensor | None:
+        """Collective: parameter `index` of weight_params(), whole on rank 0 (every rank calls it, in the same
+        order; the others may get nothing)."""
 
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)
