@@ -48,7 +48,7 @@ class WeightStream:
 
     def sync(self, global_step: int, only: list[int] | None = None) -> dict:
         """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
-        digest). Returns rank 0's figures: digest, bytes, secs, digest_secs."""
+        digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, gather_secs, wait_secs."""
         trainers, engines = self.trainers, self.engines
         only = list(range(len(engines.members))) if only is None else only
         sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype)
@@ -73,6 +73,7 @@ class WeightStream:
         whose = [(self.trainers, m) for m in ranks] + [(self.engines, m) for m in engines]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         waited = round(time.monotonic() - start, 3)
+        pending = [r for r in refs if r in set(pending)]  # in the order of `refs`: the trainers first
         errors = {}
         for ref in ready:
             try:

@@ -82,14 +82,14 @@ class DeepSpeedEngine:
         """ZeRO-3 keeps a partition in `p` and the full shape in `p.ds_shape`."""
         return [(name, getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()]
 
-    def full_param(self, index: int) -> torch.Tensor:
-        """ZeRO-1/2 parameters are whole on every rank; ZeRO-3 gathers this one and copies it out before it
-        is partitioned again."""
+    def full_param(self, index: int) -> torch.Tensor | None:
+        """ZeRO-1/2 parameters are whole on every rank; ZeRO-3 gathers this one (every rank) and rank 0 copies
+        it out before it is partitioned again."""
         p = self.params[index]
         if self.config.actor.zero_stage != 3:
             return p.detach()
         with deepspeed.zero.GatheredParameters([p]):
-            return p.detach().clone()
+            return p.detach().clone() if self.rank == 0 else None
 
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: DeepSpeed's checkpoint (tag global_step{G}, `latest`) and this rank's RNG file.
