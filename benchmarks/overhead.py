@@ -63,7 +63,8 @@ def bare_loop(cfg) -> list[float]:
     steps = loader.steps_per_epoch * cfg.total_train_epochs
     engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)
     trainers = TrainGroup(cfg, cfg.cluster.n_train_workers, cfg.recover.step_timeout_secs)
-    engines.push(trainers.weights(-1)[0], 0)
+    stream = engines.connect(trainers)
+    stream.sync(-1)
     secs = []
     for g in range(steps):
         started = time.monotonic()
@@ -75,8 +76,9 @@ def bare_loop(cfg) -> list[float]:
         shards = [dict({k: rollout[k].chunk(n)[r] for k in ("input_ids", "attention_mask", "response_mask")},
                        advantages=advantages.chunk(n)[r]) for r in range(n)]
         trainers.train(shards, g)
-        engines.push(trainers.weights(g)[0], g + 1)
+        stream.sync(g)
         secs.append(time.monotonic() - started)
+    stream.close()
     trainers.shutdown()
     engines.shutdown()
     return secs

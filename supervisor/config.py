@@ -151,6 +151,9 @@ class DataConfig(_Strict):
 
 class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
+    weight_bucket_mb: int = Field(
+        64, gt=0, description="the weight stream's bucket size, in MiB of the engine's dtype: each side holds two "
+                              "buckets (one in flight, one being filled or written), and every bucket is hashed")
 
 
 class RewardConfig(_Strict):

@@ -8,3 +8,8 @@ class UserCodeError(RuntimeError):
 
 class StaleWeights(RuntimeError):
     """Raised by an engine asked to generate with weights of another version than it holds."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that did not complete (a transfer broke, or a bucket's digest disagreed): the engine
+    holds no version until a new sync completes."""

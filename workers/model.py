@@ -8,8 +8,6 @@ classes but never build a model, and skip its seconds of import time.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 
@@ -73,16 +71,6 @@ def save_model_dir(model, tokenizer, model_cfg, directory, max_shard_size: str |
         model.generation_config = GenerationConfig.from_pretrained(source)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(directory)
-
-
-def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
-    """A bitwise fingerprint of a full state dict, to prove an engine holds the trainer's weights."""
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().cpu().contiguous()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from supervisor.testing.fault_points import fault_points
 from workers.errors import StaleWeights
 from workers.generate import generate
 from workers.memory import peak_memory
-from workers.model import build_model, build_tokenizer, weights_checksum
+from workers.model import build_model, build_tokenizer
+from workers.weight_sync import join_group, op_timeout, receive
 
 
 @ray.remote
@@ -30,27 +31,48 @@ class RolloutWorker:
         self.model = build_model(config.model, self.tokenizer, config.seed).eval()
         if config.cluster.gpus_per_engine > 0:  # Ray set CUDA_VISIBLE_DEVICES to the engine's GPU
             self.model.to("cuda")
+        self.dtype = next(self.model.parameters()).dtype
         self.version: int | None = None
-        self._weight_names: list[str] = []
+        self.digest = ""  # of the sync that brought `version`
+        self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)
 
     @fault_points
     def where(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     @fault_points
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"weights do not fit the engine's model: missing {missing}, unexpected {unexpected}")
-        self._weight_names = sorted(state_dict)
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> dict:
+        """Join a new weights-update group as rank `rank_offset` (the trainer's rank 0 is its rank 0).
+        Returns the dtype the engine wants its weights in."""
+        self.weights_group = None  # the previous group's connections go first
+        self.weights_group = join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                        op_timeout(self.config))
+        return {"dtype": str(self.dtype).removeprefix("torch.")}
+
+    @fault_points
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: int) -> str:
+        """Receive the trainer's weights over the group, bucket by bucket, in place into the parameters; take
+        `version` only when the last bucket landed and every bucket's digest agrees. Returns the digest."""
+        self.version, self.digest = None, ""  # from the first byte written, it holds no version
+        own = dict(self.model.named_parameters())  # a tied lm_head is embed_tokens: named once
+        if set(names) != set(own) or len(names) != len(own):
+            raise ValueError(f"weights do not fit the engine's model: sent {sorted(set(names) - set(own))}, "
+                             f"missing {sorted(set(own) - set(names))}")
+        wrong = [n for n, d, shape in zip(names, dtypes, shapes)
+                 if d != str(self.dtype).removeprefix("torch.") or list(own[n].shape) != list(shape)]
+        if wrong:
+            raise ValueError(f"weights do not fit the engine's model: dtype or shape of {wrong[:5]}")
+        self.digest = receive([own[n] for n in names], self.dtype, self.config.rollout.weight_bucket_mb * 2**20,
+                              self.weights_group, op_timeout(self.config))
         self.version = version
+        return self.digest
 
     @fault_points
     def weight_status(self) -> tuple[int | None, str]:
-        """(version, checksum of the weights it holds), for the resync gate."""
-        own = self.model.state_dict()
-        return self.version, weights_checksum({k: own[k] for k in self._weight_names})
+        """(version, digest of the sync that brought it), for the resync gate: stored, never hashed again."""
+        return self.version, self.digest
 
     @fault_points
     def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,

@@ -8,6 +8,7 @@ tests kill or hang a rank at exact moments.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,7 +22,7 @@ from supervisor.checkpoint.layout import DRIVER_STATE, step_of
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
-from workers.model import weights_checksum
+from workers.weight_sync import join_group, op_timeout, send
 
 
 @ray.remote
@@ -41,6 +42,8 @@ class TrainWorker:
         self.exporting: tuple[int, Future] | None = None  # (step, rank 0's HF export being written)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
         self.parts = None  # what warm() built, until setup hands it to the engine
+        self.weights_group = None  # rank 0: its member of the weights-update group (workers/weight_sync.py)
+        self.weights_backend = "gloo"  # nccl: the buckets live on the GPU
 
     @fault_points
     def warm(self) -> dict:
@@ -84,14 +87,28 @@ class TrainWorker:
         return self.engine.train_step(shard, global_step) | {"memory": peak_memory()}
 
     @fault_points
-    def weights(self, global_step: int, checksum: bool = False) -> tuple[dict | None, str | None]:
-        """Collective; rank 0 returns (full state dict, its checksum if asked), the others (None, None).
-        `global_step` is the last step the weights were updated by (-1: none yet). The checksum hashes every
-        byte of the model, so it is asked for only where it is checked: resyncs and commits."""
-        full = self.engine.full_state_dict()
-        if self.rank != 0:
-            return None, None
-        return full, weights_checksum(full) if checksum else None
+    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                                  backend: str) -> dict:
+        """Rank 0 only: join a new weights-update group as its rank 0 (the engines join it beside).
+        Returns the names and full shapes of the parameters it streams, for the engines."""
+        self.weights_group = None  # the previous group's connections go first
+        self.weights_group = join_group(master_address, master_port, 0, world_size, group_name, backend,
+                                        op_timeout(self.config))
+        self.weights_backend = backend
+        names, shapes = zip(*self.engine.weight_params())
+        return {"names": list(names), "shapes": [list(s) for s in shapes]}
+
+    @fault_points
+    def send_weights(self, global_step: int, targets: list[int], dtype: str) -> dict:
+        """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
+        `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
+        with no targets, only their digest. Rank 0 returns the digest, the targets that failed and figures;
+        the others {}."""
+        spec = self.engine.weight_params()
+        group = self.weights_group if targets else None
+        return send(self.engine.full_param, [math.prod(shape) for _, shape in spec], getattr(torch, dtype),
+                    self.config.rollout.weight_bucket_mb * 2**20, self.rank == 0, group, targets,
+                    op_timeout(self.config), self.engine.device if self.weights_backend == "nccl" else "cpu")
 
     @fault_points
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:

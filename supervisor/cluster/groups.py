@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from supervisor.cluster.errors import CapacityError, Group, GroupError
+from supervisor.cluster.weights import WeightStream
 from supervisor.config import Config
 from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
@@ -207,16 +208,6 @@ class TrainGroup(_Members):
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
         return self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
 
-    def weights(self, global_step: int, checksum: bool = False) -> tuple[ray.ObjectRef, str | None]:
-        """(reference to rank 0's full state dict, its checksum if asked); the dict stays in the object store."""
-        pairs = [m.handle.weights.options(num_returns=2).remote(global_step, checksum) for m in self.members]
-        try:
-            self.gather([c for _, c in pairs])
-        except GroupError:
-            self.orphans += [w for w, _ in pairs]
-            raise
-        return pairs[0][0], ray.get(pairs[0][1])
-
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict:
         files = {}
         for part in self.call_all("save_recover", staging, global_step, driver_state):
@@ -291,18 +282,23 @@ class RolloutGroup(_Members):
         self._where[i] = handle.where.remote()
         return Member(handle, f"RolloutWorker[{i}]")
 
-    def _call(self, method: str, args_of, only: list[int] | None = None) -> list:
-        """Call `method` on every engine (or those in `only`); an engine still starting gets the start-up bound."""
-        only = list(range(len(self.members))) if only is None else only
-        starting = [i for i in self._where if i in only]
-        timeout = max(self.timeout, self.config.recover.start_timeout_secs) if starting else self.timeout
-        members = [self.members[i] for i in only]
-        results = self.gather([getattr(self.members[i].handle, method).remote(*args_of(i)) for i in only],
-                              timeout, members)
-        for i in starting:
-            w = ray.get(self._where.pop(i))
+    def wait_started(self, only: list[int] | None = None) -> None:
+        """Wait (with the start-up bound) until the engines still starting, of those in `only`, are up."""
+        starting = [i for i in self._where if only is None or i in only]
+        if not starting:
+            return
+        refs = [self._where.pop(i) for i in starting]  # if the wait fails, it keeps them as orphans
+        where = self.gather(refs, self.config.recover.start_timeout_secs, [self.members[i] for i in starting])
+        for i, w in zip(starting, where):
             self.members[i].node_id, self.members[i].pid = w["node_id"], w["pid"]
-        return results
+
+    def _call(self, method: str, args_of, only: list[int] | None = None) -> list:
+        """Call `method` on every engine (or those in `only`), once those still starting are up."""
+        only = list(range(len(self.members))) if only is None else only
+        self.wait_started(only)
+        members = [self.members[i] for i in only]
+        return self.gather([getattr(m.handle, method).remote(*args_of(i)) for i, m in zip(only, members)],
+                           members=members)
 
     def generate(self, prompts: list[str], global_step: int, version: int, greedy: bool = False) -> dict:
         """Split the samples into contiguous chunks, one per engine, and merge the results in order.
@@ -313,8 +309,9 @@ class RolloutGroup(_Members):
             prompts[bounds[i]:bounds[i + 1]], list(range(bounds[i], bounds[i + 1])), global_step, version, greedy))
         return merge_rollouts(chunks)
 
-    def push(self, weights: ray.ObjectRef, version: int, only: list[int] | None = None) -> None:
-        self._call("load_weights", lambda i: (weights, version), only)
+    def connect(self, trainers: TrainGroup) -> WeightStream:
+        """A new weights-update group of the TrainGroup's rank 0 and these engines."""
+        return WeightStream(trainers, self, self.config)
 
     def weight_status(self) -> list[tuple[int | None, str]]:
         return self._call("weight_status", lambda i: ())

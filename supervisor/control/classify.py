@@ -17,16 +17,17 @@ from torch.distributed import DistError
 from torch.distributed.checkpoint.api import CheckpointException
 
 from supervisor.cluster.errors import Group, GroupError, first_line
-from workers.errors import StaleWeights, UserCodeError
+from workers.errors import StaleWeights, UserCodeError, WeightSyncError
 
 
 class FaultKind(str, enum.Enum):
     WORKER_DIED = "worker_died"              # a TrainWorker process or its node is gone
     ENGINE_DIED = "engine_died"              # a RolloutWorker process or its node is gone
     HANG = "hang"                            # no answer within recover.step_timeout_secs
-    COLLECTIVE_FAILED = "collective_failed"  # gloo/NCCL raised because a peer died inside a collective
+    COLLECTIVE_FAILED = "collective_failed"  # gloo/NCCL raised because a peer died inside a collective (the weight
+                                             # stream's included)
     DEVICE_ERROR = "device_error"            # a CUDA error or out of device memory: the device is unusable
-    OBJECT_LOST = "object_lost"              # an object (the pushed weights) was lost with its node
+    OBJECT_LOST = "object_lost"              # an object (a call's result) was lost with its node
     STALE_WEIGHTS = "stale_weights"          # an engine refused a call for another weights version
     STORAGE_ERROR = "storage_error"          # disk full, permissions, I/O: a save or export failed
     USER_ERROR = "user_error"                # the reward function or dataset raised
@@ -121,7 +122,8 @@ def classify(err: GroupError | BaseException) -> Fault:
     if isinstance(cause, torch.OutOfMemoryError) or (isinstance(cause, RuntimeError) and
                                                      any(m in text for m in _DEVICE_MARKERS)):
         return fault(FaultKind.DEVICE_ERROR, f"{who}: {first_line(cause)}")
-    if isinstance(cause, DistError) or (isinstance(cause, RuntimeError) and any(m in text for m in _PEER_MARKERS)):
+    if isinstance(cause, (DistError, WeightSyncError)) or (isinstance(cause, RuntimeError) and
+                                                          any(m in text for m in _PEER_MARKERS)):
         return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
     return fault(FaultKind.INTERNAL_ERROR, f"{who}: {type(cause).__name__}: {first_line(cause)}")
 

@@ -326,7 +326,7 @@ class Controller:
             replaced = r.engines.replace(faulty)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
         with self.clock.part("resync"):
-            r.sync_engines(gate=True, pull=fault.kind is FaultKind.OBJECT_LOST)  # a new engine starts in its push
+            r.sync_engines(gate=True)  # a new engine starts in its sync
         self.clock.resynced()
 
     def _new_train_group(self):

@@ -2,7 +2,7 @@
 
 Before the commit (rollouts, rewards, the update itself) nothing of the Supervisor's state changes, so a
 fault there replays the step from its start. At the commit the step's frequency controls are checked once
-and what the step still owes is written down (`Owed`): the weight push to the engines (version G + 1),
+and what the step still owes is written down (`Owed`): the weight sync to the engines (version G + 1),
 the HF export, the evaluation, the stats row and the recover save. A fault after the commit never replays
 the update: once the faulty group is repaired, `settle` pays what is still owed, each item exactly once.
 A fault that restarts the TrainGroup rolls back to the last valid checkpoint instead, which drops `owed`.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -47,14 +47,6 @@ class Phase(str, enum.Enum):
 
 
 @dataclass
-class Weights:
-    """The trainer's full weights in the object store, tagged with the version they are used for."""
-    ref: Any
-    version: int
-    checksum: str | None  # computed only where it is checked (resyncs, commits)
-
-
-@dataclass
 class Owed:
     """What a committed step still owes, decided once at its commit; each flag is cleared when paid."""
     step: StepInfo
@@ -79,7 +71,8 @@ class StepRunner:
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
         self.state = RunState.fresh(config, loader.steps_per_epoch)
         self.trainers = self.engines = None
-        self.weights: Weights | None = None
+        self.stream = None  # the weights-update group of these trainers and engines (supervisor/cluster/weights.py)
+        self.digest: tuple[int, str] | None = None  # (version, digest) of the trainer's weights, from a sync
         self.engine_version: int | None = None  # the version every engine holds, when known
         self.owed: Owed | None = None
         self.phase: Phase | None = None
@@ -108,11 +101,12 @@ class StepRunner:
 
     def drop_group(self) -> None:
         """Kill the TrainGroup (survivors may be stuck in a collective, or still writing a save): what it
-        held dies with it, the weights gathered for the engines and the background writes, unpublished."""
+        held dies with it, its weights stream to the engines and the background writes, unpublished."""
         if self.trainers is not None:
             self.trainers.shutdown()
             self.trainers = None
-        self.owed, self.weights = None, None
+        self.owed, self.digest = None, None  # the new group's weights are the checkpoint's
+        self.close_stream()
         self.checkpoints.drop_in_flight()
 
     def roll_back(self, state: RunState) -> None:
@@ -182,8 +176,9 @@ class StepRunner:
         s = o.step
         if self.engine_version != s.global_step + 1:
             self.phase, t = Phase.PUSH, time.monotonic()
-            self.sync_engines(gate=False, hashed=o.save)  # a saved step's commit names its checksum
+            sent = self.sync_engines(gate=False)
             o.paid_secs["push"] = time.monotonic() - t
+            o.row["time/weight_sync"], o.row["time/weight_digest"] = sent["secs"], sent["digest_secs"]
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
@@ -262,33 +257,52 @@ class StepRunner:
 
     # ---- the engines' weights -----------------------------------------------------------------------
     def weights_checksum(self) -> str:
-        """The checksum of the trainer's current weights, gathered again if this step's push went without."""
+        """The digest of the trainer's current weights: the one its last sync computed, or (after a repair
+        that pushed nothing) a pass that only computes it."""
         version = self.state.step.global_step + 1
-        if self.weights is None or self.weights.version != version or not self.weights.checksum:
-            ref, checksum = self.trainers.weights(version - 1, checksum=True)
-            self.weights = Weights(ref, version, checksum)
-        return self.weights.checksum
+        if self.digest is None or self.digest[0] != version:
+            self.digest = (version, self._stream().sync(version - 1, only=[])["digest"])
+        return self.digest[1]
 
-    def sync_engines(self, gate: bool, pull: bool = False, hashed: bool = False) -> None:
-        """Bring every engine to the trainer's version. With `gate` (after a repair), push only to the engines
-        that do not hold it already and require every engine to report the trainer's version and checksum.
-        With `hashed`, the weights are hashed in the same gather (for a commit), not gathered twice."""
+    def _stream(self):
+        if self.stream is None:
+            self.stream = self.engines.connect(self.trainers)
+        return self.stream
+
+    def close_stream(self) -> None:
+        """Forget the weights-update group: the next sync makes a new one (after a repair, or a failed sync)."""
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = None
+
+    def sync_engines(self, gate: bool) -> dict:
+        """Bring every engine to the trainer's version; returns the sync's figures. With `gate` (after a repair,
+        over a new group), stream only to the engines that do not hold that version and digest already, and
+        require every engine to report the trainer's version and digest."""
         self.engine_version = None
         version = self.state.step.global_step + 1
-        if pull or self.weights is None or self.weights.version != version or (gate and not self.weights.checksum):
-            ref, checksum = self.trainers.weights(version - 1, checksum=gate or hashed)
-            self.weights = Weights(ref, version, checksum)
-        want = (self.weights.version, self.weights.checksum)
-        if not gate:
-            self.engines.push(self.weights.ref, version)
-        else:
-            stale = [i for i, st in enumerate(self.engines.weight_status()) if tuple(st) != want]
-            if stale:
-                self.engines.push(self.weights.ref, version, only=stale)
+        if gate:
+            self.close_stream()
+        try:
+            if not gate:
+                sent = self._stream().sync(version - 1)
+            else:
+                known = self.digest[1] if self.digest and self.digest[0] == version else None
+                stale = [i for i, (v, d) in enumerate(self.engines.weight_status())
+                         if v != version or (known is not None and d != known)]
+                sent = self._stream().sync(version - 1, only=stale) if stale or known is None else None
+            if sent is not None:
+                self.digest = (version, sent["digest"])
+        except Exception:
+            self.close_stream()
+            raise
+        if gate:
+            want = (version, self.digest[1])
             status = [tuple(st) for st in self.engines.weight_status()]
             if any(st != want for st in status):
                 raise GroupError(Group.ROLLOUT, StaleWeights(f"engines disagree with the trainer after resync: "
                                                              f"{status} != {want}"))
-            self.events.emit(Event.RESYNC, version=version, checksum=self.weights.checksum, engines=len(status),
+            self.events.emit(Event.RESYNC, version=version, checksum=self.digest[1], engines=len(status),
                              pushed=len(stale))
         self.engine_version = version
+        return sent or {}

@@ -3,9 +3,9 @@
 `RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points. Every method the Supervisor calls on a
 TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit` (`TrainWorker.train.enter`,
 `RolloutWorker.generate.exit`, ...); `rank=` is the TrainWorker's rank or the engine's index. The step of a
-call is its `global_step` argument, or for `load_weights` the step whose update made the weights
-(version - 1); `where`, `setup`, `load_recover` and `weight_status` run at (re)starts and have none, so a
-point armed there without `step=` fires at the first call. A TrainWorker's rank is the one it has (or, in
+call is its `global_step` argument, or for `update_weights_from_distributed` the step whose update made the
+weights (version - 1); `where`, `setup`, `load_recover`, `init_weights_update_group` and `weight_status` run at
+(re)starts and resyncs and have none, so a point armed there without `step=` fires at the first call. A TrainWorker's rank is the one it has (or, in
 `where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has no rank.
 Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
@@ -89,7 +89,7 @@ def _call_step(name: str, bound: inspect.BoundArguments) -> int | None:
     args = bound.arguments
     if "global_step" in args:
         return args["global_step"]
-    if name == "load_weights":
+    if name == "update_weights_from_distributed":
         return args["version"] - 1
     return None
 

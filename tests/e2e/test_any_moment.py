@@ -23,18 +23,21 @@ pytestmark = pytest.mark.e2e
 JOB = [*SHORT, "cluster.n_rollout_workers=2", "recover.freq_epochs=1", "recover.retries=60", "recover.backoff_secs=0",
        "recover.step_timeout_secs=8", "recover.start_timeout_secs=40"]
 
-TRAIN_METHODS = ["where", "setup", "train", "weights", "begin_save", "start_upload", "save_result", "load_recover",
-                 "begin_export", "export_result"]
-ENGINE_METHODS = ["where", "load_weights", "weight_status", "generate"]
-START_ONLY = {"where", "setup", "load_recover", "weight_status"}  # called at (re)starts: no step to pick
+TRAIN_METHODS = ["where", "setup", "train", "send_weights", "begin_save", "start_upload", "save_result",
+                 "load_recover", "begin_export", "export_result", "init_weights_update_group"]
+ENGINE_METHODS = ["where", "update_weights_from_distributed", "weight_status", "generate", "init_weights_update_group"]
+# called at (re)starts and resyncs: no step to pick
+START_ONLY = {"where", "setup", "load_recover", "weight_status", "init_weights_update_group"}
+RANK0_ONLY = {"init_weights_update_group"}  # a TrainWorker method only rank 0 is called
 # The steps at which each point with a step fires (entry, exit), spread over the run; saves happen at commits
 # (4, 9, 11, 14, 19, 23), exports and evaluations at epoch ends (11, 23). Recover saves are written in the
 # background (recover.write_mode auto): begun by `begin_save` and `start_upload`, collected by `save_result`, and
 # the writer thread itself is killed mid-write at `background_write`; HF exports too (`begin_export`,
 # `export_result`).
-STEP_OF = {"train": (2, 3), "weights": (5, 6), "begin_save": (9, 14), "start_upload": (11, 4), "save_result": (14, 19),
+STEP_OF = {"train": (2, 3), "send_weights": (5, 6), "begin_save": (9, 14), "start_upload": (11, 4),
+           "save_result": (14, 19),
            "begin_export": (11, 23), "export_result": (23, 11),
-           "load_weights": (13, 15), "generate": (16, 18)}
+           "update_weights_from_distributed": (13, 15), "generate": (16, 18)}
 PHASE_STEP = {"begin": 17, "rolled_out": 18, "scored": 19, "trained": 20, "pushed": 21, "exported": 23,
               "evaluated": 23, "logged": 22, "saved": 19}
 
@@ -48,7 +51,8 @@ def worker_points(action: str, parity: int) -> list[str]:
         for i, method in enumerate(methods):
             j = (i + parity) % 2
             step = "" if method in START_ONLY else f":step={STEP_OF[method][j]}"
-            specs.append(f"{cls}.{method}.{('enter', 'exit')[j]}:{action}{step}:rank={(i // 2 + parity) % 2}")
+            rank = 0 if cls == "TrainWorker" and method in RANK0_ONLY else (i // 2 + parity) % 2
+            specs.append(f"{cls}.{method}.{('enter', 'exit')[j]}:{action}{step}:rank={rank}")
     return specs
 
 

@@ -74,3 +74,15 @@ def test_step_benchmark(tmp_path):
     assert run["median"]["train"] > 0 and run["mean"]["push"] > 0 and run["mean"]["save"] > 0
     assert 0 < run["outside_share_mean"] < 1
     assert all(run["memory_gb"][k] > 0 for k in ("train", "engine", "supervisor"))
+
+
+def test_weight_sync_benchmark(cluster, tmp_path):
+    """The object-store push and the stream side by side; the engine holds the trainer's weights bitwise."""
+    figures = bench("weight_sync", "--address", cluster.address, tmp_path=tmp_path)
+    labels = [row[0] for row in figures["rows"]]
+    assert labels[1:7] == ["object-store push (before)", "stream (after)", "memcpy of the same bytes",
+                           "speed-up stream / object store", "stream bandwidth / memcpy",
+                           "object store bandwidth / memcpy"]
+    assert figures["stream_equals_trainer"] and figures["bytes"] > 0
+    assert figures["stream_secs"] > 0 and figures["object_store_secs"] > 0
+    assert "speed-up stream / object store" in figures["stdout"]

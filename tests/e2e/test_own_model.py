@@ -21,7 +21,7 @@ from tiny_hf import CHAT_TEMPLATE, save_tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from supervisor.checkpoint.durable import file_digest
-from workers.model import weights_checksum
+from workers.weight_sync import local_digest
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +59,8 @@ def test_run_from_own_hf_model_starts_from_its_weights_learns_and_exports_it(own
     assert source.config.model_type == "llama"
     # The weights every engine got before any update (version 0) are the source's, bit for bit.
     first_sync = trial.events("resync")[0]
-    assert first_sync["version"] == 0 and first_sync["checksum"] == weights_checksum(source.state_dict())
+    params = [p for _, p in source.named_parameters()]
+    assert first_sync["version"] == 0 and first_sync["checksum"] == local_digest(params, torch.float32, 64 * 2**20)
 
     stats = trial.stats()
     assert [s["global_step"] for s in stats] == list(range(36))

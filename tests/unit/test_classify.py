@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.control.classify import FaultKind, classify
-from workers.errors import StaleWeights
+from workers.errors import StaleWeights, WeightSyncError
 from workers.rewards import UserCodeError, score
 
 
@@ -103,6 +103,15 @@ def test_a_survivors_gloo_error_after_its_peer_died_is_a_collective_failure():
     fault = classify(from_worker(error, actor="TrainWorker[rank 0]", settled=False))
     assert fault.kind is FaultKind.COLLECTIVE_FAILED, (type(error), error)
     assert fault.group is Group.TRAIN
+
+
+def test_a_broken_weight_stream_is_a_collective_failure_of_the_engine():
+    """An engine whose transfer broke (or whose digests disagreed) raises WeightSyncError; rank 0 reports the
+    targets it dropped with one too: either way a fault of the engines, repaired on them alone."""
+    fault = classify(from_worker(WeightSyncError("weight stream broken: Connection closed by peer"), Group.ROLLOUT,
+                                 actor="RolloutWorker[1]"))
+    assert fault.kind is FaultKind.COLLECTIVE_FAILED and fault.group is Group.ROLLOUT
+    assert fault.actors == ("RolloutWorker[1]",)
 
 
 @pytest.mark.parametrize("error, group, kind", [

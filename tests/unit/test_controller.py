@@ -2,7 +2,7 @@
 
 The stand-ins behave like the real groups seen from the Supervisor: a dead or hung actor fails every call
 to it until it is replaced (a rank: until the whole TrainGroup is), an engine refuses weights of another
-version, a lost object fails the call that needs it. The trainer's "weights" are the list of steps it has
+version, a broken weight stream fails the sync that used it. The trainer's "weights" are the list of steps it has
 applied, so a step trained twice, or one dropped, shows in the final weights.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.exit_codes import ExitCode
 from workers.data import PromptLoader
-from workers.errors import StaleWeights
+from workers.errors import StaleWeights, WeightSyncError
 
 STEPS = 8  # 2 epochs of 4 steps; export, evaluation and recover save every 2 steps (1, 3, 5, 7)
 ROWS = [{"prompt": f"p{i}", "answer": str(i % 10)} for i in range(8)]
@@ -46,11 +46,12 @@ class World:
         self.dead_engines: set[int] = set()
         self.hung_engines: set[int] = set()
         self.poisoned_engines: set[int] = set()  # a device error on every call, until replaced
-        self.lose_next_push = False
+        self.broken_stream = False
         self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
         self.storage_full = self.reward_raises = self.env_fails = False
         self.train_groups = 0
-        self.checksums = 0  # how often the trainers hashed their full weights
+        self.digest_passes = 0  # how often the trainers went over their weights only to hash them
+        self.groups = 0  # weights-update groups made
         self.write_polls = 1  # a background save is reported unfinished to this many polls
 
     def strike(self, phase: str, step: int) -> None:
@@ -68,8 +69,8 @@ class World:
             self.dead_engines.add(1)
         elif fault == "engine_hang":
             self.hung_engines.add(0)
-        elif fault == "lost_object":
-            self.lose_next_push = True
+        elif fault == "broken_stream":
+            self.broken_stream = True
         elif fault == "storage":
             self.storage_full = True
         elif fault == "user":
@@ -109,10 +110,6 @@ class FakeTrainers:
         self.history.append(global_step)
         return [{"loss": float(global_step), "grad_norm": 1.0, "lr": 0.1, "memory": {"rss_gb": 0.1}}]
 
-    def weights(self, global_step, checksum=False):
-        self._check("weights", global_step)
-        self.world.checksums += int(checksum)
-        return (id(self), len(self.history), tuple(self.history)), digest(self.history) if checksum else None
 
     def save_recover(self, staging, global_step, driver_state=None):
         self._check("save", global_step)
@@ -210,19 +207,13 @@ class FakeEngines:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones_like(ids),
                 "completions": completions, "memory": {"rss_gb": 0.1}}
 
-    def push(self, ref, version, only=None):
-        self._check("push", version - 1)
-        if self.world.lose_next_push:
-            self.world.lose_next_push = False
-            lost = rex.ObjectLostError("ab" * 14, "owner", "call site")
-            raise GroupError(Group.ROLLOUT, rex.RayTaskError("load_weights", "tb", lost).as_instanceof_cause(),
-                             ("RolloutWorker[0]",))
-        for i in (range(len(self.held)) if only is None else only):
-            self.held[i] = (ref, version)
+    def connect(self, trainers):
+        self.world.groups += 1
+        return FakeStream(self, trainers)
 
     def weight_status(self):
         self._check("resync", -1)
-        return [(h[1], digest(list(h[0][2]))) if h else (None, "") for h in self.held]
+        return [(h[1], h[0]) if h else (None, "") for h in self.held]
 
     def replace(self, faulty):
         broken = {int(n.split("[")[1][:-1]) for n in faulty} | self.world.dead_engines | self.world.hung_engines
@@ -233,6 +224,32 @@ class FakeEngines:
         return sorted(f"RolloutWorker[{i}]" for i in broken)
 
     def shutdown(self):
+        pass
+
+
+class FakeStream:
+    """The weight stream between a TrainGroup and the engines: the trainers' history lands in the targets."""
+
+    def __init__(self, engines: FakeEngines, trainers: FakeTrainers):
+        self.engines, self.trainers, self.world = engines, trainers, engines.world
+
+    def sync(self, global_step, only=None):
+        self.trainers._check("weights", global_step)
+        only = range(len(self.engines.held)) if only is None else only
+        if not only:
+            self.world.digest_passes += 1
+        else:
+            self.engines._check("push", global_step)
+        if only and self.world.broken_stream:
+            self.world.broken_stream = False
+            broken = WeightSyncError("weight stream broken: Connection closed by peer")
+            raise GroupError(Group.ROLLOUT, rex.RayTaskError("update_weights_from_distributed", "tb", broken)
+                             .as_instanceof_cause(), ("RolloutWorker[0]",))
+        for i in only:
+            self.engines.held[i] = (digest(self.trainers.history), global_step + 1)
+        return {"digest": digest(self.trainers.history), "secs": 0.01, "digest_secs": 0.0}
+
+    def close(self):
         pass
 
 
@@ -277,7 +294,8 @@ def clean(tmp_path_factory):
     world = World()
     result, layout, engines, controller = run(tmp_path_factory.mktemp("clean"), world)
     assert result.exit_code == 0
-    assert world.checksums == 1 + 4  # the first resync and the 4 commits hash the weights; other steps do not
+    assert world.digest_passes == 0  # every digest comes from a sync: the commits reuse their step's
+    assert world.groups == 1  # one weights-update group, made at the start and used by every step
     return read_jsonl(layout.stats_log), engines.generated
 
 
@@ -285,7 +303,7 @@ PHASES = ["rollout", "score", "train", "weights", "push", "export", "evaluate", 
           "background_export"]
 MODES = ["recover.write_mode=async", "recover.write_mode=sync"]
 TRAIN_FAULTS = ["rank_death", "rank_hang", "peer_collective"]
-ENGINE_FAULTS = ["engine_death", "engine_hang", "lost_object", "engine_device"]
+ENGINE_FAULTS = ["engine_death", "engine_hang", "broken_stream", "engine_device"]
 
 
 def final_history(layout: TrialLayout) -> list[int]:
@@ -342,8 +360,9 @@ def test_an_engine_fault_at_any_phase_replaces_engines_alone_and_never_retrains(
     events = read_jsonl(layout.events_log)
     assert world.train_groups == 1 and [e["global_step"] for e in events if e["event"] == "loaded"] == [-1]
     failures = [e["cause"] for e in events if e["event"] == "failure"]
-    assert failures == [{"engine_death": "engine_died", "engine_hang": "hang", "lost_object": "object_lost",
-                         "engine_device": "device_error"}[fault]]
+    kinds = {"engine_death": "engine_died", "engine_hang": "hang", "broken_stream": "collective_failed",
+             "engine_device": "device_error"}
+    assert failures == [kinds[fault]]
     # every rollout and evaluation was generated once per step, with the weights of its step
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
     assert all(version == step + int(greedy) for step, version, greedy in engines.generated)

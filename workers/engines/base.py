@@ -27,6 +27,13 @@ class TrainEngine(Protocol):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full weights on CPU on rank 0 (every rank calls it; the others may get nothing)."""
 
+    def weight_params(self) -> list[tuple[str, torch.Size]]:
+        """The parameters streamed to the engines, in order: names (a tied weight once) and full shapes."""
+
+    def full_param(self, index: int) -> torch.Tensor | None:
+        """Collective: parameter `index` of weight_params(), whole on rank 0 (every rank calls it, in the same
+        order; the others may get nothing)."""
+
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)
         this rank wrote, so that together the ranks report every file exactly once."""

@@ -50,6 +50,7 @@ class DeepSpeedEngine:
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, actor.warmup_steps),
             config=ds_config(config, world_size), dist_init_required=False)
+        self.params = list(self.engine.module.parameters())  # in named_parameters' order: what the stream sends
 
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; DeepSpeed averages the gradients."""
@@ -74,6 +75,19 @@ class DeepSpeedEngine:
         params = list(self.engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.config.actor.zero_stage == 3):
             return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+
+    def weight_params(self) -> list[tuple[str, torch.Size]]:
+        """ZeRO-3 keeps a partition in `p` and the full shape in `p.ds_shape`."""
+        return [(name, getattr(p, "ds_shape", p.shape)) for name, p in self.engine.module.named_parameters()]
+
+    def full_param(self, index: int) -> torch.Tensor | None:
+        """ZeRO-1/2 parameters are whole on every rank; ZeRO-3 gathers this one (every rank) and rank 0 copies
+        it out before it is partitioned again."""
+        p = self.params[index]
+        if self.config.actor.zero_stage != 3:
+            return p.detach()
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.detach().clone() if self.rank == 0 else None
 
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: DeepSpeed's checkpoint (tag global_step{G}, `latest`) and this rank's RNG file.

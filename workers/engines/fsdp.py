@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.fsdp import fully_shard
 
 from supervisor.checkpoint import safe_load
@@ -58,6 +59,7 @@ class FSDPEngine:
             fully_shard(layer, mesh=mesh)
         self.model = fully_shard(model, mesh=mesh)
         actor = config.actor
+        self.params = list(self.model.parameters())  # in named_parameters' order: what the stream sends
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
         if config.async_recover:  # collective: every rank makes the background writer's group here
@@ -94,6 +96,29 @@ class FSDPEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full weights on CPU, the others an empty dict."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weight_params(self) -> list[tuple[str, torch.Size]]:
+        return [(name, p.shape) for name, p in self.model.named_parameters()]
+
+    def full_param(self, index: int) -> torch.Tensor | None:
+        """One gather of one parameter's dim-0 shards to rank 0 (not an all-gather: only rank 0 sends). FSDP2
+        cuts dim 0 like torch.chunk, so only the last non-empty shard is short: padded to the same length, the
+        shards laid end to end are the parameter followed by padding."""
+        p = self.params[index]
+        if not isinstance(p, DTensor):
+            return p.detach()
+        if tuple(p.placements) != (Shard(0),):
+            with torch.no_grad():
+                return p.full_tensor()
+        local = p.to_local().detach()
+        rows = -(-p.shape[0] // self.world_size)
+        if local.shape[0] != rows:
+            local = torch.cat([local, local.new_zeros((rows - local.shape[0], *p.shape[1:]))])
+        whole = torch.empty((rows * self.world_size, *p.shape[1:]), dtype=local.dtype, device=local.device) \
+            if self.rank == 0 else None
+        dist.gather(local.contiguous(), list(whole.chunk(self.world_size)) if whole is not None else None, dst=0,
+                    group=p.device_mesh.get_group())
+        return whole[:p.shape[0]] if whole is not None else None
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

@@ -1,0 +1,163 @@
+"""The weight sync before and after, side by side in one run on the same model: the object-store push it
+replaced (rank 0's full state dict returned through Ray's object store, the engine's `load_state_dict`) and
+the stream (workers/weight_sync.py), each against a memcpy of the same bytes, and the digest's share.
+
+    .venv/bin/python benchmarks/weight_sync.py [--size tiny|100m|0.5b] [--repeats 3] [--quick] [--address ADDR]
+                                               [--json FILE] [KEY=VALUE ...]
+
+A 2-rank FSDP TrainGroup and one engine on a local 3-node cluster (or `--address`). Each sync is timed from
+the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's cost is the
+stream's time with the hash against the same stream with the hash replaced by a constant. At the end the
+engine checks, bitwise, that it holds the trainer's full weights. `--quick` is --size tiny with 2 repeats.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import ray
+import torch
+from report import arguments, report
+
+from supervisor.cluster.groups import RolloutGroup, TrainGroup
+from supervisor.config import load_config
+from supervisor.launch import connect
+from supervisor.testing.local_cluster import LocalCluster
+
+SIZES = {
+    "tiny": [],
+    "100m": ["model.hidden_size=768", "model.intermediate_size=3072", "model.num_layers=12", "model.num_heads=12",
+             "model.num_kv_heads=4"],
+    "0.5b": ["model.hidden_size=896", "model.intermediate_size=4864", "model.num_layers=24", "model.num_heads=14",
+             "model.num_kv_heads=2"],  # the Qwen2.5-0.5B shape, with the tiny vocabulary
+}
+
+
+# ---- the object-store push the stream replaced, kept here only to compare against ------------------------
+def _full_state_dict(worker) -> dict | None:
+    """Collective on every rank: rank 0's full state dict on CPU, returned into the object store."""
+    full = worker.engine.full_state_dict()
+    return full if worker.rank == 0 else None
+
+
+def _load_state_dict(worker, state_dict: dict) -> None:
+    worker.model.load_state_dict(state_dict, strict=False)
+
+
+def object_store_push(trainers, engines) -> float:
+    t0 = time.monotonic()
+    refs = [m.handle.__ray_call__.remote(_full_state_dict) for m in trainers.members]
+    ray.get([m.handle.__ray_call__.remote(_load_state_dict, refs[0]) for m in engines.members] + refs[1:])
+    return time.monotonic() - t0
+
+
+# ---- the stream --------------------------------------------------------------------------------------------
+def _hash_with(worker, constant: bool) -> None:
+    """Replace the digest's hash by a constant (both sides, so that the digests still agree), or restore it."""
+    import workers.weight_sync as ws
+
+    if not hasattr(ws, "_crc32"):
+        ws._crc32 = ws.crc32
+    ws.crc32 = (lambda t: 0) if constant else ws._crc32
+
+
+def stream_sync(stream, hashed: bool = True) -> tuple[float, dict]:
+    actors = [stream.trainers.members[0], *stream.engines.members]
+    ray.get([m.handle.__ray_call__.remote(_hash_with, not hashed) for m in actors])
+    t0 = time.monotonic()
+    sent = stream.sync(-1)
+    secs = time.monotonic() - t0
+    ray.get([m.handle.__ray_call__.remote(_hash_with, False) for m in actors])
+    return secs, sent
+
+
+def _holds(worker, full: dict) -> bool:
+    own = dict(worker.model.named_parameters())
+    return all(torch.equal(p, full[n]) for n, p in own.items())
+
+
+def memcpy_secs(nbytes: int) -> float:
+    """A warm copy (the destination's pages already touched), median of five."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        dst.copy_(src)
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
+
+
+def measure(address: str, overrides: list[str], repeats: int) -> dict:
+    config = load_config(None, ["cluster.n_rollout_workers=1", "recover.step_timeout_secs=600",
+                                f"cluster.fileroot={tempfile.mkdtemp(prefix='relaunch-bench-')}", *overrides])
+    connect(config, address)
+    trainers = engines = None
+    try:
+        engines = RolloutGroup(config, config.recover.step_timeout_secs)
+        trainers = TrainGroup(config, 2, config.recover.step_timeout_secs)
+        stream = engines.connect(trainers)
+        stream_sync(stream)  # warm: the first transfers set up the pairs' buffers
+        store, hashed, unhashed, sent = [], [], [], None
+        for _ in range(repeats):  # alternating, so that a busy moment of the machine hits both alike
+            store.append(object_store_push(trainers, engines))
+            secs, sent = stream_sync(stream)
+            hashed.append(secs)
+            unhashed.append(stream_sync(stream, hashed=False)[0])
+        full = [m.handle.__ray_call__.remote(_full_state_dict) for m in trainers.members]
+        stream_sync(stream)
+        equal = ray.get(engines.members[0].handle.__ray_call__.remote(_holds, full[0]))
+        ray.get(full)
+        nbytes = sent["bytes"]
+        return {"bytes": nbytes, "buckets": sent["buckets"], "params": nbytes // 4,
+                "object_store_secs": statistics.median(store), "stream_secs": statistics.median(hashed),
+                "stream_unhashed_secs": statistics.median(unhashed), "digest_thread_secs": sent["digest_secs"],
+                "rank0": {k: sent[k] for k in ("secs", "gather_secs", "wait_secs")},
+                "memcpy_secs": memcpy_secs(nbytes), "stream_equals_trainer": equal}
+    finally:
+        for group in (trainers, engines):
+            if group is not None:
+                group.shutdown()
+        ray.shutdown()
+
+
+def table(size: str, f: dict) -> list[tuple[str, ...]]:
+    gbps = {k: f["bytes"] / f[f"{k}_secs"] / 1e9 for k in ("object_store", "stream", "memcpy")}
+    digest = f["stream_secs"] / f["stream_unhashed_secs"] - 1
+    return [
+        (f"model ({size})", f"{f['params'] / 1e6:.1f}M parameters, {f['bytes'] / 1e6:.1f} MB fp32, "
+                            f"{f['buckets']} buckets"),
+        ("object-store push (before)", f"{f['object_store_secs']:.3f} s, {gbps['object_store']:.2f} GB/s"),
+        ("stream (after)", f"{f['stream_secs']:.3f} s, {gbps['stream']:.2f} GB/s"),
+        ("memcpy of the same bytes", f"{f['memcpy_secs']:.4f} s, {gbps['memcpy']:.2f} GB/s"),
+        ("speed-up stream / object store", f"{f['object_store_secs'] / f['stream_secs']:.1f}x"),
+        ("stream bandwidth / memcpy", f"{gbps['stream'] / gbps['memcpy']:.1%}"),
+        ("object store bandwidth / memcpy", f"{gbps['object_store'] / gbps['memcpy']:.1%}"),
+        ("digest: added to the sync", f"{digest:+.1%} ({f['stream_unhashed_secs']:.3f} s without it; "
+                                      f"hash thread busy {f['digest_thread_secs']:.3f} s)"),
+        ("rank 0: sync, gathering, waiting for sends", " / ".join(f"{f['rank0'][k]:.3f} s" for k in
+                                                                  ("secs", "gather_secs", "wait_secs"))),
+        ("engine holds the trainer's weights bitwise", str(f["stream_equals_trainer"])),
+    ]
+
+
+def main() -> None:
+    parser = arguments(__doc__, "--size tiny, 2 repeats")
+    parser.add_argument("--size", choices=sorted(SIZES), default="100m")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    size, repeats = ("tiny", 2) if args.quick else (args.size, args.repeats)
+    cluster = None if args.address else LocalCluster()
+    try:
+        f = measure(args.address or cluster.address, [*SIZES[size], *args.overrides], repeats)
+    finally:
+        if cluster:
+            cluster.shutdown()
+    rows = table(size, f)
+    report(rows, {"benchmark": "weight_sync", "size": size, **f, "rows": [list(r) for r in rows]}, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The weight stream's group, seen from the Supervisor: made, used and blamed (workers/weight_sync.py moves
+the bytes).
+
+The Supervisor hosts the group's rendezvous (a TCPStore on an ephemeral port), so every member joins in one
+call. A group joins the TrainGroup's rank 0 and every engine; a new TrainGroup or a replaced engine gets a
+new group (the controller opens one at every resync).
+
+Joining and syncing are one call on each member, waited for together; whoever dies or hangs is blamed, not
+those who gave up waiting for it. A rank that dies or hangs stops the stream for everyone: the engines give
+up after workers/weight_sync.op_timeout and raise, the TrainGroup is blamed. An engine that dies, hangs or
+breaks its transfer is dropped by rank 0 after at most that long (well within recover.step_timeout_secs),
+which finishes the others and reports it: that engine alone is blamed, and replaced or resynced.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from supervisor.cluster.errors import Group, GroupError
+from workers.errors import StaleWeights, WeightSyncError
+from workers.weight_sync import op_timeout
+
+
+class WeightStream:
+    def __init__(self, trainers, engines, config):
+        from torch.distributed import TCPStore
+
+        self.trainers, self.engines = trainers, engines
+        engines.wait_started()  # the rendezvous then needs seconds, not an engine's start-up
+        address = ray.util.get_node_ip_address()
+        self.store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=op_timeout(config))
+        name, world = f"weights-{uuid.uuid4().hex[:12]}", 1 + len(engines.members)
+        gpu = config.cluster.gpus_per_worker > 0 and config.cluster.gpus_per_engine > 0
+        backend = "nccl" if gpu else "gloo"
+        rank0 = trainers.members[0]
+        joined = rank0.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend)
+        refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)
+                for i, m in enumerate(engines.members)]
+        (spec,), answers = self._gather([joined], [rank0], refs, engines.members)
+        wanted = {a["dtype"] for a in answers}
+        if len(wanted) != 1:
+            raise ValueError(f"the engines want their weights in different dtypes: {sorted(wanted)}")
+        self.dtype = wanted.pop()
+        self.names, self.shapes = spec["names"], spec["shapes"]
+
+    def sync(self, global_step: int, only: list[int] | None = None) -> dict:
+        """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
+        digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, gather_secs, wait_secs."""
+        trainers, engines = self.trainers, self.engines
+        only = list(range(len(engines.members))) if only is None else only
+        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype)
+                 for m in trainers.members]
+        targets = [engines.members[i] for i in only]
+        receives = [m.handle.update_weights_from_distributed.remote(
+            self.names, [self.dtype] * len(self.names), self.shapes, global_step + 1) for m in targets]
+        (sent, *_), digests = self._gather(sends, trainers.members, receives, targets)
+        if sent["failed"]:
+            names = tuple(engines.members[rank - 1].name for rank in sent["failed"])
+            raise GroupError(Group.ROLLOUT, WeightSyncError("; ".join(sent["failed"].values())), names)
+        wrong = [m.name for m, d in zip(targets, digests) if d != sent["digest"]]
+        if wrong:
+            raise GroupError(Group.ROLLOUT, StaleWeights(f"digest {sent['digest']} sent, another landed"),
+                             tuple(wrong))
+        return sent
+
+    def _gather(self, trainer_refs: list, ranks: list, engine_refs: list, engines: list) -> tuple[list, list]:
+        """The results of the trainers' and the engines' calls, waited for together. Raises GroupError naming
+        who died, else who hung (the TrainGroup first: engines wait on it), else who raised."""
+        refs, timeout, start = trainer_refs + engine_refs, self.trainers.timeout, time.monotonic()
+        whose = [(self.trainers, m) for m in ranks] + [(self.engines, m) for m in engines]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        waited = round(time.monotonic() - start, 3)
+        pending = [r for r in refs if r in set(pending)]  # in the order of `refs`: the trainers first
+        errors = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - classified by the controller
+                errors[ref] = e
+        dead = [r for r in refs if isinstance(errors.get(r), RayActorError)]
+        raised = [r for r in refs if r in errors and r not in dead]
+        for culprits, error in ((dead, None), (pending, GetTimeoutError(f"no answer after {timeout:.0f}s")),
+                                (raised, None)):
+            if culprits:
+                group = whose[refs.index(culprits[0])][0]
+                mine = [r for r in culprits if whose[refs.index(r)][0] is group]
+                self.trainers.orphans += [r for r in pending if whose[refs.index(r)][0] is self.trainers]
+                self.engines.orphans += [r for r in pending if whose[refs.index(r)][0] is self.engines]
+                first = whose[refs.index(mine[0])][1]
+                raise GroupError(group.group, error or errors[mine[0]],
+                                 tuple(whose[refs.index(r)][1].name for r in mine), first.node_id, waited)
+        return ray.get(trainer_refs), ray.get(engine_refs)
+
+    def close(self) -> None:
+        """The rendezvous goes; the members drop their part when they join the next group."""
+        self.store = None

@@ -1,0 +1,98 @@
+"""The weight stream's pure parts (the bucket plan, the digest), and a real stream between two gloo members in
+one process: what lands is bitwise what was sent, written in place, and a broken stream is reported."""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from workers.errors import WeightSyncError
+from workers.weight_sync import Piece, bucket_len, combine, join_group, local_digest, plan_buckets, receive, send
+
+TIMEOUT = datetime.timedelta(seconds=5)
+
+
+def test_buckets_are_fixed_size_and_cover_every_element_once():
+    plan = plan_buckets([10, 3, 25, 0, 4], itemsize=4, bucket_bytes=48)  # 12 elements a bucket
+    assert [bucket_len(b) for b in plan] == [12, 12, 12, 6]
+    covered = {}
+    for bucket in plan:
+        offsets = [p.offset for p in bucket]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+        for p in bucket:
+            for e in range(p.start, p.start + p.length):
+                covered[(p.param, e)] = covered.get((p.param, e), 0) + 1
+    assert covered == {(i, e): 1 for i, n in enumerate([10, 3, 25, 0, 4]) for e in range(n)}
+    assert plan[0] == [Piece(0, 0, 10, 0), Piece(1, 0, 2, 10)]  # a parameter may span buckets
+
+
+def test_a_bucket_smaller_than_an_element_still_holds_one():
+    assert [bucket_len(b) for b in plan_buckets([3], itemsize=4, bucket_bytes=1)] == [1, 1, 1]
+
+
+def test_the_digest_depends_on_every_bucket_and_their_order():
+    assert combine([1, 2]) != combine([2, 1]) != combine([1, 2, 0])
+    assert combine([1, 2]) == combine([1, 2]) and combine([1, 2]).startswith("crc32-")
+    ts = [torch.arange(10.0), torch.ones(3)]
+    changed = [ts[0].clone(), ts[1].clone()]
+    changed[1][2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))  # one bit of one element
+    assert local_digest(ts, torch.float32, 16) != local_digest(changed, torch.float32, 16)
+
+
+def stream(sent: list[torch.Tensor], into: list[torch.Tensor], bucket_bytes: int, receiver=receive):
+    """Rank 0 sends `sent` to rank 1, which writes into `into`; returns (rank 0's result, rank 1's)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    out: dict = {}
+
+    def member(rank: int) -> None:
+        group = join_group("127.0.0.1", store.port, rank, 2, "g", "gloo", TIMEOUT)
+        try:
+            out[rank] = (send(lambda i: sent[i], [t.numel() for t in sent], torch.float32, bucket_bytes, True,
+                              group, [1], TIMEOUT) if rank == 0 else
+                         receiver(into, torch.float32, bucket_bytes, group, TIMEOUT))
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            out[rank] = e
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out[0], out[1]
+
+
+def test_a_stream_lands_bitwise_in_place_with_the_same_digest_on_both_sides():
+    torch.manual_seed(0)
+    sent = [torch.randn(37, 5), torch.randn(1000), torch.randn(3, 3)]
+    into = [torch.zeros_like(t) for t in sent]
+    pointers = [t.data_ptr() for t in into]
+    result, digest = stream(sent, into, bucket_bytes=256)
+    assert all(torch.equal(a, b) for a, b in zip(sent, into))
+    assert [t.data_ptr() for t in into] == pointers  # written in place
+    assert result["digest"] == digest == local_digest(sent, torch.float32, 256)
+    assert result["failed"] == {} and result["buckets"] == 19 and result["bytes"] == 4 * (185 + 1000 + 9)
+
+
+def test_a_receiver_that_stops_is_dropped_and_reported_while_the_sender_finishes():
+    sent = [torch.randn(1 << 21)]  # more than the socket buffers hold
+
+    def gives_up(into, dtype, bucket_bytes, group, timeout):
+        group.recv([torch.empty(bucket_bytes // 4)], 0, 0).wait(timeout)  # the first bucket only
+        raise WeightSyncError("the engine went away")
+
+    result, error = stream(sent, [torch.zeros(1 << 21)], bucket_bytes=1 << 16, receiver=gives_up)
+    assert isinstance(error, WeightSyncError)
+    assert list(result["failed"]) == [1] and result["digest"] == local_digest(sent, torch.float32, 1 << 16)
+
+
+def test_digests_that_disagree_leave_no_version(monkeypatch):
+    import workers.weight_sync as ws
+
+    calls = iter(range(10**6))
+    monkeypatch.setattr(ws, "crc32", lambda t: next(calls))  # every hash differs from the last
+    with pytest.raises(WeightSyncError, match="another digest"):
+        result, error = stream([torch.ones(8)], [torch.zeros(8)], bucket_bytes=16)
+        raise error

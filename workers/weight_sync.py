@@ -1,0 +1,236 @@
+"""The trainer -> engine weight stream: a process group of its own, fixed-size buckets, a digest per bucket.
+
+Trainer rank 0 is rank 0 of a weights-update group; engine i joins it as rank `rank_offset` = 1 + i (the
+shape of vLLM's and SGLang's RL weight-update API: `init_weights_update_group`, then
+`update_weights_from_distributed(names, dtypes, shapes)`), through a TCPStore the Supervisor hosts. The
+group is made from the store and ProcessGroupGloo (ProcessGroupNCCL on GPU) directly: the trainer's default
+group is the training group, and `new_group` cannot make a world of other processes.
+
+The parameters, in the trainer's order, are laid end to end in the engine's dtype and cut into buckets of
+`bucket_bytes` (a parameter may span buckets). Every trainer rank takes part in gathering each parameter as
+its first bucket needs it; rank 0 alone copies it into the bucket and sends the bucket, point to point, to
+each target engine (so a subset can be pushed, and a dead target breaks only its own pair). The engine
+receives each bucket into a buffer and copies it in place into its parameters. Both sides hash every
+bucket (crc32, in a thread: zlib releases the GIL, so the hash overlaps the next transfer); rank 0 sends
+its hashes last, and the engine takes the version only when the last bucket landed and they agree. On GPU
+the digest would be a reduction on the device instead (a sum of the bucket viewed as int64, say), so that no
+byte crosses to the host; only the CPU path exists today.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from workers.errors import WeightSyncError
+
+TAG_DIGESTS = 1 << 30  # the tag of the hashes message; bucket k is sent with tag k
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + length) of parameter `param` (flattened) at `offset` in its bucket."""
+    param: int
+    start: int
+    length: int
+    offset: int
+
+
+def plan_buckets(numels: Sequence[int], itemsize: int, bucket_bytes: int) -> list[list[Piece]]:
+    """The parameters laid end to end, cut every `bucket_bytes` (rounded down to whole elements)."""
+    per_bucket = max(1, bucket_bytes // itemsize)
+    buckets, current, used = [], [], 0
+    for i, numel in enumerate(numels):
+        start = 0
+        while start < numel:
+            length = min(numel - start, per_bucket - used)
+            current.append(Piece(i, start, length, used))
+            start, used = start + length, used + length
+            if used == per_bucket:
+                buckets.append(current)
+                current, used = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_len(bucket: list[Piece]) -> int:
+    return bucket[-1].offset + bucket[-1].length
+
+
+def combine(crcs: Sequence[int]) -> str:
+    """One checksum string for a sync: its buckets' crc32s, in order, hashed together."""
+    return "crc32-" + hashlib.sha256(b"".join(c.to_bytes(4, "big") for c in crcs)).hexdigest()[:16]
+
+
+def crc32(t: torch.Tensor) -> int:
+    """On CPU, where the bytes are. (On GPU this copies them to the host: the device reduction the module's
+    docstring describes is not written yet.)"""
+    return zlib.crc32(t.view(torch.uint8).cpu().numpy())
+
+
+def local_digest(tensors: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> str:
+    """The digest a sync of `tensors` (full, in the stream's order) gives, computed in one process: what
+    tests and benchmarks check a sync against."""
+    flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
+    plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
+    return combine([crc32(torch.cat([flat[p.param][p.start:p.start + p.length] for p in b])) for b in plan])
+
+
+def op_timeout(config) -> datetime.timedelta:
+    """How long one transfer (or the group's rendezvous) may wait: a third of recover.step_timeout_secs, so
+    that rank 0 gives up on a hung engine, and reports it, well before the Supervisor calls the sync a hang."""
+    return datetime.timedelta(seconds=config.recover.step_timeout_secs / 3)
+
+
+def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               backend: str, timeout: datetime.timedelta):
+    """This process's member of the weights-update group `group_name` (a new name for every group)."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = PrefixStore(f"{group_name}/", TCPStore(master_address, master_port, is_master=False, timeout=timeout))
+    if backend == "nccl":  # designed for, not tested here: the engine or trainer on GPU
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+    from torch.distributed import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [ProcessGroupGloo.create_default_device()]
+    return ProcessGroupGloo(store, rank, world_size, opts)
+
+
+def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int,
+         sender: bool, group, targets: Sequence[int], timeout: datetime.timedelta,
+         device: torch.device | str = "cpu") -> dict:
+    """Every trainer rank calls it; rank 0 is the `sender` (its `group` may be None when there are no
+    `targets`: a digest only). `full(i)` is the collective that gathers parameter i. Returns, on rank 0,
+    the digest, the targets that failed (weights rank -> why) and figures; on the others, {}.
+
+    A target whose transfer fails or times out is dropped and reported; the gather loop always runs to its
+    end, so that no rank is left waiting in an all-gather for a rank that gave up."""
+    plan = plan_buckets(numels, torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
+    live, failed = list(targets), {}
+    size = max((bucket_len(b) for b in plan), default=0) if sender else 0
+    buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
+    in_flight: list[list] = [[], []]  # per buffer: the (target, work) pairs still sending it
+    hashing: list[Future | None] = [None, None]  # per buffer: its bucket's hash, while it runs
+    crcs: list[Future] = []
+    error: BaseException | None = None
+    current, tensor = -1, None
+    t0, hash_secs, gather_secs, wait_secs = time.monotonic(), [0.0], 0.0, [0.0]
+
+    def drop(target: int, e: BaseException) -> None:
+        live.remove(target)
+        failed[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
+
+    def post(data: torch.Tensor, tag: int) -> list:
+        works = []
+        for target in list(live):
+            try:
+                works.append((target, group.send([data], target, tag)))
+            except Exception as e:  # noqa: BLE001 - a closed pair raises here rather than in wait()
+                drop(target, e)
+        return works
+
+    def settle(works: list) -> None:
+        t1 = time.monotonic()
+        for target, work in works:
+            if target in live:
+                try:
+                    work.wait(timeout)
+                except Exception as e:  # noqa: BLE001 - that target is dropped and reported
+                    drop(target, e)
+        works.clear()
+        wait_secs[0] += time.monotonic() - t1
+
+    def timed_crc(t: torch.Tensor) -> int:
+        t1 = time.monotonic()
+        value = crc32(t)
+        hash_secs[0] += time.monotonic() - t1
+        return value
+
+    with ThreadPoolExecutor(1, thread_name_prefix="digest") as hasher:
+        for k, bucket in enumerate(plan):
+            buf = buffers[k % 2]
+            if sender:
+                settle(in_flight[k % 2])
+                if hashing[k % 2] is not None:
+                    hashing[k % 2].result()  # the buffer's previous bucket is hashed
+            for piece in bucket:
+                if piece.param != current:
+                    t1 = time.monotonic()
+                    current, tensor = piece.param, full(piece.param)  # collective: every rank, every parameter
+                    gather_secs += time.monotonic() - t1
+                    if not sender:
+                        tensor = None
+                if sender and error is None:
+                    try:
+                        buf[piece.offset:piece.offset + piece.length].copy_(
+                            tensor.reshape(-1)[piece.start:piece.start + piece.length])
+                    except Exception as e:  # noqa: BLE001 - raised after the loop, which the peers need finished
+                        error = e
+            if sender and error is None:
+                data = buf[:bucket_len(bucket)]
+                hashing[k % 2] = hasher.submit(timed_crc, data)
+                crcs.append(hashing[k % 2])
+                in_flight[k % 2] = post(data, k)
+        if not sender:
+            return {}
+        for works in in_flight:
+            settle(works)
+        if error is not None:
+            raise error
+        values = [f.result() for f in crcs]
+    settle(post(torch.tensor(values, dtype=torch.int64), TAG_DIGESTS))
+    nbytes = sum(bucket_len(b) for b in plan) * buffers[0].element_size()
+    return {"digest": combine(values), "failed": failed, "bytes": nbytes, "buckets": len(plan),
+            "secs": time.monotonic() - t0, "digest_secs": hash_secs[0], "gather_secs": gather_secs,
+            "wait_secs": wait_secs[0]}
+
+
+def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int, group,
+            timeout: datetime.timedelta) -> str:
+    """Receive every bucket from rank 0 and write it in place into `params`; the digest of what landed.
+    Raises WeightSyncError if a transfer failed or the digests disagree."""
+    flat = [p.data.view(-1) for p in params]
+    plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
+    size = max((bucket_len(b) for b in plan), default=0)
+    buffers = [torch.empty(size, dtype=dtype, device=flat[0].device if flat else "cpu") for _ in range(2)]
+    crcs: list[Future] = []
+
+    def post(k: int):
+        return group.recv([buffers[k % 2][:bucket_len(plan[k])]], 0, k) if k < len(plan) else None
+
+    with ThreadPoolExecutor(1, thread_name_prefix="digest") as hasher:
+        try:
+            work = post(0)
+            for k, bucket in enumerate(plan):
+                work.wait(timeout)
+                if k >= 1:
+                    crcs[k - 1].result()  # the other buffer is free again
+                work = post(k + 1)
+                data = buffers[k % 2][:bucket_len(bucket)]
+                crcs.append(hasher.submit(crc32, data))
+                with torch.no_grad():
+                    for piece in bucket:
+                        flat[piece.param][piece.start:piece.start + piece.length].copy_(
+                            data[piece.offset:piece.offset + piece.length])
+            theirs = torch.empty(len(plan), dtype=torch.int64)
+            group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
+        except RuntimeError as e:
+            raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
+        mine = [f.result() for f in crcs]
+    if mine != theirs.tolist():
+        bad = next(k for k, (a, b) in enumerate(zip(mine, theirs.tolist())) if a != b)
+        raise WeightSyncError(f"bucket {bad} of {len(plan)} arrived with another digest than it was sent with")
+    return combine(mine)
