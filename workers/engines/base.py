@@ -49,6 +49,39 @@ class TrainEngine(Protocol):
         """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
 
 
+class EngineBase:
+    """What every engine shares: its place in the group, the tokenizer, the KL reference policy, the GRPO
+    loss on this rank's shard, the loss averaged over the ranks, and the HuggingFace export. Each engine
+    adds its own sharding, optimizer step, checkpoint format and parameter gathering."""
+
+    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer):
+        from workers.engines.reference import ReferencePolicy
+
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        self.tokenizer = tokenizer
+        self.reference = ReferencePolicy(config, tokenizer, device) if config.actor.kl_coef else None
+
+    def _loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        """GRPO's loss (and its KL term) of `model` on this rank's shard of the batch."""
+        from workers.engines.reference import grpo_loss
+        from workers.model import forward_logits
+
+        ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+        return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference)
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
+        """The loss averaged over every rank's shard (a sum, then a division: gloo has no AVG)."""
+        total = loss.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total / self.world_size)
+
+    def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
+        """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
+        from workers.engines.export import write_hf
+
+        write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size)
+
+
 def init_process_group(config: Config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
     """Join the group's process group: nccl on GPU, gloo on CPU. Collectives time out well after a hung step
     does, so the Supervisor decides what a hang is, not gloo or NCCL (as on main since f0af01d)."""

@@ -20,11 +20,8 @@ import torch.distributed as dist
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
 from supervisor.config import Config
-from workers.engines.base import lr_scheduler
-from workers.engines.export import write_hf
-from workers.engines.reference import ReferencePolicy, grpo_loss
+from workers.engines.base import EngineBase, lr_scheduler
 from workers.engines.rng import load_rng, save_rng
-from workers.model import forward_logits
 
 
 def ds_config(config: Config, world_size: int) -> dict:
@@ -36,15 +33,13 @@ def ds_config(config: Config, world_size: int) -> dict:
     }
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(EngineBase):
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
                  model: torch.nn.Module):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
-        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        super().__init__(config, rank, world_size, device, tokenizer)
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        self.tokenizer = tokenizer
         model = model.to(device)
-        self.reference = ReferencePolicy(config, self.tokenizer, device) if config.actor.kl_coef else None
         actor = config.actor
         optimizer = torch.optim.AdamW(model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
@@ -55,19 +50,14 @@ class DeepSpeedEngine:
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; DeepSpeed averages the gradients."""
         self.engine.train()
-        ids = batch["input_ids"].to(self.device)
-        mask = batch["attention_mask"].to(self.device)
-        logits = forward_logits(self.engine, ids, mask)
-        loss, metrics = grpo_loss(logits, batch, self.device, self.reference)
+        loss, metrics = self._loss(self.engine, batch)
         self.engine.backward(loss)
         lr = self.scheduler.get_last_lr()[0]
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         if self.reference is not None and self.reference.refresh_due(global_step):
             self.reference.refresh(self.full_state_dict())
-        loss_avg = loss.detach().clone()
-        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)
-        return {"loss": float(loss_avg / self.world_size), "lr": lr, **metrics,
+        return {"loss": self._mean_over_ranks(loss), "lr": lr, **metrics,
                 "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -120,5 +110,3 @@ class DeepSpeedEngine:
             self.reference.load(directory.parent, global_step)
         return load_rng(directory, self.rank, same_world_size)
 
-    def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
-        write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size)

@@ -32,11 +32,8 @@ from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DCP_METADATA
 from supervisor.config import Config
 from supervisor.testing.fault_points import armed
-from workers.engines.base import collective_timeout, lr_scheduler
-from workers.engines.export import write_hf
-from workers.engines.reference import ReferencePolicy, grpo_loss
+from workers.engines.base import EngineBase, collective_timeout, lr_scheduler
 from workers.engines.rng import load_rng, save_rng
-from workers.model import forward_logits
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -46,14 +43,12 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-class FSDPEngine:
+class FSDPEngine(EngineBase):
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
                  model: torch.nn.Module):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
-        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        self.tokenizer = tokenizer
+        super().__init__(config, rank, world_size, device, tokenizer)
         model = model.to(device)
-        self.reference = ReferencePolicy(config, self.tokenizer, device) if config.actor.kl_coef else None
         mesh = init_device_mesh(device.type, (world_size,))
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
@@ -71,10 +66,7 @@ class FSDPEngine:
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; gradients are averaged by FSDP."""
         self.model.train()
-        ids = batch["input_ids"].to(self.device)
-        mask = batch["attention_mask"].to(self.device)
-        logits = forward_logits(self.model, ids, mask)
-        loss, metrics = grpo_loss(logits, batch, self.device, self.reference)
+        loss, metrics = self._loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float("nan")
@@ -87,11 +79,7 @@ class FSDPEngine:
         if self.reference is not None and self.reference.refresh_due(global_step):
             # every rank needs the full weights here (full_state_dict gives them to rank 0 only)
             self.reference.refresh(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
-        loss_avg = loss.detach().clone()
-        dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG if self.device.type == "cuda" else dist.ReduceOp.SUM)
-        if self.device.type != "cuda":
-            loss_avg /= self.world_size  # gloo has no AVG
-        return {"loss": float(loss_avg), "grad_norm": grad_norm, "lr": lr, **metrics}
+        return {"loss": self._mean_over_ranks(loss), "grad_norm": grad_norm, "lr": lr, **metrics}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full weights on CPU, the others an empty dict."""
@@ -176,5 +164,3 @@ class FSDPEngine:
             self.reference.load(directory.parent, global_step)
         return load_rng(directory, self.rank, same_world_size)
 
-    def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
-        write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size)
