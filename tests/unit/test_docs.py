@@ -1,0 +1,25 @@
+"""The config reference stays true: every key the config accepts has its row in docs/config.md."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from supervisor.config import Config
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out += keys(field.annotation, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def test_every_config_key_has_a_row_in_the_config_reference():
+    rows = {line.split("|")[1].strip().strip("`") for line in DOC.read_text().splitlines() if line.startswith("| `")}
+    assert not [k for k in keys(Config) if k not in rows]
