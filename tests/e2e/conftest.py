@@ -100,9 +100,10 @@ def curve(stats: list[dict]) -> list[tuple]:
 
 
 def metrics(stats: list[dict]) -> list[dict]:
-    """Every field of every step's row (lr, kl, eval/reward, weights_version, ...) but its timings and the
-    figures of its save, which depend on the clock and on where saves happened."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "ckpt/"))} for r in stats]
+    """Every field of every step's row (lr, kl, eval/reward, weights_version, ...) but its timings, the
+    figures of its save and the peak memory, which depend on the clock, on where saves happened and on the
+    processes a restart replaced."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "ckpt/", "mem/"))} for r in stats]
 
 
 def status_json(trial: Trial, *extra: str, env: dict | None = None) -> dict:
