@@ -1,10 +1,10 @@
-"""The training loop that benchmarks/baselines.py runs under Ray Train and under torchrun: the default job's tiny
-model (workers/model.py, built from the default config) on 2 gloo ranks with DDP and AdamW, a checkpoint after
-every step, and rank 1 SIGKILLing itself once at the start of step `kill_at`.
+"""The training loop that benchmarks/baselines.py runs under Ray Train and under torchrun: the model of a relaunch
+config (workers/model.py, the default job's tiny one unless a config is named) on 2 gloo ranks with DDP and AdamW,
+a checkpoint after every step, and rank 1 SIGKILLing itself once at the start of step `kill_at`.
 
 Each rank appends what the benchmark measures to `log` (JSON lines): the kill's time, and rank 0 each completed
 step's time. As a torchrun entry point:
-    torchrun --standalone --nproc-per-node 2 --max-restarts 3 benchmarks/baseline_loop.py DIR STEPS KILL_AT
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 benchmarks/baseline_loop.py DIR STEPS KILL_AT [CONFIG]
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def log_line(log: Path, **row) -> None:
         os.fsync(f.fileno())
 
 
-def build():
+def build(config_path: str | None = None):
     from supervisor.config import load_config
     from workers.model import build_model, build_tokenizer
 
-    cfg = load_config()
+    cfg = load_config(config_path)
     tok = build_tokenizer(cfg.model)
     model = build_model(cfg.model, tok, cfg.seed)
     return model, torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr), len(tok)
@@ -76,7 +76,7 @@ def ray_train_loop(args: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     run_dir = Path(args["dir"])
     log, marker = run_dir / "log.jsonl", run_dir / "killed"
-    model, optim, vocab = build()
+    model, optim, vocab = build(args.get("config"))
     start = 0
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
@@ -100,7 +100,7 @@ def ray_train_loop(args: dict) -> None:
             log_line(log, step=step, time=time.time())
 
 
-def torchrun_loop(run_dir: Path, steps: int, kill_at: int) -> None:
+def torchrun_loop(run_dir: Path, steps: int, kill_at: int, config_path: str | None = None) -> None:
     """torchrun's entry point: resumes from the newest torch.save checkpoint, writes one every step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -109,7 +109,7 @@ def torchrun_loop(run_dir: Path, steps: int, kill_at: int) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     log, marker, path = run_dir / "log.jsonl", run_dir / "killed", run_dir / "state.pt"
-    model, optim, vocab = build()
+    model, optim, vocab = build(config_path)
     start = 0
     if path.exists():
         state = torch.load(path, weights_only=True)
@@ -134,4 +134,4 @@ def torchrun_loop(run_dir: Path, steps: int, kill_at: int) -> None:
 
 
 if __name__ == "__main__":
-    torchrun_loop(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    torchrun_loop(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)

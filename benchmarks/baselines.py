@@ -1,19 +1,23 @@
 """Recovery from a dead worker side by side in one run: relaunch, Ray Train (TorchTrainer + FailureConfig) and
-torchrun --max-restarts, each with 2 gloo ranks of the default job's tiny model, a checkpoint after every step,
-and rank 1 SIGKILLed at the start of step K.
+torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
+~0.5B), a checkpoint after every step, and rank 1 SIGKILLed at the start of step K.
 
-    .venv/bin/python benchmarks/baselines.py [--kill-at-step 6] [--steps 12] [--quick] [--address ADDR] [--json FILE]
+    .venv/bin/python benchmarks/baselines.py [--size tiny|100m|0.5b] [--kill-at-step 6] [--steps 12] [--quick]
+                                             [--address ADDR] [--json FILE]
 
-relaunch runs the default job (recover.freq_steps=1) and its figure is its `recovery` event's total (detection
-included). The baselines run benchmarks/baseline_loop.py (the same model, AdamW, a DDP update of 64 samples a step)
-and their figure is the time from the kill, logged by the dying rank, to the next step rank 0 completes.
-A baseline that cannot run here (Ray Train's extras missing) is reported as not run, with the reason.
+relaunch runs the size's job (recover.freq_steps=1, its default warm spares) and its figure is its `recovery`
+event's total (detection included). The baselines run benchmarks/baseline_loop.py (the same model, AdamW, a DDP
+update of 64 samples a step) and their figure is the time from the kill, logged by the dying rank, to the next step
+rank 0 completes. Each system's cost of the failure is that figure minus its own median step (what a step takes
+anyway), compared side by side. A baseline that cannot run here (Ray Train's extras missing) is reported as not
+run, with the reason.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +26,7 @@ from pathlib import Path
 
 from recovery import killed_run
 from report import arguments
+from sizes import SIZES
 
 from supervisor.control.events import Event, read_jsonl
 from supervisor.testing.local_cluster import LocalCluster
@@ -30,23 +35,30 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def dead_to_next_step(log: Path) -> float:
-    """From the kill to the first completion of the killed step (rank 0 may log the step before it late)."""
+def baseline_figures(log: Path) -> dict:
+    """From the kill to the first completion of the killed step (rank 0 may log the step before it late), and
+    the median time between two steps that no kill came between."""
     rows = read_jsonl(log)
     kill = next(r for r in rows if r.get("event") == "kill")
-    return min(r["time"] for r in rows if "event" not in r and r["step"] >= kill["step"]) - kill["time"]
+    done = sorted((r["step"], r["time"]) for r in rows if "event" not in r)
+    gaps = [t1 - t0 for (s0, t0), (s1, t1) in zip(done, done[1:]) if s1 == s0 + 1 and not t0 < kill["time"] < t1]
+    return {"recovery_secs": min(t for s, t in done if s >= kill["step"]) - kill["time"],
+            "median_step_secs": statistics.median(gaps)}
 
 
-def relaunch(address: str, root: Path, steps: int, kill_at: int) -> dict:
-    epochs = -(-steps // 12)  # the default data gives 12 steps an epoch
+def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str) -> dict:
+    epochs = -(-steps // 12)  # the shipped data gives 12 steps an epoch at every size
     secs, layout = killed_run(address, root, "relaunch", [f"total_train_epochs={epochs}", "recover.freq_steps=1"],
-                              kill_at)
+                              kill_at, SIZES[size].config)
     recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == Event.RECOVERY)
-    return {"system": "relaunch", "recovery_secs": recovery["total"], "wall_secs": secs, "steps": epochs * 12,
-            "breakdown": recovery}
+    # a step as the baselines count it: from one completed step to the next (its row's write included)
+    steps_secs = [r["time/step"] + r.get("time/between_steps", 0.0) for r in read_jsonl(layout.stats_log)
+                  if "time/between_steps" in r]
+    return {"system": "relaunch", "recovery_secs": recovery["total"], "median_step_secs":
+            statistics.median(steps_secs), "wall_secs": secs, "steps": epochs * 12, "breakdown": recovery}
 
 
-def ray_train(address: str, root: Path, steps: int, kill_at: int) -> dict:
+def ray_train(address: str, root: Path, steps: int, kill_at: int, size: str) -> dict:
     try:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -63,7 +75,8 @@ def ray_train(address: str, root: Path, steps: int, kill_at: int) -> dict:
     try:
         started = time.monotonic()
         trainer = TorchTrainer(
-            ray_train_loop, train_loop_config={"dir": str(run_dir), "steps": steps, "kill_at": kill_at},
+            ray_train_loop, train_loop_config={"dir": str(run_dir), "steps": steps, "kill_at": kill_at,
+                                               "config": str(SIZES[size].config)},
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name="baseline", storage_path=str(run_dir / "storage"),
@@ -72,16 +85,16 @@ def ray_train(address: str, root: Path, steps: int, kill_at: int) -> dict:
         wall = time.monotonic() - started
     finally:
         ray.shutdown()
-    return {"system": f"Ray Train {ray.__version__}", "recovery_secs": dead_to_next_step(run_dir / "log.jsonl"),
-            "wall_secs": wall, "steps": steps}
+    return {"system": f"Ray Train {ray.__version__}", **baseline_figures(run_dir / "log.jsonl"), "wall_secs": wall,
+            "steps": steps}
 
 
-def torchrun(root: Path, steps: int, kill_at: int, bound: float) -> dict:
+def torchrun(root: Path, steps: int, kill_at: int, bound: float, size: str) -> dict:
     run_dir = root / "torchrun"
     run_dir.mkdir()
     started = time.monotonic()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           "3", str(HERE / "baseline_loop.py"), str(run_dir), str(steps), str(kill_at)]
+           "3", str(HERE / "baseline_loop.py"), str(run_dir), str(steps), str(kill_at), str(SIZES[size].config)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)])),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -92,41 +105,52 @@ def torchrun(root: Path, steps: int, kill_at: int, bound: float) -> dict:
         return {"system": "torchrun", "error": f"did not finish within {bound:.0f} s (a restarted group hung)"}
     wall = time.monotonic() - started
     if proc.returncode != 0:
-        return {"system": "torchrun", "error": f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}"}
+        last = [line for line in stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")][-1:]
+        return {"system": "torchrun", "error": f"did not recover: exit {proc.returncode} ({''.join(last)[:160]})"}
     import torch
 
-    return {"system": f"torchrun (torch {torch.__version__})", "recovery_secs": dead_to_next_step(run_dir / "log.jsonl"),
+    return {"system": f"torchrun (torch {torch.__version__})", **baseline_figures(run_dir / "log.jsonl"),
             "wall_secs": wall, "steps": steps}
 
 
 def main() -> None:
     parser = arguments(__doc__, "5 steps for the baselines, the kill at step 3 (CI)")
+    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model of every system")
     parser.add_argument("--kill-at-step", type=int, default=6)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     steps, kill_at = (5, 3) if args.quick else (args.steps, args.kill_at_step)
     root = Path(tempfile.mkdtemp(prefix="relaunch-baselines-"))
-    cluster = None if args.address else LocalCluster()
+    cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
     address = args.address or cluster.address
     try:
-        rows = [relaunch(address, root, steps, kill_at), ray_train(address, root, steps, kill_at),
-                torchrun(root, steps, kill_at, bound=60 if args.quick else 300)]
+        rows = [relaunch(address, root, steps, kill_at, args.size), ray_train(address, root, steps, kill_at, args.size),
+                torchrun(root, steps, kill_at, 60 if args.quick else 300 * (1 + 4 * (args.size != "tiny")), args.size)]
     finally:
         if cluster:
             cluster.shutdown()
-    ours = rows[0]["recovery_secs"]
-    print(f"{'system':<26} {'dead worker -> next step':>25} {'vs relaunch':>12} {'wall (steps)':>14}")
+    for row in rows:
+        if "error" not in row:
+            row["cost_secs"] = row["recovery_secs"] - row["median_step_secs"]
+    ours = rows[0]
+    print(f"model: {args.size} ({SIZES[args.size].config.name})")
+    print(f"{'system':<26} {'dead worker -> next step':>25} {'median step':>12} {'cost beyond a step':>19} "
+          f"{'vs relaunch':>12} {'wall (steps)':>14}")
     for row in rows:
         if "error" in row:
             print(f"{row['system']:<26} {row['error']}")
             continue
-        row["ratio_to_relaunch"] = row["recovery_secs"] / ours
-        print(f"{row['system']:<26} {row['recovery_secs']:>23.2f} s {row['ratio_to_relaunch']:>11.2f}x "
+        row["ratio_to_relaunch"] = row["recovery_secs"] / ours["recovery_secs"]
+        row["cost_ratio_to_relaunch"] = row["cost_secs"] / max(ours["cost_secs"], 1e-3)
+        print(f"{row['system']:<26} {row['recovery_secs']:>23.2f} s {row['median_step_secs']:>10.2f} s "
+              f"{row['cost_secs']:>17.2f} s {row['ratio_to_relaunch']:>5.2f}x /{row['cost_ratio_to_relaunch']:>5.1f}x "
               f"{row['wall_secs']:>8.1f} s ({row['steps']})")
-    print(f"(kill of rank 1 at step {kill_at}; runs under {root})")
+    print(f"(vs relaunch: dead worker -> next step / cost beyond a step; kill of rank 1 at step {kill_at}; "
+          f"runs under {root})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "baselines", "kill_at_step": kill_at, "rows": rows}, f, indent=1)
+            json.dump({"benchmark": "baselines", "size": args.size, "kill_at_step": kill_at, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -48,14 +48,16 @@ def final_weights(layout: TrialLayout) -> bytes:
     return (exports[-1] / "model.safetensors").read_bytes()
 
 
-def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int) -> tuple[float, TrialLayout]:
-    """The job with rank 1 SIGKILLed as it enters the update of step `kill_at` (once)."""
+def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int,
+               config_path: Path | None = None) -> tuple[float, TrialLayout]:
+    """The job (the default config, or `config_path`) with rank 1 SIGKILLed as it enters the update of step
+    `kill_at` (once)."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
     os.environ.update(RELAUNCH_FAULT=f"TrainWorker.train.enter:kill:step={kill_at}:rank=1",
                       RELAUNCH_FAULT_DIR=str(fault_dir))
     try:
-        return run(address, fileroot, trial, overrides)
+        return run(address, fileroot, trial, overrides, config_path)
     finally:
         del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
 

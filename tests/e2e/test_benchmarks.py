@@ -46,9 +46,10 @@ def test_baselines_benchmark(cluster, tmp_path):
     figures = bench("baselines", "--address", cluster.address, tmp_path=tmp_path)
     rows = {r["system"].split(" ")[0]: r for r in figures["rows"]}
     assert set(rows) == {"relaunch", "Ray", "torchrun"}
-    assert rows["relaunch"]["recovery_secs"] > 0
+    assert rows["relaunch"]["recovery_secs"] > 0 and rows["relaunch"]["median_step_secs"] > 0
+    assert rows["relaunch"]["cost_secs"] == rows["relaunch"]["recovery_secs"] - rows["relaunch"]["median_step_secs"]
     # torchrun's restarted gloo group sometimes hangs on this loaded 2-core machine: the row then says so
-    assert rows["torchrun"].get("recovery_secs", 0) > 0 or rows["torchrun"]["error"].startswith("did not finish")
+    assert rows["torchrun"].get("recovery_secs", 0) > 0 or rows["torchrun"]["error"].startswith("did not")
     assert rows["Ray"].get("recovery_secs", 0) > 0 or rows["Ray"]["error"].startswith("not run")
     assert "dead worker -> next step" in figures["stdout"]
 
