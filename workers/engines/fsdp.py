@@ -55,6 +55,7 @@ class FSDPEngine(EngineBase):
         self.model = fully_shard(model, mesh=mesh)
         actor = config.actor
         self.params = list(self.model.parameters())  # in named_parameters' order: what the stream sends
+        self.gathered: torch.Tensor | None = None  # rank 0: where full_param gathers a parameter's shards
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
         if config.async_recover:  # collective: every rank makes the background writer's group here
@@ -89,9 +90,10 @@ class FSDPEngine(EngineBase):
         return [(name, p.shape) for name, p in self.model.named_parameters()]
 
     def full_param(self, index: int) -> torch.Tensor | None:
-        """One gather of one parameter's dim-0 shards to rank 0 (not an all-gather: only rank 0 sends). FSDP2
-        cuts dim 0 like torch.chunk, so only the last non-empty shard is short: padded to the same length, the
-        shards laid end to end are the parameter followed by padding."""
+        """Parameter `index` whole on rank 0: every other rank sends it its dim-0 shard, which lands in place in
+        a buffer reused from parameter to parameter (valid until the next call; not an all-gather: only rank 0
+        needs the bytes). FSDP2 cuts dim 0 like torch.chunk, so only the last non-empty shard is short: padded
+        to the same length, the shards laid end to end are the parameter followed by padding."""
         p = self.params[index]
         if not isinstance(p, DTensor):
             return p.detach()
@@ -102,11 +104,21 @@ class FSDPEngine(EngineBase):
         rows = -(-p.shape[0] // self.world_size)
         if local.shape[0] != rows:
             local = torch.cat([local, local.new_zeros((rows - local.shape[0], *p.shape[1:]))])
-        whole = torch.empty((rows * self.world_size, *p.shape[1:]), dtype=local.dtype, device=local.device) \
-            if self.rank == 0 else None
-        dist.gather(local.contiguous(), list(whole.chunk(self.world_size)) if whole is not None else None, dst=0,
-                    group=p.device_mesh.get_group())
-        return whole[:p.shape[0]] if whole is not None else None
+        group = p.device_mesh.get_group()
+        if self.rank != 0:
+            dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
+            return None
+        numel = local.numel() * self.world_size
+        if self.gathered is None or self.gathered.numel() < numel or self.gathered.dtype != local.dtype:
+            self.gathered = torch.empty(numel, dtype=local.dtype, device=local.device)
+        whole = self.gathered[:numel].view(rows * self.world_size, *p.shape[1:])
+        shards = whole.chunk(self.world_size)
+        shards[0].copy_(local)
+        works = [dist.irecv(shards[r], src=dist.get_global_rank(group, r), group=group)
+                 for r in range(1, self.world_size)]
+        for work in works:
+            work.wait()
+        return whole[:p.shape[0]]
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
