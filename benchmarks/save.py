@@ -2,9 +2,10 @@
 FSDP2 engine's state (model, AdamW moments, scheduler), and the synchronous write's bandwidth against a raw
 fsync'd write of the same number of bytes to the same disk.
 
-    .venv/bin/python benchmarks/save.py [--quick] [--dir DIR] [--json FILE]
+    .venv/bin/python benchmarks/save.py [--size 100m|0.5b] [--quick] [--dir DIR] [--json FILE]
 
-The default model (a Qwen2 of about 100M parameters) makes a state of about 1.2 GB. `--quick` uses a tiny
+`--size` picks the model of a shipped config (benchmarks/sizes.py): 100m (the default, ~130M parameters, a
+state of about 1.5 GB) or 0.5b (the Qwen2.5-0.5B shape, ~390M parameters, about 4.6 GB). `--quick` uses a tiny
 one so that CI runs it in seconds. One process, a gloo group of one rank: the figures are the engine's and
 the disk's, not the network's.
 """
@@ -19,12 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from report import arguments, report
+from sizes import SIZES
 
 from supervisor.config import load_config
 from supervisor.testing.local_cluster import free_port
 
-FULL = ["model.hidden_size=1024", "model.intermediate_size=2816", "model.num_layers=8", "model.num_heads=16",
-        "model.num_kv_heads=4"]
 QUICK = ["model.hidden_size=128", "model.intermediate_size=256", "model.num_layers=2"]
 CHUNK = 64 * 1024**2
 
@@ -49,11 +49,13 @@ def raw_fsync_write(path: Path, nbytes: int) -> float:
 def main() -> None:
     parser = arguments(__doc__, "a tiny model (CI)", cluster=False)
     parser.add_argument("--dir", help="where to write (default: a temporary directory; it is removed)")
+    parser.add_argument("--size", default="100m", choices=[s for s in SIZES if s != "tiny"])
     args = parser.parse_args()
     from workers.engines.base import make_engine
 
     torch.set_num_threads(1)
-    config = load_config(None, ["recover.write_mode=async", *(QUICK if args.quick else FULL)])
+    config = load_config(None, ["recover.write_mode=async", *QUICK]) if args.quick else \
+        load_config(SIZES[args.size].config, ["recover.write_mode=async"])
     root = Path(tempfile.mkdtemp(prefix="relaunch-save-", dir=args.dir))
     try:
         engine = make_engine(config, 0, 1, "127.0.0.1", free_port())  # a process group of one rank
