@@ -30,6 +30,7 @@ def scramble(engines, i: int) -> None:
     ray.get(engines.members[i].handle.__ray_call__.remote(fill))
 
 
+@pytest.mark.quick
 def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path):
     import ray
 
