@@ -29,6 +29,8 @@ class WeightStream:
         from torch.distributed import TCPStore
 
         self.trainers, self.engines = trainers, engines
+        # once the trainers are done, how long an engine may still be receiving: rank 0 gave up on it by then
+        self.engine_grace = op_timeout(config).total_seconds() + 10.0
         engines.wait_started()  # the rendezvous then needs seconds, not an engine's start-up
         address = ray.util.get_node_ip_address()
         self.store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=op_timeout(config))
@@ -67,28 +69,40 @@ class WeightStream:
         return sent
 
     def _gather(self, trainer_refs: list, ranks: list, engine_refs: list, engines: list) -> tuple[list, list]:
-        """The results of the trainers' and the engines' calls, waited for together. Raises GroupError naming
-        who died, else who hung (the TrainGroup first: engines wait on it), else who raised."""
+        """The results of the trainers' and the engines' calls, waited for together. Fails fast: the first
+        death ends the wait; once the trainers are done, an engine still receiving gets one transfer's timeout
+        more. Raises GroupError naming who died, else who hung (the TrainGroup first: engines wait on it), else
+        who raised first (those who raised later gave up waiting on it)."""
         refs, timeout, start = trainer_refs + engine_refs, self.trainers.timeout, time.monotonic()
         whose = [(self.trainers, m) for m in ranks] + [(self.engines, m) for m in engines]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        deadline, pending, errors = start + timeout, list(refs), {}
+        while pending:
+            if not set(trainer_refs) & set(pending):  # rank 0 gave up on a silent engine after op_timeout
+                deadline = min(deadline, time.monotonic() + self.engine_grace)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0),
+                                      fetch_local=False)
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except Exception as e:  # noqa: BLE001 - classified by the controller
+                errors[ready[0]] = e
+                if isinstance(e, RayActorError):  # a death: the others only wait on it
+                    break
         waited = round(time.monotonic() - start, 3)
         pending = [r for r in refs if r in set(pending)]  # in the order of `refs`: the trainers first
-        errors = {}
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - classified by the controller
-                errors[ref] = e
         dead = [r for r in refs if isinstance(errors.get(r), RayActorError)]
-        raised = [r for r in refs if r in errors and r not in dead]
-        for culprits, error in ((dead, None), (pending, GetTimeoutError(f"no answer after {timeout:.0f}s")),
+        if dead:
+            pending = []  # those still running wait on the dead one: not hung
+        raised = [r for r in errors if r not in dead]  # in the order they came: the first is the origin
+        for culprits, error in ((dead, None), (pending, GetTimeoutError(f"no answer after {waited:.0f}s")),
                                 (raised, None)):
             if culprits:
                 group = whose[refs.index(culprits[0])][0]
                 mine = [r for r in culprits if whose[refs.index(r)][0] is group]
-                self.trainers.orphans += [r for r in pending if whose[refs.index(r)][0] is self.trainers]
-                self.engines.orphans += [r for r in pending if whose[refs.index(r)][0] is self.engines]
+                left = [r for r in refs if r not in errors]  # drained when their actors are removed
+                self.trainers.orphans += [r for r in left if whose[refs.index(r)][0] is self.trainers]
+                self.engines.orphans += [r for r in left if whose[refs.index(r)][0] is self.engines]
                 first = whose[refs.index(mine[0])][1]
                 raise GroupError(group.group, error or errors[mine[0]],
                                  tuple(whose[refs.index(r)][1].name for r in mine), first.node_id, waited)

@@ -171,20 +171,29 @@ class CheckpointCoordinator:
             self.collect_export(trainers, block)
             if self.in_flight.export is not None:
                 return
-        parts = self._watch(WriteKind.SAVE, lambda: trainers.save_result(staged.global_step, block))
-        if parts is None:
-            return
-        staged.files.update(parts)
-        staged.nbytes += sum(f["size"] for f in parts.values())
-        self.commit_recover(staged, staged.checksum)
-        self.in_flight.save = None
+        def commit() -> bool:
+            parts = trainers.save_result(staged.global_step, block)
+            if parts is None:
+                return False
+            staged.files.update(parts)
+            staged.nbytes += sum(f["size"] for f in parts.values())
+            self.commit_recover(staged, staged.checksum)
+            return True
+
+        if self._watch(WriteKind.SAVE, commit):
+            self.in_flight.save = None
 
     def collect_export(self, trainers, block: bool) -> None:
         """Publish the background export once rank 0 has written it (with `block`, wait for it)."""
         pending = self.in_flight.export
-        if pending is not None and self._watch(WriteKind.EXPORT,
-                                               lambda: trainers.export_result(pending.global_step, block)):
+
+        def publish() -> bool:
+            if not trainers.export_result(pending.global_step, block):
+                return False
             self._publish_export(pending)
+            return True
+
+        if pending is not None and self._watch(WriteKind.EXPORT, publish):
             self.in_flight.export = None
 
     def collect(self, trainers, block: bool) -> None:
@@ -192,7 +201,8 @@ class CheckpointCoordinator:
         self.collect_save(trainers, block)
 
     def _watch(self, kind: WriteKind, result: Callable[[], T]) -> T:
-        """A background write's result; if it raises, that write is marked failed for the controller."""
+        """A background write's result and its publication; if either raises (a rank's write, or the
+        Supervisor's own commit on a full disk), that write is marked failed for the controller."""
         try:
             return result()
         except Exception:

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 MIN_UNANSWERED_SECS = 30.0  # a loaded machine can be slow to answer a query; a frozen process never answers
 SLACK_SECS = 120.0          # kills, probes and checkpoint validation between the bounded calls of a transition
 CALLS_PER_STEP = 8          # the most group calls one transition waits on in turn (rollout, train, weights, ...)
+WRITES_PER_STEP = 3         # background writes one transition may wait on in turn: the previous export before a
+                            # new one, that export and the previous save before a new save (one writer thread)
 
 
 def stall_bound(recover) -> float:
     """The longest a healthy controller goes without a transition: a start (the wait for capacity and two
-    start-up bounds), a step's calls each bounded by recover.step_timeout_secs, the wait for a background
-    write (recover.write_timeout_secs) and the longest backoff."""
+    start-up bounds), a step's calls each bounded by recover.step_timeout_secs, the waits for background
+    writes (each bounded by recover.write_timeout_secs) and the longest backoff."""
     start = recover.capacity_timeout_secs + 2 * recover.start_timeout_secs
-    return start + CALLS_PER_STEP * recover.step_timeout_secs + recover.write_timeout_secs + \
+    return start + CALLS_PER_STEP * recover.step_timeout_secs + WRITES_PER_STEP * recover.write_timeout_secs + \
         recover.max_backoff_secs + SLACK_SECS
 
 

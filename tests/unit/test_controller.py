@@ -642,3 +642,27 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(tmp_path
     assert [(e["event"], e["cause"], e["what"]) for e in events if e["event"] in ("restart", "repair")] == [
         ("restart", "engine_died", "restart_engines"), ("repair", "worker_died", "restart_train_group")]
     assert world.train_groups == 2
+
+
+def test_the_supervisors_own_commit_failing_on_a_full_disk_skips_that_background_save(tmp_path):
+    """The ranks wrote the background save, but publishing it (recover_info, manifest: the Supervisor's own
+    writes) hits a full disk: that save is skipped as a failed background save, and the run trains on."""
+    world = World()
+    controller, layout, _ = make_controller(tmp_path, world, "recover.write_mode=async")
+    store, commit = controller.checkpoints.store, controller.checkpoints.store.commit
+
+    def full_disk_at_step_3(path, global_step, *args, **kwargs):
+        if global_step == 3 and not getattr(store, "failed_once", False):
+            store.failed_once = True
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return commit(path, global_step, *args, **kwargs)
+
+    store.commit = full_disk_at_step_3
+    result = controller.run()
+    assert result.exit_code == 0, result.message
+    events = read_jsonl(layout.events_log)
+    assert [(e["global_step"], e["what"]) for e in events if e["event"] == "save_failed"] == \
+        [(3, "background save")]
+    assert [e["global_step"] for e in events if e["event"] == "commit"] == [1, 5, 7]
+    assert not [e for e in events if e["event"] == "restart"]
+    assert final_history(layout) == list(range(STEPS))
