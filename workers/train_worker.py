@@ -127,20 +127,21 @@ class TrainWorker:
         if self.background is not None:
             wait([self.background])  # the Supervisor waits for the previous one first; this is a backstop
         directory = Path(staging)
-        self.prepared = (global_step, directory, self._save_driver_state(directory, driver_state))
+        local = self._save_driver_state(directory, driver_state) + self.engine.save_local(directory, global_step)
+        self.prepared = (global_step, directory, local)
 
     @fault_points
     def start_upload(self, global_step: int) -> None:
         """Collective; returns once this rank's state is staged in CPU memory: the engine writes it in the
         background, and `save_result` reports it when it is durable. One save in flight at a time."""
-        step, directory, driver = self.prepared
+        step, directory, local = self.prepared
         if step != global_step:
             raise RuntimeError(f"start_upload of step {global_step}, but this rank began the save of step {step}")
         self.prepared = None
         tracked: Future = Future()  # tracked before anything can raise: save_result reports whatever happens
         self.background, self.background_step = tracked, global_step
         try:
-            now, shards = self.engine.save_async(directory, global_step)
+            shards = self.engine.save_async(directory, global_step)
         except BaseException as e:
             tracked.set_exception(e)
             raise
@@ -151,7 +152,7 @@ class TrainWorker:
                     fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
                 finally:
                     written = shards.result()  # the write is over before the tracked future is, whatever happened
-                tracked.set_result(_digests(directory, driver + now + written))
+                tracked.set_result(_digests(directory, local + written))
             except BaseException as e:  # noqa: BLE001 - the write's error is reported by save_result
                 tracked.set_exception(e)
 

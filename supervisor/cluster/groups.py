@@ -215,9 +215,12 @@ class TrainGroup(_Members):
         return files
 
     def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
-        """Every rank starts the background save or none does: each prepares its part alone (a storage error
-        there fails the call with every peer settled, so the save is skipped), then all start the upload."""
+        """The first half of a background save: each rank writes its part that needs no peer, alone (a storage
+        error there fails the call with every peer settled, so the save is skipped on every rank)."""
         self.call_all("begin_save", staging, global_step, driver_state)
+
+    def start_upload(self, global_step: int) -> None:
+        """The second half, once every rank's first half succeeded: all start the upload of their shards."""
         self.call_all("start_upload", global_step)
 
     def save_result(self, global_step: int, block: bool) -> dict | None:

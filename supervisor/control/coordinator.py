@@ -127,7 +127,8 @@ class CheckpointCoordinator:
     def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
         """Every rank writes its part of step `s` (rank 0 also the driver state: dataloader and data state)
         into a staging directory; nothing is published yet. With `background`, returns once the ranks have
-        staged their state in CPU memory: `collect_save` commits it once durable."""
+        staged their state in CPU memory (their uploads start only once every file the Supervisor checks is
+        written): `collect_save` commits it once durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
         driver_state = {"dataloader": infos[DATALOADER_INFO], "global_step": s.global_step}
@@ -150,6 +151,8 @@ class CheckpointCoordinator:
                 self._reference_entries = {ref_step: {"size": ref.stat().st_size, "sha256": file_digest(ref)}}
             files[REFERENCE_PREFIX + ref.name] = self._reference_entries[ref_step]
         files[RUN_CONFIG] = run_config
+        if background:  # every rank's part that needs no peer is written, and checked: now the uploads start
+            trainers.start_upload(s.global_step)
         # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten
         nbytes = sum(f["size"] for name, f in files.items()
                      if not name.startswith(REFERENCE_PREFIX) or ref_step == s.global_step)

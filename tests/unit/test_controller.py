@@ -124,6 +124,9 @@ class FakeTrainers:
         self._storage()
         self.background, self.polls = (Path(staging), list(self.history), global_step), 0
 
+    def start_upload(self, global_step):
+        assert self.background[2] == global_step
+
     def save_result(self, global_step, block):
         staging, history, step = self.background
         assert step == global_step

@@ -39,7 +39,8 @@ class TrainEngine(Protocol):
         this rank wrote, so that together the ranks report every file exactly once."""
 
     # Engines in config.ASYNC_SAVE_BACKENDS also have
-    #   save_async(directory, global_step) -> (files written now, Future of the files written in the background)
+    #   save_local(directory, global_step) -> the files of this rank's part that need no peer (written first)
+    #   save_async(directory, global_step) -> Future of the shard files, written in the background
     # which returns once the state is staged in CPU memory; the future is done when the rest is durable.
 
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:

@@ -130,9 +130,14 @@ class FSDPEngine(EngineBase):
         dcp.save(self._state(), checkpoint_id=str(directory))
         return self._shards(directory) + self._save_small(directory, global_step)
 
-    def save_async(self, directory: Path, global_step: int) -> tuple[list[str], Future]:
-        """Collective: like `save`, but returns once the shards are staged in CPU memory. Returns the files
-        written now (RNG, reference) and a future of the shard files, done when they are durable."""
+    def save_local(self, directory: Path, global_step: int) -> list[str]:
+        """This rank's files of a background save that need no peer (RNG, reference): written before any
+        rank starts its upload, so that a storage error here skips the save on every rank."""
+        return self._save_small(directory, global_step)
+
+    def save_async(self, directory: Path, global_step: int) -> Future:
+        """Collective: the shards of `save`, returning once they are staged in CPU memory; a future of the
+        shard files, done when they are durable. `save_local` wrote the rest of this rank's part."""
         self._arm_dcp_write(directory, global_step)
         upload = dcp.async_save(self._state(), checkpoint_id=str(directory), process_group=self.writer_group,
                                 async_stager=self.stager)
@@ -146,7 +151,7 @@ class FSDPEngine(EngineBase):
                 shards.set_exception(e)
 
         upload.add_done_callback(written)
-        return self._save_small(directory, global_step), shards
+        return shards
 
     def _shards(self, directory: Path) -> list[str]:
         written = [p.name for p in directory.iterdir() if p.name.startswith(f"__{self.rank}_")]
