@@ -362,6 +362,7 @@ class Controller:
         return state
 
     def _shutdown(self) -> None:
+        self.runner.close_stream()
         for group in (self.runner.trainers, self.runner.engines, self.spares):
             if group is not None:
                 try:
