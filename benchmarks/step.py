@@ -6,12 +6,12 @@
 Each size runs its shipped config (benchmarks/sizes.py) with its own saves, exports and evaluations, on a
 one-node Ray cluster with room for the ranks, the engine and a warm spare (or on ADDR). The phases come from
 the stats rows (supervisor/control/step.py): a step's period is the time from the previous row's write to its
-own (`time/between_steps` + `time/step`), split into rollout (with scoring), train, push (the weight sync,
-with the digest on the steps that save), HF export, evaluation, the recover save's stall, and the rest: the
-row's write, the commit of a save, background collections, frequency checks, the controller's loop. The
-digest is timed here, on this process, over tensors of the model's shapes (workers/model.py's sha256): the
-push hashes the weights on steps that save (1 in recover.freq_steps). The sync's bandwidth is the weights'
-bytes over the median push of steps that do not hash, against a memcpy of the same bytes. Every figure is a
+own (`time/between_steps` + `time/step`), split into rollout (with scoring), train, push (the weight stream
+to the engines, its per-bucket digest included), HF export, evaluation, the recover save's stall, and the rest:
+the row's write, the commit of a save, background collections, frequency checks, the controller's loop. The
+digest is the one the stream computes on rank 0 as it sends (`time/weight_digest`, hashed in a thread beside
+the transfer). The sync's bandwidth is the weights' bytes over the median push, against a memcpy of the same
+bytes. Every figure is a
 median over the steps after the first (a new TrainGroup's first step has no period); sporadic phases (save,
 export, evaluation) also get their mean per step, which is what they cost. `--steps N` runs one epoch over the
 dataset's first N batches (a large model's steps are long); KEY=VALUE overrides apply to every size.
@@ -33,7 +33,6 @@ from supervisor.config import load_config
 from supervisor.control.events import read_jsonl
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
-from workers.model import weights_checksum
 
 PHASES = ("rollout", "train", "push", "export", "evaluate", "save")
 KINDS = ("train", "engine", "spare", "supervisor")
@@ -60,17 +59,6 @@ def run_size(size: str, address: str | None, fileroot: Path, steps: int | None, 
     return read_jsonl(TrialLayout.from_config(config).stats_log)
 
 
-def digest_secs(shapes: list[torch.Size]) -> float:
-    """Seconds to hash weights of these shapes, one tensor at a time (as much memory as the largest)."""
-    total = 0.0
-    for i, shape in enumerate(shapes):
-        t = torch.ones(shape)
-        started = time.perf_counter()
-        weights_checksum({str(i): t})
-        total += time.perf_counter() - started
-    return total
-
-
 def memcpy_gbps(nbytes: int) -> float:
     """The same bytes copied (at least CHUNK in all, so that a tiny model's copy is timed at all)."""
     src = torch.ones(min(nbytes, CHUNK) // 4)
@@ -83,7 +71,7 @@ def memcpy_gbps(nbytes: int) -> float:
     return copied / (time.perf_counter() - started) / 1e9
 
 
-def figures(size: str, rows: list[dict], freq_steps: int | None) -> dict:
+def figures(size: str, rows: list[dict]) -> dict:
     """Per phase: median and mean seconds over the steps that have a period; the sync's bandwidth; memory."""
     steady = [r for r in rows if "time/between_steps" in r]
     for r in steady:
@@ -94,12 +82,10 @@ def figures(size: str, rows: list[dict], freq_steps: int | None) -> dict:
     mean = {p: statistics.fmean(r[f"time/{p}"] for r in steady) for p in phases}
     shapes = weight_shapes(size)
     nbytes = sum(s.numel() for s in shapes) * 4
-    digest = digest_secs(shapes)
-    plain = [r["time/push"] for r in steady if not r.get("ckpt/blocked_secs") and not r.get("ckpt/bytes")]
-    push = statistics.median(plain or [med["push"]])
+    digest = statistics.median(r.get("time/weight_digest", 0.0) for r in steady)
+    push = med["push"]
     return {"size": size, "params": nbytes // 4, "weights_bytes": nbytes, "steps": len(steady),
-            "median": med, "mean": mean, "digest_secs": digest,
-            "digest_per_step": digest / freq_steps if freq_steps else 0.0,
+            "median": med, "mean": mean, "digest_secs": digest, "digest_share_of_push": digest / max(push, 1e-9),
             "outside_share_median": statistics.median(1 - (r["time/rollout"] + r["time/train"]) / r["time/period"]
                                                       for r in steady),
             "outside_share_mean": 1 - (mean["rollout"] + mean["train"]) / mean["period"],
@@ -122,7 +108,8 @@ def table(runs: list[dict]) -> list[tuple[str, ...]]:
         row("  rollout + scoring", secs("rollout")),
         row("  train", secs("train")),
         row("  weight push (sync)", secs("push", True)),
-        row("    digest, on saved steps' push", lambda f: f"{f['digest_secs']:.3f} s /{f['digest_per_step']:.3f}"),
+        row("    its digest (rank 0, per push)", lambda f: f"{f['digest_secs']:.3f} s "
+                                                       f"({f['digest_share_of_push'] * 100:.0f}%)"),
         row("  HF export stall", secs("export", True)),
         row("  evaluation", secs("evaluate", True)),
         row("  recover save stall", secs("save", True)),
@@ -145,9 +132,9 @@ def main() -> None:
     runs = []
     for size in sizes:
         rows = run_size(size, args.address, fileroot, None if args.quick else args.steps, args.overrides)
-        runs.append(figures(size, rows, load_config(SIZES[size].config, args.overrides).recover.freq_steps))
+        runs.append(figures(size, rows))
     report(table(runs), {"benchmark": "step", "runs": runs}, args.json)
-    print("(median over the steps after the first; in brackets the mean per step; digest: one hash / per step)")
+    print("(median over the steps after the first; in brackets the mean per step; digest: its share of the push)")
 
 
 if __name__ == "__main__":
