@@ -549,17 +549,21 @@ class FakePool:
         self.ready = 0
 
 
-def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_step(tmp_path, clean):
-    world, pool = World(), FakePool(1)
-    world.armed[("train", 3)] = "rank_death"
-    controller, layout, _ = make_controller(tmp_path, world)
-
+def use_pool(controller, world: World, pool) -> None:
+    """Give the controller a spare pool: every new TrainGroup takes its ranks from it first."""
     def make_train_group(n):
         group = FakeTrainers(world, n)
         group.from_spares = pool.take(n)
         return group
 
     controller.make_train_group, controller.spares = make_train_group, pool
+
+
+def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_step(tmp_path, clean):
+    world, pool = World(), FakePool(1)
+    world.armed[("train", 3)] = "rank_death"
+    controller, layout, _ = make_controller(tmp_path, world)
+    use_pool(controller, world, pool)
     assert controller.run().exit_code == 0
     assert_complete_and_exact(layout, clean[0])
     spares = [(e["action"], e.get("taken"), e.get("cold"), e["pool"])
@@ -616,13 +620,7 @@ def test_the_spare_pools_upkeep_fails_soft_and_is_retried(tmp_path, clean):
     world, pool = World(), FlakyPool(1)
     world.armed[("rollout", 5)] = "engine_death"  # the engine restart asks the pool to make room
     controller, layout, _ = make_controller(tmp_path, world)
-
-    def make_train_group(n):
-        group = FakeTrainers(world, n)
-        group.from_spares = pool.take(n)
-        return group
-
-    controller.make_train_group, controller.spares = make_train_group, pool
+    use_pool(controller, world, pool)
     assert controller.run().exit_code == 0
     assert_complete_and_exact(layout, clean[0])  # nothing rolled back: one TrainGroup, one engine restart
     events = read_jsonl(layout.events_log)
