@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -56,6 +57,10 @@ def interrupted(cluster, stage, tmp_path_factory) -> Trial:
     proc = start_relaunch(*args, env=env, log=tmp / "run0.log")
     try:
         t.wait_for_step(JOB_KILL_STEP - 1, proc)  # the step before the hang: step 24's commit is behind it
+        deadline = time.time() + 120
+        while not list(tmp.glob("fired-1-*")):  # and the rank hangs (else the rerun would hang there)
+            assert proc.poll() is None and time.time() < deadline, (tmp / "run0.log").read_text()[-3000:]
+            time.sleep(0.1)
     finally:
         kill_session(proc.pid)
         proc.wait()

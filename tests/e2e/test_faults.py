@@ -298,30 +298,3 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster,
     assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
     assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
     assert_recovered_exactly(trial, reference, restarts=1)
-
-
-def test_a_stopped_supervisor_is_restarted_by_the_driver_and_the_run_ends_exact(cluster, reference, trial, tmp_path):
-    """The Supervisor's process SIGSTOPped mid-run holds every actor and answers nothing: the driver sees it
-    unanswered while Ray has it alive, has Ray restart it, and the new one rebuilds from disk (one restart)."""
-    import os
-    import signal
-
-    proc = start_relaunch("run", str(CONFIG), *SHORT, "recover.step_timeout_secs=10", *trial.overrides,
-                          "--address", cluster.address, env=job_env(), log=tmp_path / "job.log")
-    pid = None
-    try:
-        trial.wait_for_step(8, proc)
-        pid = status_json(trial, "--address", cluster.address)["live"]["supervisor_pid"]
-        os.kill(pid, signal.SIGSTOP)
-        assert proc.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)  # ours to end if the driver did not have it killed
-            except ProcessLookupError:
-                pass
-    assert "the Supervisor is hung: it has not answered" in (tmp_path / "job.log").read_text()
-    assert [e["cause"] for e in trial.events("failure")] == ["supervisor_died"]
-    assert_recovered_exactly(trial, reference, restarts=1)

@@ -17,9 +17,12 @@ def default_run(cluster, tmp_path_factory) -> Trial:
     """The default job, run once as a user runs it, with no address: beside another Ray cluster on this
     machine (the suite's, whose address file a plain ray.init() would join), it starts a Ray of its own.
     The tests below read it, the last one cleans it."""
-    from ray._private.utils import read_ray_address
+    from ray._private.utils import read_ray_address, write_ray_address
 
-    assert read_ray_address() == cluster.address  # the trap is set: Ray's address file names that cluster
+    # Set the trap: Ray's address file names the suite's cluster, as a session's earlier Ray would leave it
+    # (a cluster shut down earlier in the suite may have removed the file).
+    write_ray_address(cluster.address)
+    assert read_ray_address() == cluster.address
     trial = Trial(tmp_path_factory.mktemp("default") / "runs")
     r = relaunch("run", str(CONFIG), *trial.overrides)
     assert r.returncode == 0, r.stdout + r.stderr
