@@ -2,8 +2,8 @@
 uninterrupted and then with a TrainWorker SIGKILLed mid-update, once per warm spare pool size
 (`recover.spare_workers`, default 0, 1 and 2), and the figures from their events.
 
-    .venv/bin/python benchmarks/recovery.py [--kill-at-step 30] [--spares 0,1,2] [--quick] [--address ADDR]
-                                            [--json FILE] [KEY=VALUE ...]
+    .venv/bin/python benchmarks/recovery.py [--size tiny|100m|0.5b] [--kill-at-step 30] [--spares 0,1,2]
+                                            [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
 
 Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took
 and where the recovery's time went, how many ranks came from spares, how many steps were trained again,
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from report import arguments, report
+from sizes import SIZES
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
@@ -115,22 +116,24 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int, default=30)
     parser.add_argument("--spares", default="0,1,2",
                         help="recover.spare_workers of each killed run, side by side (--quick: 0,2)")
+    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model (benchmarks/sizes.py)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    config = SIZES[args.size].config
     # quick: the kill at step 10 gives the spares, started after step 0, time to warm up on a small machine
     overrides, kill_at = (["total_train_epochs=1", *args.overrides], 10) if args.quick else \
         (args.overrides, args.kill_at_step)
     spares = [int(n) for n in ("0,2" if args.quick and args.spares == parser.get_default("spares")
                                else args.spares).split(",")]
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
-    cluster = None if args.address else LocalCluster()
+    cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
     address = args.address or cluster.address
     runs = {}
     try:
-        clean_secs, clean = run(address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"])
+        clean_secs, clean = run(address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"], config)
         for n in spares:
             faulty_secs, faulty = killed_run(address, fileroot, f"killed-spares{n}",
-                                             [*overrides, f"recover.spare_workers={n}"], kill_at)
+                                             [*overrides, f"recover.spare_workers={n}"], kill_at, config)
             runs[n] = figures(clean, faulty, faulty_secs, clean_secs)
     finally:
         if cluster:
@@ -138,7 +141,8 @@ def main() -> None:
     commits = [e for e in read_jsonl(clean.events_log) if e["event"] == Event.COMMIT]
     rows = table(runs, clean_secs, commits)
     first = runs[spares[0]]
-    report(rows, {"benchmark": "recovery", "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],
+    print(f"model: {args.size} ({config.name})")
+    report(rows, {"benchmark": "recovery", "size": args.size, "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],
                   "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
                   "runs": [{"spare_workers": n, **r} for n, r in runs.items()]}, args.json)
     print(f"(runs under {fileroot})")

@@ -57,9 +57,9 @@ def _hash_with(worker, constant: bool) -> None:
     """Replace the digest's hash by a constant (both sides, so that the digests still agree), or restore it."""
     import workers.weight_sync as ws
 
-    if not hasattr(ws, "_crc32"):
-        ws._crc32 = ws.crc32
-    ws.crc32 = (lambda t: 0) if constant else ws._crc32
+    if not hasattr(ws, "_bucket_hash"):
+        ws._bucket_hash = ws.bucket_hash
+    ws.bucket_hash = (lambda t: 0) if constant else ws._bucket_hash
 
 
 def stream_sync(stream, hashed: bool = True) -> tuple[float, dict]:
