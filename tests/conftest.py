@@ -1,13 +1,14 @@
 """The quick tier (`./dev.sh test -m quick`): every unit test, and the e2e tests marked `quick`, one job per
 capability, for use while developing; the whole suite is the proof.
 
-The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup` in pyproject.toml; `-n 0` runs it in one
-process), each with a Ray cluster of its own: an e2e job spends about 40% of its time waiting (on timeouts,
-process starts, a killed node), which the other worker's job fills. Tests are spread one by one, except that a
-module whose tests share a module-scoped fixture (one job they all read) runs on one worker, so that the job
-runs once."""
+The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml; `-n 0` runs it in one process), each
+with a Ray cluster of its own: an e2e job spends about 40% of its time waiting (on timeouts, process starts, a
+killed node), which the other worker's job fills. Tests are handed out one by one, except that a module with
+a module-scoped fixture (one job its tests all read) goes to one worker whole, so that the job runs once.
+(xdist's own `xdist_group` marks do nothing under pytest 9.2, which ignores the node id they rewrite.)"""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,14 +16,25 @@ import pytest
 UNIT = Path(__file__).parent / "unit"
 
 
-def _shares_a_module_fixture(item) -> bool:
-    return any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values())
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if UNIT in Path(item.fspath).parents:
             item.add_marker(pytest.mark.quick)
-        if _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@functools.cache
+def _has_module_fixture(path: Path) -> bool:
+    return path.suffix == ".py" and 'scope="module"' in path.read_text()
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        """A test is its own unit of work, but for the modules whose tests share a module-scoped fixture."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _has_module_fixture(config.rootpath / module) else nodeid
+
+    return ModuleFixtureScheduling(config, log)

@@ -1,6 +1,6 @@
 """Real Ray clusters on this machine for the end-to-end tests, and helpers to run and break jobs.
 
-One multi-node LocalCluster is shared by every test that asks for it (head + two 3-CPU worker nodes, so
+One multi-node LocalCluster per pytest-xdist worker is shared by every test there that asks for it (head + two 3-CPU worker nodes, so
 a TrainGroup fits on one node and the other is a spare), with its own temp dir and ports, and so is one
 uninterrupted reference run of the short job. Processes are
 killed only through ids this suite started.

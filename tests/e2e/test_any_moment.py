@@ -107,7 +107,7 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
     # has Ray restart it, and the new one rebuilds from disk.
     faults = worker_points("hang", parity=0) + phase_points(["stop_rank", "stop_engine"]) + \
         ["step.trained:stop:step=8"]
-    r = run_job(cluster, trial, tmp_path, faults, "recover.start_timeout_secs=10")
+    r = run_job(cluster, trial, tmp_path, faults, "recover.start_timeout_secs=15")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)
     assert_exact(trial, reference)

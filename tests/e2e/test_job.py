@@ -5,9 +5,11 @@ import os
 
 import pytest
 import torch
-from conftest import CONFIG, Trial, relaunch, status_json
+from conftest import CONFIG, Trial, job_env, relaunch, status_json
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from supervisor.testing.local_cluster import short_tmp
 
 pytestmark = pytest.mark.e2e
 
@@ -19,12 +21,14 @@ def default_run(cluster, tmp_path_factory) -> Trial:
     The tests below read it, the last one cleans it."""
     from ray._private.utils import read_ray_address, write_ray_address
 
-    # Set the trap: Ray's address file names the suite's cluster, as a session's earlier Ray would leave it
-    # (a cluster shut down earlier in the suite may have removed the file).
-    write_ray_address(cluster.address)
-    assert read_ray_address() == cluster.address
+    # Set the trap in a temp dir of the job's own (the other xdist worker's clusters rewrite the shared one):
+    # Ray's address file there names the suite's cluster, as a session's earlier Ray would leave it.
+    ray_dir = short_tmp("job") / "ray"
+    ray_dir.mkdir()
+    write_ray_address(cluster.address, str(ray_dir))
+    assert read_ray_address(str(ray_dir)) == cluster.address
     trial = Trial(tmp_path_factory.mktemp("default") / "runs")
-    r = relaunch("run", str(CONFIG), *trial.overrides)
+    r = relaunch("run", str(CONFIG), *trial.overrides, env=job_env({"RAY_TMPDIR": str(ray_dir.parent)}))
     assert r.returncode == 0, r.stdout + r.stderr
     return trial
 
