@@ -142,8 +142,8 @@ def main() -> None:
     rows = table(runs, clean_secs, commits)
     first = runs[spares[0]]
     print(f"model: {args.size} ({config.name})")
-    report(rows, {"benchmark": "recovery", "size": args.size, "uninterrupted_secs": clean_secs, "killed_secs": first["killed_secs"],
-                  "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
+    report(rows, {"benchmark": "recovery", "size": args.size, "uninterrupted_secs": clean_secs,
+                  "killed_secs": first["killed_secs"], "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
                   "runs": [{"spare_workers": n, **r} for n, r in runs.items()]}, args.json)
     print(f"(runs under {fileroot})")
 

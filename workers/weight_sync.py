@@ -240,8 +240,8 @@ def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: in
             group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
         except RuntimeError as e:
             raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
-        mine = [f.result() for f in hashes]
-    if mine != from_message(theirs):
-        bad = next(k for k, (a, b) in enumerate(zip(mine, from_message(theirs))) if a != b)
+        mine, sent = [f.result() for f in hashes], from_message(theirs)
+    if mine != sent:
+        bad = next(k for k, (a, b) in enumerate(zip(mine, sent)) if a != b)
         raise WeightSyncError(f"bucket {bad} of {len(plan)} arrived with another digest than it was sent with")
     return combine(mine)

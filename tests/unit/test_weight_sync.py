@@ -10,7 +10,8 @@ import torch
 from torch.distributed import TCPStore
 
 from workers.errors import WeightSyncError
-from workers.weight_sync import Piece, bucket_len, combine, join_group, local_digest, plan_buckets, receive, send
+from workers.weight_sync import (Piece, as_message, bucket_len, combine, from_message, join_group, local_digest,
+                                 plan_buckets, receive, send)
 
 TIMEOUT = datetime.timedelta(seconds=5)
 
@@ -31,6 +32,12 @@ def test_buckets_are_fixed_size_and_cover_every_element_once():
 
 def test_a_bucket_smaller_than_an_element_still_holds_one():
     assert [bucket_len(b) for b in plan_buckets([3], itemsize=4, bucket_bytes=1)] == [1, 1, 1]
+
+
+def test_unsigned_64_bit_hashes_cross_as_int64_and_come_back_unchanged():
+    hashes = [0, 1, 2**63 - 1, 2**63, 2**64 - 1]
+    message = as_message(hashes)
+    assert message.dtype == torch.int64 and from_message(message) == hashes
 
 
 def test_the_digest_depends_on_every_bucket_and_their_order():
