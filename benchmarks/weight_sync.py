@@ -1,14 +1,16 @@
 """The weight sync before and after, side by side in one run on the same model: the object-store push it
-replaced (rank 0's full state dict returned through Ray's object store, the engine's `load_state_dict`) and
-the stream (workers/weight_sync.py), each against a memcpy of the same bytes, and the digest's share.
+replaced (rank 0's full state dict returned through Ray's object store, the engine's `load_state_dict`), the
+stream over the weights-update group (workers/weight_sync.py) and the ranks' writes into the engine's shared
+weights (workers/shared_weights.py), each against a memcpy of the same bytes, and the digest's share.
 
     .venv/bin/python benchmarks/weight_sync.py [--size tiny|100m|0.5b] [--repeats 3] [--quick] [--address ADDR]
                                                [--json FILE] [KEY=VALUE ...]
 
 A 2-rank FSDP TrainGroup and one engine on a local 3-node cluster (or `--address`). Each sync is timed from
-the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's cost is the
-stream's time with the hash against the same stream with the hash replaced by a constant. At the end the
-engine checks, bitwise, that it holds the trainer's full weights. `--quick` is --size tiny with 2 repeats.
+the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's cost is a sync's
+time with the hash against the same sync with the hash replaced by a constant. At the end the engine checks,
+bitwise, that it holds the trainer's full weights after each kind of sync. `--quick` is --size tiny with 2
+repeats.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def object_store_push(trainers, engines) -> float:
 
 # ---- the stream --------------------------------------------------------------------------------------------
 def _hash_with(worker, constant: bool) -> None:
-    """Replace the digest's hash by a constant (both sides, so that the digests still agree), or restore it."""
+    """Replace the digest's hash by a constant (everywhere, so that the digests still agree), or restore it."""
     import workers.weight_sync as ws
 
     if not hasattr(ws, "_bucket_hash"):
@@ -62,9 +64,11 @@ def _hash_with(worker, constant: bool) -> None:
     ws.bucket_hash = (lambda t: 0) if constant else ws._bucket_hash
 
 
-def stream_sync(stream, hashed: bool = True) -> tuple[float, dict]:
-    actors = [stream.trainers.members[0], *stream.engines.members]
+def timed_sync(stream, shared: bool, hashed: bool = True) -> tuple[float, dict]:
+    """One sync of every engine, by the stream or (`shared`) by writes into the engines' shared weights."""
+    actors = [*stream.trainers.members, *stream.engines.members]
     ray.get([m.handle.__ray_call__.remote(_hash_with, not hashed) for m in actors])
+    stream.shared = shared
     t0 = time.monotonic()
     sent = stream.sync(-1)
     secs = time.monotonic() - t0
@@ -75,6 +79,22 @@ def stream_sync(stream, hashed: bool = True) -> tuple[float, dict]:
 def _holds(worker, full: dict) -> bool:
     own = dict(worker.model.named_parameters())
     return all(torch.equal(p, full[n]) for n, p in own.items())
+
+
+def _scramble(worker) -> None:
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            p.fill_(0.5)
+
+
+def holds_after(stream, trainers, engines, shared: bool) -> bool:
+    """Scramble the engine's weights, sync, and compare them bitwise with the trainer's."""
+    ray.get(engines.members[0].handle.__ray_call__.remote(_scramble))
+    timed_sync(stream, shared)
+    full = [m.handle.__ray_call__.remote(_full_state_dict) for m in trainers.members]
+    equal = ray.get(engines.members[0].handle.__ray_call__.remote(_holds, full[0]))
+    ray.get(full)
+    return equal
 
 
 def memcpy_secs(nbytes: int) -> float:
@@ -98,23 +118,27 @@ def measure(address: str, overrides: list[str], repeats: int) -> dict:
         engines = RolloutGroup(config, config.recover.step_timeout_secs)
         trainers = TrainGroup(config, 2, config.recover.step_timeout_secs)
         stream = engines.connect(trainers)
-        stream_sync(stream)  # warm: the first transfers set up the pairs' buffers
-        store, hashed, unhashed, sent = [], [], [], None
-        for _ in range(repeats):  # alternating, so that a busy moment of the machine hits both alike
-            store.append(object_store_push(trainers, engines))
-            secs, sent = stream_sync(stream)
-            hashed.append(secs)
-            unhashed.append(stream_sync(stream, hashed=False)[0])
-        full = [m.handle.__ray_call__.remote(_full_state_dict) for m in trainers.members]
-        stream_sync(stream)
-        equal = ray.get(engines.members[0].handle.__ray_call__.remote(_holds, full[0]))
-        ray.get(full)
-        nbytes = sent["bytes"]
-        return {"bytes": nbytes, "buckets": sent["buckets"], "params": nbytes // 4,
-                "object_store_secs": statistics.median(store), "stream_secs": statistics.median(hashed),
-                "stream_unhashed_secs": statistics.median(unhashed), "digest_thread_secs": sent["digest_secs"],
-                "rank0": {k: sent[k] for k in ("secs", "gather_secs", "wait_secs")},
-                "memcpy_secs": memcpy_secs(nbytes), "stream_equals_trainer": equal}
+        if not stream.shared:
+            raise SystemExit("the ranks could not map the engine's shared weights (rollout.shared_memory_weights?)")
+        for shared in (False, True):
+            timed_sync(stream, shared)  # warm: the first transfers set up the pairs' buffers
+        times = {k: [] for k in ("object_store", "stream", "stream_unhashed", "shared", "shared_unhashed")}
+        sent = {}
+        for _ in range(repeats):  # alternating, so that a busy moment of the machine hits each alike
+            times["object_store"].append(object_store_push(trainers, engines))
+            for kind, shared in (("stream", False), ("shared", True)):
+                secs, sent[kind] = timed_sync(stream, shared)
+                times[kind].append(secs)
+                times[f"{kind}_unhashed"].append(timed_sync(stream, shared, hashed=False)[0])
+        equal = {kind: holds_after(stream, trainers, engines, kind == "shared") for kind in ("stream", "shared")}
+        nbytes = sent["stream"]["bytes"]
+        return {"bytes": nbytes, "buckets": sent["stream"]["buckets"], "params": nbytes // 4,
+                **{f"{k}_secs": statistics.median(v) for k, v in times.items()},
+                "rank0": {"stream": {k: sent["stream"][k] for k in ("secs", "gather_secs", "wait_secs", "digest_secs")},
+                          "shared": {k: sent["shared"][k] for k in ("secs", "write_secs", "digest_secs")}},
+                "digests_agree": sent["stream"]["digest"] == sent["shared"]["digest"],
+                "memcpy_secs": memcpy_secs(nbytes), "stream_equals_trainer": equal["stream"],
+                "shared_equals_trainer": equal["shared"]}
     finally:
         for group in (trainers, engines):
             if group is not None:
@@ -123,22 +147,29 @@ def measure(address: str, overrides: list[str], repeats: int) -> dict:
 
 
 def table(size: str, f: dict) -> list[tuple[str, ...]]:
-    gbps = {k: f["bytes"] / f[f"{k}_secs"] / 1e9 for k in ("object_store", "stream", "memcpy")}
-    digest = f["stream_secs"] / f["stream_unhashed_secs"] - 1
+    gbps = {k: f["bytes"] / f[f"{k}_secs"] / 1e9 for k in ("object_store", "stream", "shared", "memcpy")}
+    digest = {k: f[f"{k}_secs"] / f[f"{k}_unhashed_secs"] - 1 for k in ("stream", "shared")}
+    r0s, r0m = f["rank0"]["stream"], f["rank0"]["shared"]
     return [
         (f"model ({size})", f"{f['params'] / 1e6:.1f}M parameters, {f['bytes'] / 1e6:.1f} MB fp32, "
                             f"{f['buckets']} buckets"),
         ("object-store push (before)", f"{f['object_store_secs']:.3f} s, {gbps['object_store']:.2f} GB/s"),
         ("stream (after)", f"{f['stream_secs']:.3f} s, {gbps['stream']:.2f} GB/s"),
+        ("shared memory (after, same host)", f"{f['shared_secs']:.3f} s, {gbps['shared']:.2f} GB/s"),
         ("memcpy of the same bytes", f"{f['memcpy_secs']:.4f} s, {gbps['memcpy']:.2f} GB/s"),
         ("speed-up stream / object store", f"{f['object_store_secs'] / f['stream_secs']:.1f}x"),
-        ("stream bandwidth / memcpy", f"{gbps['stream'] / gbps['memcpy']:.1%}"),
-        ("object store bandwidth / memcpy", f"{gbps['object_store'] / gbps['memcpy']:.1%}"),
-        ("digest: added to the sync", f"{digest:+.1%} ({f['stream_unhashed_secs']:.3f} s without it; "
-                                      f"hash thread busy {f['digest_thread_secs']:.3f} s)"),
-        ("rank 0: sync, gathering, waiting for sends", " / ".join(f"{f['rank0'][k]:.3f} s" for k in
-                                                                  ("secs", "gather_secs", "wait_secs"))),
-        ("engine holds the trainer's weights bitwise", str(f["stream_equals_trainer"])),
+        ("speed-up shared memory / object store", f"{f['object_store_secs'] / f['shared_secs']:.1f}x"),
+        ("bandwidth / memcpy: object store, stream, shared",
+         " / ".join(f"{gbps[k] / gbps['memcpy']:.1%}" for k in ("object_store", "stream", "shared"))),
+        ("digest: added to the sync, stream / shared",
+         f"{digest['stream']:+.1%} / {digest['shared']:+.1%} ({f['stream_unhashed_secs']:.3f} s / "
+         f"{f['shared_unhashed_secs']:.3f} s without it)"),
+        ("rank 0, stream: sync, gathering, waiting, hashing",
+         " / ".join(f"{r0s[k]:.3f} s" for k in ("secs", "gather_secs", "wait_secs", "digest_secs"))),
+        ("rank 0, shared: sync, writing, hashing its buckets",
+         " / ".join(f"{r0m[k]:.3f} s" for k in ("secs", "write_secs", "digest_secs"))),
+        ("engine holds the trainer's weights bitwise: stream, shared",
+         f"{f['stream_equals_trainer']}, {f['shared_equals_trainer']} (digests agree: {f['digests_agree']})"),
     ]
 
 

@@ -154,6 +154,9 @@ class RolloutConfig(_Strict):
     weight_bucket_mb: int = Field(
         64, gt=0, description="the weight stream's bucket size, in MiB of the engine's dtype: each side holds two "
                               "buckets (one in flight, one being filled or written), and every bucket is hashed")
+    shared_memory_weights: bool = Field(
+        True, description="CPU engines keep their weights in shared memory, and trainer ranks on the same host "
+                          "write them in place at a sync instead of streaming them (false: always the stream)")
 
 
 class RewardConfig(_Strict):

@@ -19,7 +19,8 @@ from workers.errors import StaleWeights
 from workers.generate import generate
 from workers.memory import peak_memory
 from workers.model import build_model, build_tokenizer
-from workers.weight_sync import join_group, op_timeout, receive
+from workers.shared_weights import SharedWeights
+from workers.weight_sync import join_group, op_timeout, receive, receive_shared
 
 
 @ray.remote
@@ -32,13 +33,18 @@ class RolloutWorker:
         if config.cluster.gpus_per_engine > 0:  # Ray set CUDA_VISIBLE_DEVICES to the engine's GPU
             self.model.to("cuda")
         self.dtype = next(self.model.parameters()).dtype
+        # on CPU the parameters live in shared memory that trainer ranks on this host can write in place
+        use_shared = config.cluster.gpus_per_engine == 0 and config.rollout.shared_memory_weights
+        self.shared = SharedWeights(self.model) if use_shared else None
         self.version: int | None = None
         self.digest = ""  # of the sync that brought `version`
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)
 
     @fault_points
     def where(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        """Where it runs, and the handle of its shared weights (None when it offers none)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "memory": self.shared.handle() if self.shared else None}
 
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -52,9 +58,11 @@ class RolloutWorker:
 
     @fault_points
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        version: int) -> str:
+                                        version: int, shared: bool = False) -> str:
         """Receive the trainer's weights over the group, bucket by bucket, in place into the parameters; take
-        `version` only when the last bucket landed and every bucket's digest agrees. Returns the digest."""
+        `version` only when the last bucket landed and every bucket's digest agrees. With `shared`, the
+        trainer ranks write them into this engine's shared weights themselves, and the group brings only the
+        hashes, once all have. Returns the digest."""
         self.version, self.digest = None, ""  # from the first byte written, it holds no version
         own = dict(self.model.named_parameters())  # a tied lm_head is embed_tokens: named once
         if set(names) != set(own) or len(names) != len(own):
@@ -64,8 +72,12 @@ class RolloutWorker:
                  if d != str(self.dtype).removeprefix("torch.") or list(own[n].shape) != list(shape)]
         if wrong:
             raise ValueError(f"weights do not fit the engine's model: dtype or shape of {wrong[:5]}")
-        self.digest = receive([own[n] for n in names], self.dtype, self.config.rollout.weight_bucket_mb * 2**20,
-                              self.weights_group, op_timeout(self.config))
+        params, bucket_bytes = [own[n] for n in names], self.config.rollout.weight_bucket_mb * 2**20
+        if shared:
+            self.digest = receive_shared([p.numel() for p in params], self.dtype, bucket_bytes, self.weights_group,
+                                         op_timeout(self.config))
+        else:
+            self.digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config))
         self.version = version
         return self.digest
 

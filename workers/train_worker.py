@@ -22,7 +22,8 @@ from supervisor.checkpoint.layout import DRIVER_STATE, step_of
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
-from workers.weight_sync import join_group, op_timeout, send
+from workers.shared_weights import attach
+from workers.weight_sync import join_group, op_timeout, send, write_shared
 
 
 @ray.remote
@@ -44,6 +45,7 @@ class TrainWorker:
         self.parts = None  # what warm() built, until setup hands it to the engine
         self.weights_group = None  # rank 0: its member of the weights-update group (workers/weight_sync.py)
         self.weights_backend = "gloo"  # nccl: the buckets live on the GPU
+        self.segments: dict[int, torch.Tensor] = {}  # weights rank -> that engine's shared weights, mapped here
 
     @fault_points
     def warm(self) -> dict:
@@ -88,27 +90,44 @@ class TrainWorker:
 
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                                  backend: str) -> dict:
-        """Rank 0 only: join a new weights-update group as its rank 0 (the engines join it beside).
-        Returns the names and full shapes of the parameters it streams, for the engines."""
-        self.weights_group = None  # the previous group's connections go first
+                                  backend: str, memories: list[dict | None]) -> dict:
+        """Every rank maps the engines' shared weights (`memories`, one per engine, None where it offers none)
+        if it can; rank 0 also joins a new weights-update group as its rank 0 (the engines join it beside).
+        Returns whether this rank mapped every engine's weights, laid out in the stream's order (`shared`);
+        rank 0 also the names and full shapes of the parameters it streams, for the engines."""
+        self.segments, self.weights_group = {}, None  # the previous group's mappings and connections go first
+        spec = self.engine.weight_params()
+        names, shapes = zip(*spec)
+        layout = [(name, list(shape)) for name, shape in spec]
+        for i, memory in enumerate(memories):
+            segment = attach(memory) if memory and memory["layout"] == layout else None
+            if segment is None:
+                self.segments = {}
+                break
+            self.segments[1 + i] = segment
+        if self.rank != 0:
+            return {"shared": bool(self.segments)}
         self.weights_group = join_group(master_address, master_port, 0, world_size, group_name, backend,
                                         op_timeout(self.config))
         self.weights_backend = backend
-        names, shapes = zip(*self.engine.weight_params())
-        return {"names": list(names), "shapes": [list(s) for s in shapes]}
+        return {"names": list(names), "shapes": [list(s) for s in shapes], "shared": bool(self.segments)}
 
     @fault_points
-    def send_weights(self, global_step: int, targets: list[int], dtype: str) -> dict:
+    def send_weights(self, global_step: int, targets: list[int], dtype: str, shared: bool = False) -> dict:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
-        with no targets, only their digest. Rank 0 returns the digest, the targets that failed and figures;
+        with no targets, only their digest. With `shared`, every rank writes its shards straight into the
+        targets' shared weights instead. Rank 0 returns the digest, the targets that failed and figures;
         the others {}."""
-        spec = self.engine.weight_params()
+        numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
+        bucket_bytes, timeout = self.config.rollout.weight_bucket_mb * 2**20, op_timeout(self.config)
+        if shared and targets:
+            return write_shared(self.engine.weight_shard, numels, getattr(torch, dtype), bucket_bytes,
+                                [self.segments[t] for t in targets], self.rank, self.world_size, self.weights_group,
+                                targets, timeout)
         group = self.weights_group if targets else None
-        return send(self.engine.full_param, [math.prod(shape) for _, shape in spec], getattr(torch, dtype),
-                    self.config.rollout.weight_bucket_mb * 2**20, self.rank == 0, group, targets,
-                    op_timeout(self.config), self.engine.device if self.weights_backend == "nccl" else "cpu")
+        return send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0, group,
+                    targets, timeout, self.engine.device if self.weights_backend == "nccl" else "cpu")
 
     @fault_points
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:

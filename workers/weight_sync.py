@@ -209,6 +209,62 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
             "wait_secs": wait_secs[0]}
 
 
+def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Sequence[int], dtype: torch.dtype,
+                 bucket_bytes: int, segments: Sequence[torch.Tensor], rank: int, world_size: int, group,
+                 targets: Sequence[int], timeout: datetime.timedelta) -> dict:
+    """The shared-memory sync (workers/shared_weights.py); every trainer rank calls it, with the mapped
+    segments of `targets`. `shard(i)` is this rank's contiguous part of parameter i: (first element, tensor).
+    Each rank writes its parts into every segment, then, once all have (a barrier on the training group),
+    hashes its share of the buckets there (bucket k on rank k % world_size): the digest is of the engine's own
+    memory, and the same as the stream's, whatever the world size. Rank 0 sends each target its hashes, the
+    engine's signal that its weights are whole, and returns what `send` returns; the others {}."""
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    flats = [s.view(dtype) for s in segments]
+    first = np.cumsum([0, *numels[:-1]]).tolist()
+    for i in range(len(numels)):
+        start, part = shard(i)
+        start += first[i]
+        for flat in flats:
+            flat[start:start + part.numel()].copy_(part.reshape(-1))
+    write_secs = time.monotonic() - t0
+    dist.barrier()  # every rank's parts are in place
+    per, total = max(1, bucket_bytes // torch.empty(0, dtype=dtype).element_size()), sum(numels)
+    count = -(-total // per)
+    t1 = time.monotonic()
+    hashes = torch.zeros(len(flats), count, dtype=torch.int64)
+    for j, flat in enumerate(flats):
+        hashes[j, rank::world_size] = as_message([bucket_hash(flat[k * per:(k + 1) * per])
+                                                  for k in range(rank, count, world_size)])
+    digest_secs = time.monotonic() - t1
+    dist.all_reduce(hashes)  # a sum in which each entry has one nonzero term: every bucket's hash everywhere
+    if rank != 0:
+        return {}
+    failed, t2 = {}, time.monotonic()
+    for j, target in enumerate(targets):
+        try:
+            group.send([hashes[j]], target, TAG_DIGESTS).wait(timeout)
+        except Exception as e:  # noqa: BLE001 - that target is dropped and reported
+            failed[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
+    return {"digest": combine(from_message(hashes[0])), "failed": failed, "bytes": total * flats[0].element_size(),
+            "buckets": count, "secs": time.monotonic() - t0, "digest_secs": digest_secs, "write_secs": write_secs,
+            "wait_secs": time.monotonic() - t2}
+
+
+def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int, group,
+                   timeout: datetime.timedelta) -> str:
+    """The engine's side of the shared-memory sync: the trainer ranks wrote its weights in place and hashed
+    them there; rank 0's hashes arrive once every rank has. The digest of what the engine holds."""
+    per = max(1, bucket_bytes // torch.empty(0, dtype=dtype).element_size())
+    theirs = torch.empty(-(-sum(numels) // per), dtype=torch.int64)
+    try:
+        group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
+    except RuntimeError as e:
+        raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
+    return combine(from_message(theirs))
+
+
 def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int, group,
             timeout: datetime.timedelta) -> str:
     """Receive every bucket from rank 0 and write it in place into `params`; the digest of what landed.

@@ -35,6 +35,7 @@ class Member:
     name: str
     node_id: str | None = None
     pid: int | None = None
+    memory: dict | None = None  # an engine's shared weights (workers/shared_weights.py), if it offers them
 
 
 def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef], dict]:
@@ -294,6 +295,7 @@ class RolloutGroup(_Members):
         where = self.gather(refs, self.config.recover.start_timeout_secs, [self.members[i] for i in starting])
         for i, w in zip(starting, where):
             self.members[i].node_id, self.members[i].pid = w["node_id"], w["pid"]
+            self.members[i].memory = w["memory"]
 
     def _call(self, method: str, args_of, only: list[int] | None = None) -> list:
         """Call `method` on every engine (or those in `only`), once those still starting are up."""

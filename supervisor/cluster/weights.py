@@ -3,7 +3,9 @@ the bytes).
 
 The Supervisor hosts the group's rendezvous (a TCPStore on an ephemeral port), so every member joins in one
 call. A group joins the TrainGroup's rank 0 and every engine; a new TrainGroup or a replaced engine gets a
-new group (the controller opens one at every resync).
+new group (the controller opens one at every resync). When every rank can map every engine's shared weights
+(CPU engines on the ranks' host: workers/shared_weights.py), the ranks write them in place and the group
+carries only the hashes; otherwise the weights stream through it.
 
 Joining and syncing are one call on each member, waited for together; whoever dies or hangs is blamed, not
 those who gave up waiting for it. A rank that dies or hangs stops the stream for everyone: the engines give
@@ -37,27 +39,32 @@ class WeightStream:
         name, world = f"weights-{uuid.uuid4().hex[:12]}", 1 + len(engines.members)
         gpu = config.cluster.gpus_per_worker > 0 and config.cluster.gpus_per_engine > 0
         backend = "nccl" if gpu else "gloo"
-        rank0 = trainers.members[0]
-        joined = rank0.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend)
+        memories = [m.memory for m in engines.members] if backend == "gloo" else [None] * len(engines.members)
+        joined = [m.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend, memories)
+                  for m in trainers.members]
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)
                 for i, m in enumerate(engines.members)]
-        (spec,), answers = self._gather([joined], [rank0], refs, engines.members)
+        (spec, *others), answers = self._gather(joined, trainers.members, refs, engines.members)
         wanted = {a["dtype"] for a in answers}
         if len(wanted) != 1:
             raise ValueError(f"the engines want their weights in different dtypes: {sorted(wanted)}")
         self.dtype = wanted.pop()
         self.names, self.shapes = spec["names"], spec["shapes"]
+        # every rank mapped every engine's weights: the ranks write them in place (workers/shared_weights.py)
+        self.shared = all(a["shared"] for a in (spec, *others))
 
     def sync(self, global_step: int, only: list[int] | None = None) -> dict:
         """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
-        digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, gather_secs, wait_secs."""
+        digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, wait_secs, and
+        gather_secs (the stream) or write_secs (shared weights)."""
         trainers, engines = self.trainers, self.engines
         only = list(range(len(engines.members))) if only is None else only
-        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype)
+        shared = self.shared and bool(only)
+        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared)
                  for m in trainers.members]
         targets = [engines.members[i] for i in only]
         receives = [m.handle.update_weights_from_distributed.remote(
-            self.names, [self.dtype] * len(self.names), self.shapes, global_step + 1) for m in targets]
+            self.names, [self.dtype] * len(self.names), self.shapes, global_step + 1, shared) for m in targets]
         (sent, *_), digests = self._gather(sends, trainers.members, receives, targets)
         if sent["failed"]:
             names = tuple(engines.members[rank - 1].name for rank in sent["failed"])

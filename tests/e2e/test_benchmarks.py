@@ -78,12 +78,14 @@ def test_step_benchmark(tmp_path):
 
 
 def test_weight_sync_benchmark(cluster, tmp_path):
-    """The object-store push and the stream side by side; the engine holds the trainer's weights bitwise."""
+    """The object-store push, the stream and the shared-memory writes side by side; after each kind of sync the
+    engine holds the trainer's weights bitwise, and the two kinds give the same digest."""
     figures = bench("weight_sync", "--address", cluster.address, tmp_path=tmp_path)
     labels = [row[0] for row in figures["rows"]]
-    assert labels[1:7] == ["object-store push (before)", "stream (after)", "memcpy of the same bytes",
-                           "speed-up stream / object store", "stream bandwidth / memcpy",
-                           "object store bandwidth / memcpy"]
-    assert figures["stream_equals_trainer"] and figures["bytes"] > 0
-    assert figures["stream_secs"] > 0 and figures["object_store_secs"] > 0
-    assert "speed-up stream / object store" in figures["stdout"]
+    assert labels[1:8] == ["object-store push (before)", "stream (after)", "shared memory (after, same host)",
+                           "memcpy of the same bytes", "speed-up stream / object store",
+                           "speed-up shared memory / object store", "bandwidth / memcpy: object store, stream, shared"]
+    assert figures["stream_equals_trainer"] and figures["shared_equals_trainer"] and figures["digests_agree"]
+    assert figures["bytes"] > 0 and figures["stream_secs"] > 0 and figures["shared_secs"] > 0
+    assert figures["object_store_secs"] > 0
+    assert "speed-up shared memory / object store" in figures["stdout"]

@@ -31,7 +31,8 @@ def scramble(engines, i: int) -> None:
 
 
 @pytest.mark.quick
-def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "stream"])
+def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared):
     import ray
 
     from supervisor.cluster.groups import RolloutGroup, TrainGroup
@@ -40,7 +41,7 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path):
     # 1 MiB buckets: parameters span buckets; 257 rows: the two ranks' shards of the MLP differ in length
     config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "cluster.n_rollout_workers=2",
                                   "rollout.weight_bucket_mb=1", "model.hidden_size=128",
-                                  "model.intermediate_size=257"])
+                                  "model.intermediate_size=257", f"rollout.shared_memory_weights={shared}"])
     ray.init(address=cluster.address, namespace="relaunch-test", logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     engines = trainers = None
@@ -54,6 +55,7 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path):
         stream = engines.connect(trainers)
         sent = stream.sync(-1)
         names = stream.names
+        assert stream.shared is shared and ("write_secs" in sent) is shared  # same host: the ranks map the engines
         want = local_digest([full[n] for n in names], torch.float32, 2**20)
         assert sent["digest"] == want and sent["buckets"] >= 2 and sent["failed"] == {}
         for i in (0, 1):

@@ -34,6 +34,10 @@ class TrainEngine(Protocol):
         """Collective: parameter `index` of weight_params(), whole on rank 0 (every rank calls it, in the same
         order; the others may get nothing)."""
 
+    def weight_shard(self, index: int) -> tuple[int, torch.Tensor]:
+        """This rank's contiguous part of parameter `index` of weight_params(), flattened: (its first element,
+        the elements). The ranks' parts cover the parameter exactly once; no rank waits for another."""
+
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)
         this rank wrote, so that together the ranks report every file exactly once."""
@@ -48,6 +52,12 @@ class TrainEngine(Protocol):
 
     def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
         """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
+
+
+def even_part(flat: torch.Tensor, rank: int, world_size: int) -> tuple[int, torch.Tensor]:
+    """Rank `rank`'s share of a tensor every rank holds whole: a weight_shard when nothing is sharded."""
+    start, end = flat.numel() * rank // world_size, flat.numel() * (rank + 1) // world_size
+    return start, flat[start:end]
 
 
 class EngineBase:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
 from supervisor.config import Config
-from workers.engines.base import EngineBase, lr_scheduler
+from workers.engines.base import EngineBase, even_part, lr_scheduler
 from workers.engines.rng import load_rng, save_rng
 
 
@@ -78,6 +78,16 @@ class DeepSpeedEngine(EngineBase):
             return p.detach()
         with deepspeed.zero.GatheredParameters([p]):
             return p.detach().clone() if self.rank == 0 else None
+
+    def weight_shard(self, index: int) -> tuple[int, torch.Tensor]:
+        """ZeRO-1/2 parameters are whole on every rank: an even share each. ZeRO-3 keeps rank r's partition of
+        the flattened parameter in `p.ds_tensor`, elements from r * its length, the last one padded."""
+        p = self.params[index]
+        if self.config.actor.zero_stage != 3:
+            return even_part(p.detach().reshape(-1), self.rank, self.world_size)
+        size = p.ds_tensor.ds_numel
+        start = min(self.rank * size, p.ds_numel)
+        return start, p.ds_tensor.detach().reshape(-1)[:max(0, min(size, p.ds_numel - start))]
 
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: DeepSpeed's checkpoint (tag global_step{G}, `latest`) and this rank's RNG file.

@@ -32,7 +32,7 @@ from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DCP_METADATA
 from supervisor.config import Config
 from supervisor.testing.fault_points import armed
-from workers.engines.base import EngineBase, collective_timeout, lr_scheduler
+from workers.engines.base import EngineBase, collective_timeout, even_part, lr_scheduler
 from workers.engines.rng import load_rng, save_rng
 
 
@@ -119,6 +119,18 @@ class FSDPEngine(EngineBase):
         for work in works:
             work.wait()
         return whole[:p.shape[0]]
+
+    def weight_shard(self, index: int) -> tuple[int, torch.Tensor]:
+        """A dim-0 shard is contiguous in the flattened parameter: rank r's rows start at r * ceil(rows / world)."""
+        p = self.params[index]
+        if not isinstance(p, DTensor):
+            return even_part(p.detach().reshape(-1), self.rank, self.world_size)
+        if tuple(p.placements) != (Shard(0),):
+            with torch.no_grad():
+                return even_part(p.full_tensor().reshape(-1), self.rank, self.world_size)
+        local = p.to_local().detach()
+        rows = -(-p.shape[0] // self.world_size)
+        return self.rank * rows * (p.numel() // max(p.shape[0], 1)), local.reshape(-1)
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

@@ -1,0 +1,66 @@
+"""A CPU engine's weights in shared memory, written in place by the trainer ranks on the same host.
+
+The engine keeps its parameters in one memfd segment, laid end to end in the stream's order after a header
+page that holds a random nonce, and offers it when it joins a weights-update group. A trainer rank on the
+same host maps it through /proc/<pid>/fd/<fd> and checks the nonce; a rank on another host, or in another
+pid namespace, cannot, and the sync falls back to the stream. Each rank then writes its own shard of every
+parameter straight into the engine's parameters: one copy of each byte, no gather on rank 0, no receive
+buffer on the engine. It is the CPU counterpart of handing an engine CUDA IPC handles (SGLang's
+`update_weights_from_tensor`). The memfd has no name, so nothing is left in /dev/shm when the engine dies:
+the kernel frees the memory when the last mapping goes.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+HEADER = 4096  # the nonce's page; the parameters start page-aligned after it
+NONCE = 16
+
+
+class SharedWeights:
+    """Engine side: moves `model`'s parameters (each once: a tied weight is one parameter) into a segment."""
+
+    def __init__(self, model: torch.nn.Module):
+        params = list(model.named_parameters())
+        self.layout = [(name, list(p.shape)) for name, p in params]
+        self.nbytes = sum(p.numel() * p.element_size() for _, p in params)
+        self.fd = os.memfd_create("relaunch-weights")  # kept open: the trainer ranks reopen it through /proc
+        os.ftruncate(self.fd, HEADER + self.nbytes)
+        self.map = mmap.mmap(self.fd, HEADER + self.nbytes)
+        self.nonce = os.urandom(NONCE)
+        self.map[:NONCE] = self.nonce
+        data, offset = torch.frombuffer(self.map, dtype=torch.uint8), HEADER
+        with torch.no_grad():
+            for _, p in params:
+                n = p.numel() * p.element_size()
+                view = data[offset:offset + n].view(p.dtype).view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                offset += n
+
+    def handle(self) -> dict:
+        """What a trainer rank needs to map the segment: picklable, checked by the nonce."""
+        return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "nonce": self.nonce.hex(), "bytes": self.nbytes,
+                "layout": self.layout}
+
+
+def attach(handle: dict) -> torch.Tensor | None:
+    """Trainer side: the engine's parameters as one flat uint8 tensor mapped into this process, or None when
+    this process cannot reach that memory. The mapping lives as long as the tensor."""
+    try:
+        fd = os.open(handle["path"], os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        size = HEADER + handle["bytes"]
+        if os.fstat(fd).st_size != size:
+            return None
+        segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    if segment[:NONCE] != bytes.fromhex(handle["nonce"]):
+        return None
+    return torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER, count=handle["bytes"])
