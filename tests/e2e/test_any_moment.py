@@ -29,7 +29,7 @@ TRAIN_METHODS = ["where", "setup", "train", "send_weights", "begin_save", "start
 ENGINE_METHODS = ["where", "update_weights_from_distributed", "weight_status", "generate", "init_weights_update_group"]
 # called at (re)starts and resyncs: no step to pick
 START_ONLY = {"where", "setup", "load_recover", "weight_status", "init_weights_update_group"}
-RANK0_ONLY = {"init_weights_update_group"}  # a TrainWorker method only rank 0 is called
+RANK0_ONLY = {"init_weights_update_group"}  # every rank maps the engines' weights; rank 0 also joins the group
 # The steps at which each point with a step fires (entry, exit), spread over the run; saves happen at commits
 # (4, 9, 11, 14, 19, 23), exports and evaluations at epoch ends (11, 23). Recover saves are written in the
 # background (recover.write_mode auto): begun by `begin_save` and `start_upload`, collected by `save_result`, and

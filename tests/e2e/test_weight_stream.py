@@ -1,5 +1,6 @@
-"""The weight stream on a real cluster: a 2-rank FSDP TrainGroup streams to 2 engines, and what the engines
-hold afterwards is bitwise the trainer's full weights, with the digest both sides computed."""
+"""The weight sync on a real cluster: a 2-rank TrainGroup (FSDP, or DeepSpeed ZeRO-3) syncs 2 engines, by
+writes into their shared weights or by the stream, and what the engines hold afterwards is bitwise the
+trainer's full weights, with the digest of one process's computation."""
 from __future__ import annotations
 
 import pytest
@@ -30,9 +31,12 @@ def scramble(engines, i: int) -> None:
     ray.get(engines.members[i].handle.__ray_call__.remote(fill))
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "stream"])
-def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared):
+@pytest.mark.parametrize("shared, trainer", [
+    pytest.param(True, ["actor.backend=fsdp"], id="shared-memory", marks=pytest.mark.quick),
+    pytest.param(False, ["actor.backend=fsdp"], id="stream", marks=pytest.mark.quick),
+    pytest.param(True, ["actor.backend=deepspeed", "actor.zero_stage=3"], id="shared-memory-zero3"),
+])
+def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared, trainer):
     import ray
 
     from supervisor.cluster.groups import RolloutGroup, TrainGroup
@@ -41,7 +45,7 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared):
     # 1 MiB buckets: parameters span buckets; 257 rows: the two ranks' shards of the MLP differ in length
     config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "cluster.n_rollout_workers=2",
                                   "rollout.weight_bucket_mb=1", "model.hidden_size=128",
-                                  "model.intermediate_size=257", f"rollout.shared_memory_weights={shared}"])
+                                  "model.intermediate_size=257", f"rollout.shared_memory_weights={shared}", *trainer])
     ray.init(address=cluster.address, namespace="relaunch-test", logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     engines = trainers = None
