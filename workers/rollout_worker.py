@@ -34,8 +34,12 @@ class RolloutWorker:
             self.model.to("cuda")
         self.dtype = next(self.model.parameters()).dtype
         # on CPU the parameters live in shared memory that trainer ranks on this host can write in place
-        use_shared = config.cluster.gpus_per_engine == 0 and config.rollout.shared_memory_weights
-        self.shared = SharedWeights(self.model) if use_shared else None
+        self.shared = None
+        if config.cluster.gpus_per_engine == 0 and config.rollout.shared_memory_weights:
+            try:
+                self.shared = SharedWeights(self.model)
+            except OSError:  # no memfd here: the weights are streamed to it
+                self.shared = None
         self.version: int | None = None
         self.digest = ""  # of the sync that brought `version`
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)

@@ -11,24 +11,30 @@ the kernel frees the memory when the last mapping goes.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 
 import torch
 
+NAME = "relaunch-weights"  # /proc/<pid>/fd/<fd> of the segment reads /memfd:relaunch-weights (deleted)
 HEADER = 4096  # the nonce's page; the parameters start page-aligned after it
 NONCE = 16
 
 
 class SharedWeights:
-    """Engine side: moves `model`'s parameters (each once: a tied weight is one parameter) into a segment."""
+    """Engine side: moves `model`'s parameters (each once: a tied weight is one parameter) into a segment.
+    Raises OSError where the segment cannot be made (the engine then offers none and is streamed to)."""
 
     def __init__(self, model: torch.nn.Module):
         params = list(model.named_parameters())
+        if len({p.dtype for _, p in params}) != 1:
+            raise OSError("the engine's parameters are of several dtypes: one flat segment cannot hold them")
         self.layout = [(name, list(p.shape)) for name, p in params]
         self.nbytes = sum(p.numel() * p.element_size() for _, p in params)
-        self.fd = os.memfd_create("relaunch-weights")  # kept open: the trainer ranks reopen it through /proc
+        self.fd = os.memfd_create(NAME, os.MFD_ALLOW_SEALING)  # kept open: the ranks reopen it through /proc
         os.ftruncate(self.fd, HEADER + self.nbytes)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # no SIGBUS by truncation
         self.map = mmap.mmap(self.fd, HEADER + self.nbytes)
         self.nonce = os.urandom(NONCE)
         self.map[:NONCE] = self.nonce
@@ -49,18 +55,23 @@ class SharedWeights:
 
 def attach(handle: dict) -> torch.Tensor | None:
     """Trainer side: the engine's parameters as one flat uint8 tensor mapped into this process, or None when
-    this process cannot reach that memory. The mapping lives as long as the tensor."""
+    this process cannot reach that memory (another host or pid namespace, a pid reused, a malformed handle).
+    The segment is checked (its name, size and nonce) before it is mapped whole; the mapping lives as long as
+    the tensor."""
     try:
-        fd = os.open(handle["path"], os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        size = HEADER + handle["bytes"]
-        if os.fstat(fd).st_size != size:
+        path, size = handle["path"], HEADER + handle["bytes"]
+        if not os.readlink(path).startswith(f"/memfd:{NAME}"):
             return None
-        segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    if segment[:NONCE] != bytes.fromhex(handle["nonce"]):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            with mmap.mmap(fd, HEADER, prot=mmap.PROT_READ) as header:
+                if header[:NONCE] != bytes.fromhex(handle["nonce"]):
+                    return None
+            segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        return torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER, count=handle["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER, count=handle["bytes"])

@@ -113,18 +113,26 @@ class TrainWorker:
         return {"names": list(names), "shapes": [list(s) for s in shapes], "shared": bool(self.segments)}
 
     @fault_points
-    def send_weights(self, global_step: int, targets: list[int], dtype: str, shared: bool = False) -> dict:
+    def send_weights(self, global_step: int, targets: list[int], dtype: str, shared: bool = False,
+                     verify: bool = False) -> dict:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
         with no targets, only their digest. With `shared`, every rank writes its shards straight into the
-        targets' shared weights instead. Rank 0 returns the digest, the targets that failed and figures;
-        the others {}."""
+        targets' shared weights instead, and with `verify` a digest-only pass over the trainer's own weights
+        follows, for rank 0 to report whether both digests agree (`verified`). Rank 0 returns the digest, the
+        targets that failed and figures; the others {}."""
         numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
         bucket_bytes, timeout = self.config.rollout.weight_bucket_mb * 2**20, op_timeout(self.config)
         if shared and targets:
-            return write_shared(self.engine.weight_shard, numels, getattr(torch, dtype), bucket_bytes,
+            sent = write_shared(self.engine.weight_shard, numels, getattr(torch, dtype), bucket_bytes,
                                 [self.segments[t] for t in targets], self.rank, self.world_size, self.weights_group,
-                                targets, timeout)
+                                targets, timeout, global_step)
+            if verify:
+                own = send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0,
+                           None, [], timeout)
+                sent |= {"verified": own["digest"] == sent["digest"], "trainer_digest": own["digest"],
+                         "verify_secs": own["secs"]} if self.rank == 0 else {}
+            return sent
         group = self.weights_group if targets else None
         return send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0, group,
                     targets, timeout, self.engine.device if self.weights_backend == "nccl" else "cpu")

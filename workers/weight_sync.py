@@ -28,8 +28,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import xxhash
 
+from supervisor.testing.fault_points import fault_point
 from workers.errors import WeightSyncError
 
 TAG_DIGESTS = 1 << 30  # the tag of the hashes message; bucket k is sent with tag k
@@ -211,45 +213,58 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
 
 def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Sequence[int], dtype: torch.dtype,
                  bucket_bytes: int, segments: Sequence[torch.Tensor], rank: int, world_size: int, group,
-                 targets: Sequence[int], timeout: datetime.timedelta) -> dict:
+                 targets: Sequence[int], timeout: datetime.timedelta, step: int) -> dict:
     """The shared-memory sync (workers/shared_weights.py); every trainer rank calls it, with the mapped
     segments of `targets`. `shard(i)` is this rank's contiguous part of parameter i: (first element, tensor).
     Each rank writes its parts into every segment, then, once all have (a barrier on the training group),
     hashes its share of the buckets there (bucket k on rank k % world_size): the digest is of the engine's own
     memory, and the same as the stream's, whatever the world size. Rank 0 sends each target its hashes, the
-    engine's signal that its weights are whole, and returns what `send` returns; the others {}."""
-    import torch.distributed as dist
+    engine's signal that its weights are whole, and returns what `send` returns; the others {}.
 
-    t0 = time.monotonic()
+    A rank whose writes fail still takes part in the collectives and raises afterwards, so that its error, not
+    a hang of its peers, is what the Supervisor sees; rank 0 then sends nothing, and the engines give up."""
+    t0, error = time.monotonic(), None
     flats = [s.view(dtype) for s in segments]
     first = np.cumsum([0, *numels[:-1]]).tolist()
-    for i in range(len(numels)):
-        start, part = shard(i)
-        start += first[i]
-        for flat in flats:
-            flat[start:start + part.numel()].copy_(part.reshape(-1))
+    try:
+        for i in range(len(numels)):
+            start, part = shard(i)
+            start += first[i]
+            for flat in flats:
+                flat[start:start + part.numel()].copy_(part.reshape(-1))
+        fault_point("weights_written", step=step, rank=rank)  # tests: a rank dies with its part written
+    except Exception as e:  # noqa: BLE001 - raised once the peers are through the collectives below
+        error = e
     write_secs = time.monotonic() - t0
     dist.barrier()  # every rank's parts are in place
     per, total = max(1, bucket_bytes // torch.empty(0, dtype=dtype).element_size()), sum(numels)
     count = -(-total // per)
     t1 = time.monotonic()
-    hashes = torch.zeros(len(flats), count, dtype=torch.int64)
-    for j, flat in enumerate(flats):
-        hashes[j, rank::world_size] = as_message([bucket_hash(flat[k * per:(k + 1) * per])
-                                                  for k in range(rank, count, world_size)])
+    hashes = torch.zeros(len(flats), count + 1, dtype=torch.int64)  # the last column counts failed ranks
+    if error is None:
+        for j, flat in enumerate(flats):
+            hashes[j, rank:count:world_size] = as_message([bucket_hash(flat[k * per:(k + 1) * per])
+                                                           for k in range(rank, count, world_size)])
+    else:
+        hashes[:, count] = 1
     digest_secs = time.monotonic() - t1
     dist.all_reduce(hashes)  # a sum in which each entry has one nonzero term: every bucket's hash everywhere
+    if error is not None:
+        raise error
     if rank != 0:
         return {}
     failed, t2 = {}, time.monotonic()
     for j, target in enumerate(targets):
+        if hashes[j, count]:
+            failed[target] = "not sent: a trainer rank failed to write its shards"
+            continue
         try:
-            group.send([hashes[j]], target, TAG_DIGESTS).wait(timeout)
+            group.send([hashes[j, :count].contiguous()], target, TAG_DIGESTS).wait(timeout)
         except Exception as e:  # noqa: BLE001 - that target is dropped and reported
             failed[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
-    return {"digest": combine(from_message(hashes[0])), "failed": failed, "bytes": total * flats[0].element_size(),
-            "buckets": count, "secs": time.monotonic() - t0, "digest_secs": digest_secs, "write_secs": write_secs,
-            "wait_secs": time.monotonic() - t2}
+    return {"digest": combine(from_message(hashes[0, :count])), "failed": failed,
+            "bytes": total * flats[0].element_size(), "buckets": count, "secs": time.monotonic() - t0,
+            "digest_secs": digest_secs, "write_secs": write_secs, "wait_secs": time.monotonic() - t2}
 
 
 def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int, group,

@@ -39,7 +39,9 @@ class WeightStream:
         name, world = f"weights-{uuid.uuid4().hex[:12]}", 1 + len(engines.members)
         gpu = config.cluster.gpus_per_worker > 0 and config.cluster.gpus_per_engine > 0
         backend = "nccl" if gpu else "gloo"
-        memories = [m.memory for m in engines.members] if backend == "gloo" else [None] * len(engines.members)
+        # CPU ranks and CPU engines only: GPU ranks would stream from the device (CUDA IPC is the GPU's version)
+        cpu = backend == "gloo" and config.cluster.gpus_per_worker == 0
+        memories = [m.memory for m in engines.members] if cpu else [None] * len(engines.members)
         joined = [m.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend, memories)
                   for m in trainers.members]
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)
@@ -52,6 +54,7 @@ class WeightStream:
         self.names, self.shapes = spec["names"], spec["shapes"]
         # every rank mapped every engine's weights: the ranks write them in place (workers/shared_weights.py)
         self.shared = all(a["shared"] for a in (spec, *others))
+        self.verified = False  # the first shared sync is checked against the trainer's own digest
 
     def sync(self, global_step: int, only: list[int] | None = None) -> dict:
         """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
@@ -60,7 +63,8 @@ class WeightStream:
         trainers, engines = self.trainers, self.engines
         only = list(range(len(engines.members))) if only is None else only
         shared = self.shared and bool(only)
-        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared)
+        verify = shared and not self.verified
+        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared, verify)
                  for m in trainers.members]
         targets = [engines.members[i] for i in only]
         receives = [m.handle.update_weights_from_distributed.remote(
@@ -69,6 +73,12 @@ class WeightStream:
         if sent["failed"]:
             names = tuple(engines.members[rank - 1].name for rank in sent["failed"])
             raise GroupError(Group.ROLLOUT, WeightSyncError("; ".join(sent["failed"].values())), names)
+        if verify and not sent["verified"]:  # a bug in an engine's weight_shard: stop, do not train on
+            raise GroupError(Group.TRAIN, ValueError(
+                f"the ranks' writes into the engines' shared weights (digest {sent['digest']}) differ from the "
+                f"trainer's weights ({sent['trainer_digest']}); rollout.shared_memory_weights=false streams them"),
+                (trainers.members[0].name,))
+        self.verified = self.verified or verify
         wrong = [m.name for m, d in zip(targets, digests) if d != sent["digest"]]
         if wrong:
             raise GroupError(Group.ROLLOUT, StaleWeights(f"digest {sent['digest']} sent, another landed"),

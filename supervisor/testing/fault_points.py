@@ -10,7 +10,8 @@ weights (version - 1); `where`, `setup`, `load_recover`, `init_weights_update_gr
 Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
 `step.saved`), and the recover store one at every write of a checkpoint. `background_write` fires in a
-TrainWorker's writer thread while a background recover save is being written.
+TrainWorker's writer thread while a background recover save is being written; `weights_written` in a rank
+that has written its part of a shared-memory weight sync, before its peers have.
 
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
 (sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole

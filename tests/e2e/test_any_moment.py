@@ -29,7 +29,6 @@ TRAIN_METHODS = ["where", "setup", "train", "send_weights", "begin_save", "start
 ENGINE_METHODS = ["where", "update_weights_from_distributed", "weight_status", "generate", "init_weights_update_group"]
 # called at (re)starts and resyncs: no step to pick
 START_ONLY = {"where", "setup", "load_recover", "weight_status", "init_weights_update_group"}
-RANK0_ONLY = {"init_weights_update_group"}  # every rank maps the engines' weights; rank 0 also joins the group
 # The steps at which each point with a step fires (entry, exit), spread over the run; saves happen at commits
 # (4, 9, 11, 14, 19, 23), exports and evaluations at epoch ends (11, 23). Recover saves are written in the
 # background (recover.write_mode auto): begun by `begin_save` and `start_upload`, collected by `save_result`, and
@@ -52,7 +51,7 @@ def worker_points(action: str, parity: int) -> list[str]:
         for i, method in enumerate(methods):
             j = (i + parity) % 2
             step = "" if method in START_ONLY else f":step={STEP_OF[method][j]}"
-            rank = 0 if cls == "TrainWorker" and method in RANK0_ONLY else (i // 2 + parity) % 2
+            rank = (i // 2 + parity) % 2
             specs.append(f"{cls}.{method}.{('enter', 'exit')[j]}:{action}{step}:rank={rank}")
     return specs
 
@@ -84,7 +83,7 @@ def assert_exact(trial: Trial, reference: Trial) -> None:
 @pytest.mark.timeout(900)
 def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(cluster, reference, trial, tmp_path):
     faults = worker_points("kill", parity=1) + phase_points(["kill_rank", "kill_engine", "kill"]) + \
-        ["background_write:kill:step=19:rank=1"]
+        ["background_write:kill:step=19:rank=1", "weights_written:kill:step=7:rank=1"]
     r = run_job(cluster, trial, tmp_path, faults)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)
@@ -107,7 +106,8 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
     # has Ray restart it, and the new one rebuilds from disk.
     faults = worker_points("hang", parity=0) + phase_points(["stop_rank", "stop_engine"]) + \
         ["step.trained:stop:step=8"]
-    r = run_job(cluster, trial, tmp_path, faults, "recover.start_timeout_secs=15")
+    # the weights streamed, as to engines on another host (the SIGKILL and chaos jobs write them in place)
+    r = run_job(cluster, trial, tmp_path, faults, "recover.start_timeout_secs=15", "rollout.shared_memory_weights=false")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)
     assert_exact(trial, reference)

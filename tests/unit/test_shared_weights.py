@@ -57,3 +57,96 @@ def test_a_handle_to_other_memory_maps_nothing():
     assert attach(handle | {"nonce": "00" * 16}) is None  # another segment where this one was
     assert attach(handle | {"bytes": handle["bytes"] + 4}) is None
     assert attach(handle | {"path": "/proc/999999999/fd/3"}) is None  # another host or pid namespace
+
+
+def test_a_file_that_is_not_a_weights_segment_maps_nothing(tmp_path):
+    shared = SharedWeights(tied_model())
+    other = open(tmp_path / "weights", "wb+")
+    other.truncate(4096 + shared.nbytes)
+    handle = shared.handle() | {"path": f"/proc/{os.getpid()}/fd/{other.fileno()}"}
+    assert attach(handle) is None  # right size, but not a memfd of relaunch's: not opened, not mapped
+    other.close()
+
+
+# ---- write_shared: three trainer ranks (processes, one gloo group) write into an engine (this process) ----
+SHAPES = [(2, 3), (5, 4), (1, 7), (6,)]  # fewer rows than ranks, uneven shards, a vector
+
+
+def full_weights() -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(shape) for shape in SHAPES]
+
+
+def trainer_rank(rank: int, world: int, init: str, handle: dict, weights_port: int, fail_rank: int) -> None:
+    """One trainer rank: its dim-0 shards as FSDP2 cuts them (torch.chunk), written by write_shared."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from workers.shared_weights import attach
+    from workers.weight_sync import join_group, write_shared
+
+    timeout = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+    weights = full_weights()
+
+    def shard(i: int) -> tuple[int, torch.Tensor]:
+        if rank == fail_rank and i == 2:
+            raise ValueError("a bug in weight_shard")
+        t = weights[i]
+        rows = -(-t.shape[0] // world)
+        part = t[rank * rows:(rank + 1) * rows]
+        return rank * rows * (t.numel() // t.shape[0]), part
+
+    group = join_group("127.0.0.1", weights_port, 0, 2, "w", "gloo", timeout) if rank == 0 else None
+    try:
+        write_shared(shard, [t.numel() for t in weights], torch.float32, 16, [attach(handle)], rank, world, group,
+                     [1], timeout, step=0)
+    except ValueError:
+        assert rank == fail_rank
+    dist.destroy_process_group()
+
+
+def run_trainers(tmp_path, fail_rank: int = -1) -> tuple[torch.nn.Module, str | BaseException]:
+    import datetime
+    import threading
+
+    import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
+
+    from workers.weight_sync import join_group, receive_shared
+
+    engine = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES])
+    shared = SharedWeights(engine)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out: dict = {}
+
+    def receive() -> None:
+        timeout = datetime.timedelta(seconds=20 if fail_rank < 0 else 5)
+        group = join_group("127.0.0.1", store.port, 1, 2, "w", "gloo", timeout)
+        try:
+            out["digest"] = receive_shared([p.numel() for p in engine], torch.float32, 16, group, timeout)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            out["digest"] = e
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    mp.start_processes(trainer_rank, args=(3, f"file://{tmp_path}/init", shared.handle(), store.port, fail_rank),
+                       nprocs=3, start_method="spawn")
+    thread.join(60)
+    return engine, out["digest"]
+
+
+def test_three_ranks_write_an_engine_bitwise_with_the_streams_digest(tmp_path):
+    from workers.weight_sync import local_digest
+
+    engine, digest = run_trainers(tmp_path)
+    assert all(torch.equal(p, w) for p, w in zip(engine, full_weights()))
+    assert digest == local_digest(full_weights(), torch.float32, 16)  # 16-byte buckets: 4 elements each
+
+
+def test_a_rank_that_fails_to_write_leaves_the_engine_without_weights(tmp_path):
+    from workers.errors import WeightSyncError
+
+    _, digest = run_trainers(tmp_path, fail_rank=1)
+    assert isinstance(digest, WeightSyncError)  # no hashes came: it takes no version
