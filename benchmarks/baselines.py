@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from sizes import SIZES
 
 from supervisor.control.events import Event, read_jsonl
 from supervisor.testing.local_cluster import LocalCluster
+from supervisor.testing.processes import kill_all, process_tree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -100,7 +100,8 @@ def torchrun(root: Path, steps: int, kill_at: int, bound: float, size: str) -> d
     try:
         _, stderr = proc.communicate(timeout=bound)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started: the session this call made
+        # torchrun and every rank it started (the ranks may have process groups of their own, and hold the pipes)
+        kill_all(process_tree(proc.pid))
         proc.communicate()
         return {"system": "torchrun", "error": f"did not finish within {bound:.0f} s (a restarted group hung)"}
     wall = time.monotonic() - started
