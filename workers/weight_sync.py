@@ -16,6 +16,10 @@ speed here, about a tenth of a sync at ~100M); rank 0 sends
 its hashes last, and the engine takes the version only when the last bucket landed and they agree. On GPU
 the digest would be a reduction on the device instead (a sum of the bucket viewed as int64, say), so that no
 byte crosses to the host; only the CPU path exists today.
+
+When every trainer rank has mapped the engines' shared weights (workers/shared_weights.py: CPU engines on the
+ranks' host), `write_shared` replaces the stream: each rank writes its own shards straight into the engines'
+parameters, the ranks hash the buckets there between them, and the group carries only rank 0's hashes.
 """
 from __future__ import annotations
 
