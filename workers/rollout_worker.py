@@ -38,8 +38,8 @@ class RolloutWorker:
         if config.cluster.gpus_per_engine == 0 and config.rollout.shared_memory_weights:
             try:
                 self.shared = SharedWeights(self.model)
-            except OSError:  # no memfd here: the weights are streamed to it
-                self.shared = None
+            except OSError:  # no memfd here (self.shared stays None): the weights are streamed to it
+                pass
         self.version: int | None = None
         self.digest = ""  # of the sync that brought `version`
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)

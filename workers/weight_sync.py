@@ -50,9 +50,14 @@ class Piece:
     offset: int
 
 
+def bucket_elements(itemsize: int, bucket_bytes: int) -> int:
+    """How many elements a bucket holds: `bucket_bytes` rounded down to whole elements, at least one."""
+    return max(1, bucket_bytes // itemsize)
+
+
 def plan_buckets(numels: Sequence[int], itemsize: int, bucket_bytes: int) -> list[list[Piece]]:
     """The parameters laid end to end, cut every `bucket_bytes` (rounded down to whole elements)."""
-    per_bucket = max(1, bucket_bytes // itemsize)
+    per_bucket = bucket_elements(itemsize, bucket_bytes)
     buckets, current, used = [], [], 0
     for i, numel in enumerate(numels):
         start = 0
@@ -241,7 +246,7 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
         error = e
     write_secs = time.monotonic() - t0
     dist.barrier()  # every rank's parts are in place
-    per, total = max(1, bucket_bytes // torch.empty(0, dtype=dtype).element_size()), sum(numels)
+    per, total = bucket_elements(dtype.itemsize, bucket_bytes), sum(numels)
     count = -(-total // per)
     t1 = time.monotonic()
     hashes = torch.zeros(len(flats), count + 1, dtype=torch.int64)  # the last column counts failed ranks
@@ -275,8 +280,7 @@ def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int,
                    timeout: datetime.timedelta) -> str:
     """The engine's side of the shared-memory sync: the trainer ranks wrote its weights in place and hashed
     them there; rank 0's hashes arrive once every rank has. The digest of what the engine holds."""
-    per = max(1, bucket_bytes // torch.empty(0, dtype=dtype).element_size())
-    theirs = torch.empty(-(-sum(numels) // per), dtype=torch.int64)
+    theirs = torch.empty(-(-sum(numels) // bucket_elements(dtype.itemsize, bucket_bytes)), dtype=torch.int64)
     try:
         group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
     except RuntimeError as e:
