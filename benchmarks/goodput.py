@@ -87,7 +87,7 @@ def main() -> None:
                "goodput": useful / wall, "recovery_secs": recoveries}
     rows = [("fault every", f"{every:g} s (SIGKILL of a random TrainWorker)"),
             ("steps", f"{len(stats)}"), ("faults injected, restarts", f"{len(killed)}, {figures['restarts']}"),
-            ("recoveries (failure -> next step)", ", ".join(f"{r:.1f} s" for r in recoveries) or "-"),
+            ("recoveries (fault -> the step in flight completed)", ", ".join(f"{r:.1f} s" for r in recoveries) or "-"),
             ("wall time (start -> done)", f"{wall:.1f} s"), ("useful step time", f"{useful:.1f} s"),
             ("goodput", f"{figures['goodput'] * 100:.1f}%")]
     report(rows, figures, args.json)

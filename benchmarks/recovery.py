@@ -5,8 +5,9 @@ uninterrupted and then with a TrainWorker SIGKILLed mid-update, once per warm sp
     .venv/bin/python benchmarks/recovery.py [--size tiny|100m|0.5b] [--kill-at-step 30] [--spares 0,1,2]
                                             [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
 
-Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took
-and where the recovery's time went, how many ranks came from spares, how many steps were trained again,
+Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took,
+the time from the fault to the completion of the killed step and what it lost beyond one steady step, where
+that time went, how many ranks came from spares, the step loaded and how many steps were trained again,
 what the recover checkpoints cost, and whether the final weights are identical. `--quick` runs one epoch,
 kills at step 10, with 0 and 2 spares (CI runs it so that it cannot rot).
 """
@@ -24,6 +25,7 @@ from sizes import SIZES
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
 from supervisor.control.events import Event, read_jsonl
+from supervisor.control.repair_clock import PARTS
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
 
@@ -63,12 +65,9 @@ def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], k
         del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
 
 
-PARTS = ("detection", "backoff", "teardown", "validate", "scheduling", "process_start", "rendezvous", "load",
-         "resync", "first_step")
-
-
 def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_secs: float) -> dict:
-    """The killed run's figures from its events: detection, the restart, its breakdown, the spares it took."""
+    """The killed run's figures from its events: detection, the restart, the `recovery` event (timed to the
+    completion of the killed step), the spares it took."""
     events = read_jsonl(faulty.events_log)
     failure = next(e for e in events if e["event"] == Event.FAILURE)
     after = [e for e in events if e["time"] >= failure["time"]]
@@ -81,7 +80,7 @@ def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_s
             "resynced_secs": resync["time"] - failure["time"], "recovery": recovery,
             "ranks_from_spares": taken["taken"] if taken else 0,
             "cold_ranks": taken["cold"] if taken else len(loaded["nodes"]),
-            "replayed_steps": failure["global_step"] - loaded["global_step"] - 1,
+            "replayed_steps": recovery["replayed_steps"],
             "identical": final_weights(clean) == final_weights(faulty)}
 
 
@@ -101,9 +100,12 @@ def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list
         row("ranks from spares / cold", lambda f: f"{f['ranks_from_spares']} / {f['cold_ranks']}"),
         row("failure -> new TrainGroup loaded", lambda f: f"{f['loaded_secs']:.1f} s"),
         row("failure -> engines resynced", lambda f: f"{f['resynced_secs']:.1f} s"),
-        row("failure -> next completed step", lambda f: f"{f['recovery']['total']:.1f} s"),
+        row("fault -> killed step completed", lambda f: f"{f['recovery']['total']:.1f} s"),
+        row("  lost beyond one steady step", lambda f: f"{f['recovery']['lost']:.1f} s "
+                                                     f"(step {f['recovery']['steady_step']:.2f} s)"),
         *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
-        row("steps trained again", lambda f: str(f["replayed_steps"])),
+        row("step loaded (from), steps trained again",
+            lambda f: f"{f['recovery']['loaded_step']} ({f['recovery']['source']}), {f['replayed_steps']}"),
         ("recover checkpoint: count, mean time, size",
          *(f"{len(commits)}, {statistics.mean(c['secs'] for c in commits) * 1000:.0f} ms, "
            f"{commits[-1]['bytes'] / 1e6:.2f} MB" for _ in cols)),

@@ -25,10 +25,10 @@ from supervisor.cluster.errors import CapacityError, Group, first_line
 from supervisor.config import Config
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
-from supervisor.control.events import Event, EventLog, StatsLog
+from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
-from supervisor.control.repair_clock import RepairClock
+from supervisor.control.repair_clock import RepairClock, steady_steps
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
 from supervisor.exit_codes import ExitCode
@@ -167,12 +167,22 @@ class Controller:
 
     def _step(self) -> Result:
         if not self.runner.finished:
-            self.runner.advance()
-            recovery = self.clock.finish()
-            if recovery is not None:
-                self.events.emit(Event.RECOVERY, **recovery)
+            completed = self.runner.advance()
+            if completed is not None and self.clock.running:
+                rows = read_jsonl(self.stats.path)
+                recovery = self.clock.completed(completed, steady_steps(rows, completed))
+                if recovery is not None:
+                    self.events.emit(Event.RECOVERY, **recovery)
             self._refill_spares()
         return Result(Outcome.DONE if self.runner.finished else Outcome.OK)
+
+    def _in_flight(self, fault: Fault) -> int:
+        """The global step that was in flight when `fault` struck: the recovery clock's finish line. A restarted
+        Supervisor learns it from the rows its predecessor wrote."""
+        if fault.kind is FaultKind.SUPERVISOR_DIED:
+            logged = [r["global_step"] for r in read_jsonl(self.stats.path) if "global_step" in r]
+            return max(logged, default=-1) + 1
+        return self.runner.state.step.global_step + (0 if self.runner.owed else 1)
 
     # ---- faults ---------------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault, error: BaseException | None = None) -> Result:
@@ -202,7 +212,7 @@ class Controller:
                 details = "".join(traceback.format_exception(error.__cause__ or error))
             return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:
-            self.clock.start(fault.kind.value, decision.action.value, fault.detect_secs)
+            self.clock.start(fault.kind.value, decision.action.value, fault.detect_secs, self._in_flight(fault))
             self.events.emit(Event.RESTART if decision.counted else Event.REPAIR, n=self.policy.restarts,
                              limit=self.policy.retries, what=decision.action.value, cause=fault.kind.value,
                              delay_secs=decision.delay_secs)
@@ -236,10 +246,11 @@ class Controller:
         return Result(Outcome.OK)
 
     def _refill_spares(self) -> None:
-        """After the first step of a new TrainGroup: start spares up to the pool's size, away from its ranks.
-        Not earlier, so that warming them never competes with the restart for the CPUs; tried again after
-        every step while the cluster has no room for them."""
-        if not self.refill_due or self.spares is None or self.runner.finished:
+        """Once the step that was in flight at the last fault has completed again: start spares up to the
+        pool's size, away from the ranks. Not earlier, so that building their models never competes for the CPUs
+        with the repair or the steps it trains again; tried again after every step while the cluster has no room
+        for them."""
+        if not self.refill_due or self.spares is None or self.runner.finished or self.clock.running:
             return
         if len(self.spares) < self.spares.size:
             nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.runner.trainers.nodes)
@@ -298,6 +309,7 @@ class Controller:
         with self.clock.part("load"):
             missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
         r.roll_back(self._state_of(ckpt, warn=True))
+        self.clock.loaded(r.state.step.global_step, "disk")
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
         if missing:
@@ -308,7 +320,7 @@ class Controller:
             if replaced:
                 self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
             r.sync_engines(gate=True)
-        self.clock.resynced()
+        self.clock.resumed()
 
     def _validate(self) -> tuple[Checkpoint | None, float]:
         t = time.monotonic()
@@ -327,7 +339,7 @@ class Controller:
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
         with self.clock.part("resync"):
             r.sync_engines(gate=True)  # a new engine starts in its sync
-        self.clock.resynced()
+        self.clock.resumed()
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and

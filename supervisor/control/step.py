@@ -87,17 +87,20 @@ class StepRunner:
     def finished(self) -> bool:
         return self.finished_training and self.checkpoints.in_flight.idle
 
-    def advance(self) -> None:
+    def advance(self) -> int | None:
         """Pay what the last committed step owes, or run the next step to its commit and then pay; publish
-        background writes once they are durable (after the last step, wait for them)."""
+        background writes once they are durable (after the last step, wait for them). Returns the global step
+        completed, or None (only background writes were waited for)."""
+        completed = None
         self.checkpoints.collect(self.trainers, block=False)
         if self.owed is None and not self.finished_training:
             self._until_commit(self.state.step.next())
         if self.owed is not None:
             self._settle(self.owed)
-            self.owed = None
+            completed, self.owed = self.owed.step.global_step, None
         if self.finished_training:
             self.checkpoints.collect(self.trainers, block=True)
+        return completed
 
     def drop_group(self) -> None:
         """Kill the TrainGroup (survivors may be stuck in a collective, or still writing a save): what it

@@ -8,6 +8,7 @@ from supervisor.checkpoint.layout import STEP_INFO, TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
 from supervisor.config import Config
 from supervisor.control.events import ENDED, Event, read_jsonl
+from supervisor.control.repair_clock import recovery_line
 
 
 def trial_status(config: Config, n_events: int = 10) -> dict:
@@ -80,10 +81,7 @@ def format_status(st: dict) -> str:
     lines.append(f"restarts   {st['restarts']}")
     rec = st.get("last_recovery")
     if rec:
-        parts = ("detection", "backoff", "teardown", "validate", "scheduling", "process_start", "rendezvous", "load",
-                 "resync", "first_step")
-        lines.append(f"recovery   {rec['cause']} -> {rec['what']} in {rec['total']:.1f}s: " +
-                     ", ".join(f"{p} {rec[p]:.2f}s" for p in parts if p in rec))
+        lines.append(f"recovery   {recovery_line(rec)}")
     ri = st.get("recover_interval")
     if ri:
         cost = f"{ri['save_cost_secs']:.3f}s" if ri["save_cost_secs"] is not None else "not measured yet"

@@ -348,8 +348,17 @@ def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, cl
     assert not [e for e in events if e["event"] == "failure" and e["cause"] == "stale_weights"]
     recovery = [e for e in events if e["event"] == "recovery"]
     assert len(recovery) == 1 and recovery[0]["what"] == "restart_train_group"
-    assert {"detection", "teardown", "scheduling", "process_start", "rendezvous", "load", "resync", "first_step",
-            "total"} <= set(recovery[0]) and not {"seen", "resynced"} & set(recovery[0])
+    rec = recovery[0]
+    assert {"detection", "teardown", "scheduling", "process_start", "rendezvous", "load", "resync", "replay", "redo",
+            "total", "steady_step", "lost"} <= set(rec) and not {"seen", "resumed"} & set(rec)
+    # the clock stops at the step that was in flight, not at the first (replayed) step after the repair
+    if not phase.startswith("background"):  # a background write's fault is seen at a later step
+        assert rec["global_step"] == 3
+    assert rec["source"] == "disk" and rec["loaded_step"] == committed[-1]
+    assert rec["replayed_steps"] == rec["global_step"] - committed[-1] - 1
+    rows_after = [r["global_step"] for r in read_jsonl(layout.stats_log)]
+    assert rec["global_step"] in rows_after
+    assert rec["lost"] == pytest.approx(rec["total"] - rec["steady_step"], abs=2e-3)
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -1,0 +1,51 @@
+"""The recovery clock stops at the completion of the step that was in flight, never at a replayed one."""
+import pytest
+
+from supervisor.control import repair_clock
+from supervisor.control.repair_clock import RepairClock, recovery_line, steady_steps
+
+
+@pytest.fixture
+def now(monkeypatch):
+    t = [1000.0]
+    monkeypatch.setattr(repair_clock.time, "time", lambda: t[0])
+    return t
+
+
+def test_the_clock_runs_through_replayed_steps_to_the_step_in_flight(now):
+    clock = RepairClock()
+    clock.start("worker_died", "restart_train_group", detection=0.5, in_flight=7)
+    clock.start("hang", "restart_train_group", detection=9.0, in_flight=9)  # a second fault adds to the repair
+    clock.add("load", 2.0)
+    clock.loaded(5, "disk")
+    now[0] += 4.0
+    clock.resumed()
+    now[0] += 8.0
+    assert clock.completed(6, [8.0]) is None and clock.running  # step 6 was replayed: the clock runs on
+    now[0] += 9.0
+    rec = clock.completed(7, [8.0, 8.0, 10.0])
+    assert not clock.running
+    assert rec["global_step"] == 7 and rec["loaded_step"] == 5 and rec["source"] == "disk"
+    assert rec["replayed_steps"] == 1 and rec["cause"] == "worker_died"
+    assert rec["total"] == 21.5 and rec["replay"] == 8.0 and rec["redo"] == 9.0 and rec["load"] == 2.0
+    assert rec["steady_step"] == 8.0 and rec["lost"] == 13.5
+    line = recovery_line(rec)
+    assert "step 7 completed 21.5s after the fault (13.5s lost beyond a 8.0s step)" in line
+    assert "loaded step 5 from disk, 1 step trained again" in line
+
+
+def test_an_engine_repair_rolls_nothing_back_and_a_first_step_has_no_steady_step(now):
+    clock = RepairClock()
+    clock.start("worker_died", "restart_engines", detection=None, in_flight=0)
+    now[0] += 3.0
+    rec = clock.completed(0, [])
+    assert rec["loaded_step"] is None and rec["replayed_steps"] == 0 and rec["source"] == "none"
+    assert rec["steady_step"] is None and rec["lost"] is None and rec["redo"] == 3.0
+    assert "nothing rolled back" in recovery_line(rec)
+    assert clock.completed(1, [1.0]) is None  # no repair in progress
+
+
+def test_steady_steps_leave_out_a_group_s_first_step_and_steps_after_the_finish():
+    rows = [{"global_step": 0, "time/step": 5.0}, {"global_step": 1, "time/step": 1.0, "time/between_steps": 0.5},
+            {"global_step": 2, "time/step": 2.0, "time/between_steps": 0.5}]
+    assert steady_steps(rows, before=2) == [1.5]
