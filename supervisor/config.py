@@ -211,8 +211,9 @@ class RecoverConfig(Frequency):
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
     spare_workers: Union[int, Literal["auto"]] = Field(
         "auto", description="warm TrainWorker processes kept ready (imports done, model built, in no process "
-                            "group) to replace ranks at a restart; auto: one per rank as far as the cluster has "
-                            "room for them beside the TrainGroup and the engines")
+                            "group) to replace ranks at a restart; auto: on CPU one per rank as far as the cluster "
+                            "has room for them beside the TrainGroup and the engines, on GPU none (a spare idles "
+                            "its GPUs all job long; set a number to keep some)")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
