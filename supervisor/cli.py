@@ -57,10 +57,15 @@ def run(args, address):
     from supervisor.launch import run_job
     from workers.rewards import UserCodeError, load_reward_fn
 
+    from supervisor.control.trackers import missing_packages
+
     try:
         load_reward_fn(config.reward.fn)
     except UserCodeError as e:
         _fail(str(e))
+    if missing_packages(config.logging.trackers):
+        _fail(f"logging.trackers: {', '.join(missing_packages(config.logging.trackers))} is not installed "
+              f"(pip install 'relaunch[trackers]')")
     sys.exit(run_job(config, _address(address)))
 
 
