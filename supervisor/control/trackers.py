@@ -73,7 +73,7 @@ def batch(rows: list[dict], events: list[dict], mark: Mark, final_step: int) -> 
     for e in sorted((e for e in events if Event(e["event"]) in MARKERS), key=lambda e: e["time"]):
         if e["time"] <= mark.event_time:
             continue
-        at = max(e.get("global_step", at), mark.step + 1)
+        at = max(at if e.get("global_step") is None else e["global_step"], mark.step + 1)
         if at > final_step:
             break  # this one and every later marker wait for a later batch
         entry = entries.setdefault(at, Entry(at))
@@ -144,13 +144,13 @@ class _WandB:
         self.run = wandb.init(project=config.experiment_name, name=f"{config.experiment_name}/{config.trial_name}",
                               id=run_id(config, generation), resume="allow", dir=str(directory),
                               config=config.model_dump(mode="json"),
-                              settings=wandb.Settings(console="off", silent=True,
+                              settings=wandb.Settings(console="off", silent=True, disable_git=True,
                                                       x_transaction_log_flush_interval=WANDB_FLUSH_SECS))
 
     def write(self, entries: list[Entry], given: Mark) -> None:
-        for e in entries:
-            self.run.log({**e.scalars, **({"events/notes": "; ".join(e.notes)} if e.notes else {})}, step=e.step)
-        self.run.log({}, commit=True)  # the last step's row is sent now, not when a later step comes
+        for e in entries:  # commit: each step's row is sent now, not when a later step comes
+            self.run.log({**e.scalars, **({"events/notes": "; ".join(e.notes)} if e.notes else {})}, step=e.step,
+                         commit=True)
         self.given = given
         self.recent.append((time.monotonic(), given))
 

@@ -46,11 +46,13 @@ def test_markers_sit_at_the_step_in_flight_and_wait_until_it_is_final():
     assert mark == Mark(step=3, event_time=4.0)
 
 
-def test_a_marker_for_a_step_already_given_moves_to_the_next_step():
+def test_a_marker_for_a_step_already_given_or_of_no_step_goes_to_the_next_step():
     late = [{"event": "failure", "time": 5.0, "global_step": 1, "cause": "storage_error", "group": "train",
-             "message": "disk full"}]
+             "message": "disk full"},
+            {"event": "failure", "time": 6.0, "global_step": None, "cause": "actor_died", "group": "rollout",
+             "message": "engine 0 died"}]
     entries, _ = batch(rows(0, 1, 2, 3), late, Mark(step=2), final_step=3)
-    assert [(e.step, e.scalars.get("events/failure")) for e in entries] == [(3, 1)]
+    assert [(e.step, e.scalars.get("events/failure")) for e in entries] == [(3, 2)]
 
 
 @pytest.mark.parametrize("loaded, expected", [
@@ -86,3 +88,69 @@ def test_a_tracker_whose_package_is_missing_is_named(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
     assert missing_packages([Tracker.TENSORBOARD, Tracker.WANDB]) == ["wandb"]
     assert missing_packages([]) == []
+
+
+def test_trackers_follow_a_rollback_a_new_life_and_a_clean_restart(tmp_path, monkeypatch):
+    """Real TensorBoard and offline W&B, fed through the two logs as the Supervisor feeds them, read back."""
+    import sys
+    from pathlib import Path
+
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.config import Tracker
+    from supervisor.control.events import Event, EventLog, StatsLog
+    from supervisor.control.trackers import Trackers
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+    from tracker_files import tensorboard_rows, wandb_runs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = load_config(None, [f"cluster.fileroot={tmp_path}", "logging.trackers=[tensorboard,wandb]"])
+    layout = TrialLayout.from_config(config)
+
+    def life() -> tuple[EventLog, StatsLog, Trackers]:
+        events, stats, trackers = EventLog(layout.events_log), StatsLog(layout.stats_log), Trackers(config, layout)
+        events.listeners.append(trackers.on_event)
+        stats.listeners.append(trackers.on_stats)
+        return events, stats, trackers
+
+    def step(stats: StatsLog, s: int, reward: float) -> None:
+        stats.append({"global_step": s, "reward": reward})
+
+    events, stats, trackers = life()
+    events.emit(Event.LOADED, global_step=-1)
+    for s in range(4):
+        step(stats, s, s / 10)
+    events.emit(Event.COMMIT, global_step=1)
+    events.emit(Event.FAILURE, global_step=4, cause="actor_died", group="train", message="rank 1 died")
+    events.emit(Event.RESTART, n=1, limit=3, what="restart_train")
+    stats.truncate_after(1)  # the rollback to the commit at 1: steps 2-3 are trained again
+    events.emit(Event.LOADED, global_step=1)
+    for s in (2, 3, 4):
+        step(stats, s, 1 + s / 10)
+    events.emit(Event.COMMIT, global_step=3)
+    trackers.sinks[Tracker.WANDB].run.finish()  # the Supervisor dies: W&B's process ends, state.json is not told
+    events, stats, trackers = life()  # its new life resumes the same tracker run
+    events.emit(Event.LOADED, global_step=3)
+    step(stats, 4, 1.4)
+    events.emit(Event.DONE, global_step=4)
+
+    expected = {0: 0.0, 1: 0.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    board = tensorboard_rows(layout.trackers_dir / "tensorboard")
+    assert {s: round(row["reward"], 6) for s, row in board.items()} == expected
+    assert {s for s, row in board.items() if "events/failure" in row} == {4}
+    runs = wandb_runs(layout.trackers_dir)
+    assert len({run_id for run_id, _ in runs}) == 1
+    history: dict[int, dict] = {}  # as `wandb sync` leaves the run: a step at or below the last one is dropped
+    for _, rows in runs:
+        history.update({s: row for s, row in rows.items() if s > max(history, default=-1)})
+    assert {s: row["reward"] for s, row in history.items()} == expected
+
+    # clean-restart: the trial trains from scratch, so its trackers start a new generation
+    events, stats, trackers = life()
+    stats.truncate_after(-1)
+    events.emit(Event.LOADED, global_step=-1)
+    step(stats, 0, 5.0)
+    events.emit(Event.DONE, global_step=0)
+    assert {s: round(row["reward"], 6) for s, row in tensorboard_rows(layout.trackers_dir / "tensorboard").items()} \
+        == {0: 5.0}
+    assert len({run_id for run_id, _ in wandb_runs(layout.trackers_dir)}) == 2
