@@ -168,6 +168,10 @@ def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None
     else:
         plan.lines.append(f"{'recover':<10} off (recover.mode={config.recover.mode.value}): a failure is not survived")
     _schedule("evaluator", config.evaluator, steps_per_epoch, total, plan)
+    if config.logging.trackers:
+        when = "at every recover checkpoint and the end" if config.recover.mode.enabled else "as each step ends"
+        plan.lines.append(f"{'trackers':<10} {', '.join(t.value for t in config.logging.trackers)}: every stats "
+                          f"row once its step is final ({when}), faults and restarts as markers")
     if config.cluster.gpus_per_worker or config.cluster.gpus_per_engine:
         plan.warnings.append(GPU_NEVER_RUN)
     if total < FEW_STEPS:

@@ -92,6 +92,14 @@ def test_the_spares_memory_estimate_counts_the_built_models_parameters(model):
     assert param_count(built_shape(config)) == sum(p.numel() for p in built.parameters())
 
 
+def test_plan_says_when_the_trackers_get_their_rows():
+    plan = make_plan(Config.model_validate({"logging": {"trackers": ["tensorboard", "wandb"]},
+                                            "recover": {"mode": "on", "freq_steps": 5}}), dataset_size=100)
+    assert ("trackers   tensorboard, wandb: every stats row once its step is final (at every recover checkpoint "
+            "and the end), faults and restarts as markers") in plan.lines
+    assert not any(line.startswith("trackers") for line in make_plan(Config(), dataset_size=100).lines)
+
+
 def test_plan_shows_an_explicit_spare_count_and_none():
     one = make_plan(Config.model_validate({"recover": {"spare_workers": 1}}), dataset_size=100)
     assert any(line.startswith("spares     1, each on a node that runs no rank") for line in one.lines)
