@@ -168,6 +168,11 @@ class _WandB:
 SINKS = {Tracker.TENSORBOARD: _TensorBoard, Tracker.WANDB: _WandB}
 
 
+def _dropped(tracker: Tracker, what: str, error: Exception) -> None:
+    print(f"relaunch: tracker {tracker.value} {what}: {type(error).__name__}: {error}; stats.jsonl has every row",
+          file=sys.stderr)
+
+
 class Trackers:
     """The configured trackers, fed from stats.jsonl and events.jsonl: an EventLog and StatsLog listener.
     state.json holds the trial's tracker generation and, per tracker, the mark of what it surely holds."""
@@ -184,7 +189,10 @@ class Trackers:
 
     def _open(self) -> None:
         for tracker, mark in self.marks.items():
-            self.sinks[tracker] = SINKS[tracker](self.config, self.dir, mark, self.generation)
+            try:
+                self.sinks[tracker] = SINKS[tracker](self.config, self.dir, mark, self.generation)
+            except Exception as e:  # noqa: BLE001 - W&B online without a key, say: the job trains on without it
+                _dropped(tracker, "not started", e)
 
     def on_stats(self, row: dict) -> None:
         if not self.config.recover.mode.enabled:  # nothing to roll back to: a row is final once written
@@ -220,7 +228,7 @@ class Trackers:
             try:
                 sink.write(entries, given)
             except Exception as e:  # noqa: BLE001 - a tracker's failure must not fail the training job
-                print(f"relaunch: tracker {tracker.value} stopped: {type(e).__name__}: {e}", file=sys.stderr)
+                _dropped(tracker, "stopped", e)
                 del self.sinks[tracker]
         self.marks.update({t: sink.durable() for t, sink in self.sinks.items()})
         self._save()

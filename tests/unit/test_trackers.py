@@ -154,3 +154,20 @@ def test_trackers_follow_a_rollback_a_new_life_and_a_clean_restart(tmp_path, mon
     assert {s: round(row["reward"], 6) for s, row in tensorboard_rows(layout.trackers_dir / "tensorboard").items()} \
         == {0: 5.0}
     assert len({run_id for run_id, _ in wandb_runs(layout.trackers_dir)}) == 2
+
+
+def test_a_tracker_that_cannot_start_is_left_out_with_one_line(tmp_path, monkeypatch, capsys):
+    """W&B online without an API key (no tty to ask for one): the job trains on, TensorBoard still writes."""
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.config import Tracker
+    from supervisor.control.trackers import Trackers
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no key saved by an earlier login
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    config = load_config(None, [f"cluster.fileroot={tmp_path}", "logging.trackers=[tensorboard,wandb]"])
+    trackers = Trackers(config, TrialLayout.from_config(config))
+    assert list(trackers.sinks) == [Tracker.TENSORBOARD]
+    assert capsys.readouterr().err.startswith("relaunch: tracker wandb not started: ")
+    trackers.close()
