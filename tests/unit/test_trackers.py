@@ -90,7 +90,17 @@ def test_a_tracker_whose_package_is_missing_is_named(monkeypatch):
     assert missing_packages([]) == []
 
 
-def test_trackers_follow_a_rollback_a_new_life_and_a_clean_restart(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_wandb():
+    """W&B reads its settings from the environment once per process: read them again before and after."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_trackers_follow_a_rollback_a_new_life_and_a_clean_restart(tmp_path, monkeypatch, fresh_wandb):
     """Real TensorBoard and offline W&B, fed through the two logs as the Supervisor feeds them, read back."""
     import sys
     from pathlib import Path
@@ -156,7 +166,7 @@ def test_trackers_follow_a_rollback_a_new_life_and_a_clean_restart(tmp_path, mon
     assert len({run_id for run_id, _ in wandb_runs(layout.trackers_dir)}) == 2
 
 
-def test_a_tracker_that_cannot_start_is_left_out_with_one_line(tmp_path, monkeypatch, capsys):
+def test_a_tracker_that_cannot_start_is_left_out_with_one_line(tmp_path, monkeypatch, capsys, fresh_wandb):
     """W&B online without an API key (no tty to ask for one): the job trains on, TensorBoard still writes."""
     from supervisor.checkpoint.layout import TrialLayout
     from supervisor.config import Tracker
