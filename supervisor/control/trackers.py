@@ -214,7 +214,7 @@ class Trackers:
             return
         self.close()
         self.generation += 1
-        self.marks = {t: rewind(mark, step) for t, mark in given.items()}
+        self.marks = {t: rewind(mark, step) for t, mark in {**self.marks, **given}.items()}
         self._save()
         self._open()
 
@@ -241,7 +241,10 @@ class Trackers:
     def close(self) -> None:
         """Finish every tracker: all it was given is held."""
         for tracker, sink in self.sinks.items():
-            sink.close()
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 - as in flush: never the training job's failure
+                _dropped(tracker, "not finished", e)
             self.marks[tracker] = sink.durable()
         if self.sinks:
             self._save()
