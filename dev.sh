@@ -2,23 +2,24 @@
 # The project's one set-up script. `./dev.sh demo` runs the default job on a local multi-node cluster and
 # kills a node mid-run, `./dev.sh run [CONFIG] [KEY=VALUE ...]` runs a job, `./dev.sh test` runs the whole
 # test suite, `./dev.sh relaunch ...` any CLI command. The first call creates .venv:
-# torch first, pinned to the CPU build (2.13.0) unless a GPU is present, so nothing pulls CUDA wheels on a
-# CPU machine, then DeepSpeed against that torch; later calls reuse it and take a second.
+# torch first, pinned to the CPU build (2.13.0+cpu) unless a GPU is present, so nothing pulls CUDA wheels on a
+# CPU machine, even one that knows only the public package index (see dev_torch.py), then DeepSpeed against that torch; later calls reuse it and take a second.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${RELAUNCH_VENV:-.venv}
 stamp="$VENV/.relaunch-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python3 -m venv "$VENV"
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    "$VENV/bin/pip" install -q "torch>=2.6,<2.14"
-  else
-    "$VENV/bin/pip" install -q "torch==2.13.0"
-  fi
+  # dev_torch.py picks torch: its CPU build (2.13.0+cpu, from RELAUNCH_TORCH_INDEX, default PyTorch's CPU
+  # wheel index, when it answers) unless a GPU is present.
+  choice=$(python3 dev_torch.py)  # set -e: a failure stops the set-up here
+  mapfile -t torch_args <<<"$choice"
+  "$VENV/bin/pip" install -q "${torch_args[@]}"
   # DeepSpeed's setup.py imports torch: build it against the torch above, not an isolated (CUDA) one.
   "$VENV/bin/pip" install -q setuptools wheel  # --no-build-isolation builds with what the venv has
   "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.16,<0.20"
-  "$VENV/bin/pip" install -q -e ".[test,deepspeed,bench]"  # bench: Ray Train, for benchmarks/baselines.py
+  # bench: Ray Train, for benchmarks/baselines.py; trackers: TensorBoard and W&B, for logging.trackers
+  "$VENV/bin/pip" install -q -e ".[test,deepspeed,bench,trackers]"
   touch "$stamp"
 fi
 # DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once (cached in

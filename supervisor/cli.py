@@ -57,10 +57,15 @@ def run(args, address):
     from supervisor.launch import run_job
     from workers.rewards import UserCodeError, load_reward_fn
 
+    from supervisor.control.trackers import missing_packages
+
     try:
         load_reward_fn(config.reward.fn)
     except UserCodeError as e:
         _fail(str(e))
+    if missing_packages(config.logging.trackers):
+        _fail(f"logging.trackers: {', '.join(missing_packages(config.logging.trackers))} is not installed "
+              f"(pip install 'relaunch[trackers]')")
     sys.exit(run_job(config, _address(address)))
 
 
@@ -84,7 +89,9 @@ def plan(args):
         _fail(str(e))
     if len(rows) < config.data.batch_size:
         _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({len(rows)} prompts)")
-    result = make_plan(config, len(rows))
+    hf_config = config.model.path / "config.json" if config.model.path is not None else None
+    shape = json.loads(hf_config.read_text()) if hf_config is not None and hf_config.is_file() else None
+    result = make_plan(config, len(rows), shape)
     click.echo(f"{'run':<10} {config.experiment_name}/{config.trial_name} -> {config.cluster.fileroot}")
     for line in result.lines:
         click.echo(line)

@@ -164,6 +164,18 @@ class RewardConfig(_Strict):
     retry_user_errors: bool = Field(False, description="treat user-code exceptions as restartable faults")
 
 
+class Tracker(str, enum.Enum):
+    TENSORBOARD = "tensorboard"  # event files under the trial's logs/, read by `tensorboard --logdir`
+    WANDB = "wandb"              # Weights & Biases; WANDB_MODE=offline writes the run to disk for `wandb sync`
+
+
+class LoggingConfig(_Strict):
+    trackers: list[Tracker] = Field(
+        default_factory=list, description="experiment trackers that get every stats.jsonl row once its step is "
+                                          "final, and faults, restarts and recoveries as markers: tensorboard, "
+                                          "wandb (pip install 'relaunch[trackers]')")
+
+
 class SaverConfig(Frequency):
     mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async: async (and auto) gather the full "
                                                       "weights on rank 0, then write the HF files in the "
@@ -211,8 +223,9 @@ class RecoverConfig(Frequency):
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
     spare_workers: Union[int, Literal["auto"]] = Field(
         "auto", description="warm TrainWorker processes kept ready (imports done, model built, in no process "
-                            "group) to replace ranks at a restart; auto: one per rank as far as the cluster has "
-                            "room for them beside the TrainGroup and the engines")
+                            "group) to replace ranks at a restart; auto: on CPU one per rank as far as the cluster "
+                            "has room for them beside the TrainGroup and the engines, on GPU none (a spare idles "
+                            "its GPUs all job long; set a number to keep some)")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
@@ -254,6 +267,8 @@ class Config(_Strict):
     saver: SaverConfig = Field(default_factory=SaverConfig, description="HuggingFace exports")
     recover: RecoverConfig = Field(default_factory=RecoverConfig, description="recover checkpoints and restarts")
     evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig, description="greedy reward on every prompt")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="where the stats go besides "
+                                                                             "stats.jsonl")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Config":

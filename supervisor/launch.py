@@ -20,14 +20,16 @@ from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
 from supervisor.control.watchdog import Watchdog
 from supervisor.exit_codes import ExitCode
+from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
 def _runtime_env() -> dict:
-    """What every actor inherits from the driver: import paths, and armed fault points (tests only)."""
+    """What every actor inherits from the driver: import paths, W&B's settings, and armed fault points (tests
+    only)."""
     paths = [os.getcwd(), str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-    env.update({k: os.environ[k] for k in FAULT_ENV_VARS if k in os.environ})
+    env.update({k: os.environ[k] for k in FAULT_ENV_VARS + WANDB_ENV_VARS if k in os.environ})
     return {"env_vars": env}
 
 

@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 
 from supervisor.config import Config
+from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
@@ -34,7 +35,7 @@ def submit(config_path: Path, overrides: list[str], config: Config, address: str
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(address)
-    env = {k: os.environ[k] for k in FAULT_ENV_VARS if k in os.environ}
+    env = {k: os.environ[k] for k in FAULT_ENV_VARS + WANDB_ENV_VARS if k in os.environ}
     job_id = client.submit_job(
         entrypoint=entrypoint(config_path, overrides, config),
         runtime_env={"working_dir": str(Path.cwd()), **({"env_vars": env} if env else {})},

@@ -82,6 +82,11 @@ class TrialLayout:
     def events_log(self) -> Path:
         return self.log_root / "events.jsonl"
 
+    @property
+    def trackers_dir(self) -> Path:
+        """logging.trackers' files: tensorboard/ event files, wandb/ runs, state.json (what they hold)."""
+        return self.log_root / "trackers"
+
     def step_dir(self, global_step: int) -> Path:
         return self.recover_checkpoint / f"globalstep{global_step}"
 

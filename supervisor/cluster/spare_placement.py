@@ -20,11 +20,14 @@ def rank_resources(cluster) -> Resources:
 
 
 def spare_count(setting: int | str, total: Resources, cluster) -> int:
-    """The pool's size: `recover.spare_workers` as given, or for `auto` one spare per rank as far as the
+    """The pool's size: `recover.spare_workers` as given, or for `auto` on CPU one spare per rank as far as the
     cluster's total resources hold them beside the TrainGroup and the engines (a restart is only as fast as
-    its slowest rank: one rank started cold sets the pace)."""
+    its slowest rank: one rank started cold sets the pace). On GPU `auto` is 0: a spare idles whole GPUs for
+    the whole job to save one rank's start-up at a rare restart, a trade only its owner can make (set a number)."""
     if setting != AUTO:
         return int(setting)
+    if cluster.gpus_per_worker:
+        return 0
 
     def fits(spares: int) -> bool:
         ranks = cluster.n_train_workers + spares

@@ -24,6 +24,7 @@ from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.control.step_info import StepInfo
+from supervisor.control.trackers import Trackers
 from supervisor.exit_codes import ExitCode
 from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
@@ -54,6 +55,7 @@ class Supervisor:
         self.stats = StatsLog(layout.stats_log)
         self.checkpoints = CheckpointCoordinator(config, layout, self.events)
         self.controller: Controller | None = None
+        self.trackers: Trackers | None = None
         self.created = time.monotonic()
 
     # ---- queries (served concurrently with run) -------------------------------------------------
@@ -85,6 +87,7 @@ class Supervisor:
         except UserCodeError as e:
             self.events.emit(Event.FAILED, reason=str(e))
             return JobResult(ExitCode.BAD_INPUT, str(e)).__dict__
+        self._attach_trackers()
         if self.attempt > 0:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
@@ -105,6 +108,13 @@ class Supervisor:
                                details=traceback.format_exc())
             self.events.emit(Event.FAILED, reason=result.message)
         return result.__dict__
+
+    def _attach_trackers(self) -> None:
+        """logging.trackers follow the two logs from here on (once per Supervisor life)."""
+        if self.config.logging.trackers and self.trackers is None:
+            self.trackers = Trackers(self.config, TrialLayout.from_config(self.config))
+            self.events.listeners.append(self.trackers.on_event)
+            self.stats.listeners.append(self.trackers.on_stats)
 
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation at the step's phase boundaries: besides the usual actions, `kill_rank` and

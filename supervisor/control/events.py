@@ -81,7 +81,8 @@ def read_jsonl(path: Path) -> list[dict]:
 class EventLog:
     def __init__(self, path: Path, attempt: int = 0, job: str | None = None):
         self.path, self.attempt, self.job = path, attempt, job
-        self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (auto intervals)
+        self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (auto intervals,
+        #                                                    trackers)
 
     def emit(self, event: Event, **fields) -> dict:
         row = {"event": event.value, "time": time.time(), "job": self.job, "attempt": self.attempt, **fields}
@@ -94,9 +95,12 @@ class EventLog:
 class StatsLog:
     def __init__(self, path: Path):
         self.path = path
+        self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (trackers)
 
     def append(self, row: dict) -> None:
         _append(self.path, row)
+        for listener in self.listeners:
+            listener(row)
 
     def truncate_after(self, global_step: int) -> None:
         """Drop rows of steps after `global_step` (they will be trained again), and a torn last line."""

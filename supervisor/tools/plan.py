@@ -2,18 +2,25 @@
 
 Pure: from the validated config and the dataset's size it derives the resources, the steps per epoch
 and in total, and the global steps after which each save, recover checkpoint and evaluation fires (the
-same FreqCtl the Supervisor runs, fed step by step). Time-based triggers cannot be placed in advance;
-the plan says so, and warns when a schedule never fires or the run is only a handful of steps long.
+same FreqCtl the Supervisor runs, fed step by step), the warm spares and what they hold, and which GPU paths
+have never run. Time-based triggers cannot be placed in advance; the plan says so, and warns when a schedule
+never fires or the run is only a handful of steps long.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from supervisor.cluster.spare_placement import rank_resources
 from supervisor.config import AUTO, Config, Frequency
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
 FEW_STEPS = 10  # fewer steps than this is a smoke test, not a training run
+# What has run where, said wherever a GPU config is planned: every test and figure so far ran on CPU.
+GPU_NEVER_RUN = ("GPU paths are designed for but have never been run (relaunch has run only on CPU, gloo): "
+                 "nccl process groups for training and the weight stream, FSDP2/DeepSpeed on CUDA, CUDA RNG "
+                 "state in checkpoints, pinned-memory staging of background saves, engines on GPU (hf and vLLM), "
+                 "GPU spares")
 
 
 @dataclass
@@ -90,14 +97,64 @@ def _resources(config: Config) -> str:
             f"{f', {gpus:g} GPUs' if gpus else ''} (the Supervisor takes none)")
 
 
-def make_plan(config: Config, dataset_size: int) -> Plan:
-    """The plan of a run over `dataset_size` prompts (at least one batch: the loader refuses fewer)."""
+def param_count(shape: dict) -> int:
+    """Parameters of a Qwen2-shaped decoder (the built model; Llama/Qwen2 directories) from its HF config
+    fields: embeddings, per layer attention (q/k/v with bias, o without), a gated MLP and two norms, a final
+    norm, and an output head unless tied."""
+    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    kv = shape.get("num_key_value_heads", shape["num_attention_heads"]) * (h // shape["num_attention_heads"])
+    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * shape["intermediate_size"] + 2 * h
+    head = 0 if shape.get("tie_word_embeddings", False) else vocab * h
+    return vocab * h + layers * per_layer + h + head
+
+
+def built_shape(config: Config) -> dict:
+    """The HF config fields of the model relaunch builds from model.* (path null)."""
+    m = config.model
+    vocab = m.vocab_size if m.tokenizer.value == "bpe" else len(m.vocab)
+    return {"hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers, "vocab_size": vocab,
+            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads,
+            "intermediate_size": m.intermediate_size, "tie_word_embeddings": True}
+
+
+def _size_text(params: int) -> str:
+    count = (f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M" if params >= 1e6
+             else f"{params / 1e3:.0f}k")
+    return f"{count} parameters, ~{params * 4 / 2**20:,.1f} MiB of host memory"
+
+
+def _spares(config: Config, shape: dict | None) -> str:
+    """How many warm spares the run keeps, where, and what each holds (spare_placement.spare_count decides)."""
+    c, setting = config.cluster, config.recover.spare_workers
+    holds = rank_resources(c)
+    bundle = "{" + ", ".join(f"{k}: {v:g}" for k, v in holds.items()) + "}"
+    model = (f"the unsharded fp32 model built from the config ({_size_text(param_count(shape))})" if shape else
+             "the unsharded fp32 model from model.path (its size unknown here: no config.json on this machine)")
+    if setting == AUTO and c.gpus_per_worker:
+        return (f"none (recover.spare_workers=auto idles no GPU; set it to N to keep N, each holding {bundle} and "
+                f"{model})")
+    if setting == AUTO:
+        count = (f"up to {c.n_train_workers} (auto: one per rank as far as the cluster has room beside the "
+                 f"TrainGroup and the engines; counted when the job starts)")
+    elif setting == 0:
+        return "none (recover.spare_workers=0): a restart starts every rank cold"
+    else:
+        count = f"{setting}"
+    return (f"{count}, each on a node that runs no rank when one has room, each holding {bundle} and {model}, "
+            f"imports done, in no process group")
+
+
+def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None) -> Plan:
+    """The plan of a run over `dataset_size` prompts (at least one batch: the loader refuses fewer).
+    `model_shape`: the HF config of model.path when it is on this machine (null: not readable here)."""
     plan = Plan()
     d = config.data
     steps_per_epoch = dataset_size // d.batch_size
     total = steps_per_epoch * config.total_train_epochs
     plan.lines.append(f"{'resources':<10} {_resources(config)}")
     plan.lines.append(f"{'model':<10} {config.model.path or 'tiny Qwen2 built from model.* sizes'}")
+    shape = built_shape(config) if config.model.path is None else model_shape
+    plan.lines.append(f"{'spares':<10} {_spares(config, shape)}")
     plan.lines.append(f"{'data':<10} {dataset_size} prompts in {d.path}; {d.batch_size} prompts x {d.group_size} "
                       f"samples = {d.batch_size * d.group_size} a step, up to {d.max_new_tokens} new tokens each")
     plan.lines.append(f"{'steps':<10} {steps_per_epoch} per epoch x {config.total_train_epochs} epochs = {total} "
@@ -111,6 +168,12 @@ def make_plan(config: Config, dataset_size: int) -> Plan:
     else:
         plan.lines.append(f"{'recover':<10} off (recover.mode={config.recover.mode.value}): a failure is not survived")
     _schedule("evaluator", config.evaluator, steps_per_epoch, total, plan)
+    if config.logging.trackers:
+        when = "at every recover checkpoint and the end" if config.recover.mode.enabled else "as each step ends"
+        plan.lines.append(f"{'trackers':<10} {', '.join(t.value for t in config.logging.trackers)}: every stats "
+                          f"row once its step is final ({when}), faults and restarts as markers")
+    if config.cluster.gpus_per_worker or config.cluster.gpus_per_engine:
+        plan.warnings.append(GPU_NEVER_RUN)
     if total < FEW_STEPS:
         plan.warnings.append(f"the run is only {total} steps ({steps_per_epoch} per epoch: {dataset_size} prompts / "
                              f"batch {d.batch_size}); lower data.batch_size or raise total_train_epochs")

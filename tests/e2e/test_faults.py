@@ -152,11 +152,12 @@ MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.ba
               "recover.write_mode=sync"]
 
 
-def run_until_done(trial: Trial, tmp_path, faults: list[str], job: list[str], kills: int) -> list[int]:
+def run_until_done(trial: Trial, tmp_path, faults: list[str], job: list[str], kills: int,
+                   extra_env: dict | None = None) -> list[int]:
     """Run the job again after every whole-job kill, until it finishes; the exit codes of the runs."""
     from conftest import short_tmp
 
-    env = job_env({"RELAUNCH_FAULT": ",".join(faults), "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    env = job_env({"RELAUNCH_FAULT": ",".join(faults), "RELAUNCH_FAULT_DIR": str(tmp_path), **(extra_env or {})})
     codes = []
     for attempt in range(kills + 2):
         env["RAY_TMPDIR"] = str(short_tmp("rlm"))
@@ -179,13 +180,46 @@ def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, t
 def test_background_saves_in_flight_are_never_published_by_a_kill(reference, trial, tmp_path):
     """Recover saves written in the background (the default on fsdp), killed before they are durable: the
     whole job while step 9's is written, then the writer thread of one rank mid-write at step 19. Each
-    resume starts from the save committed before (4, then 14)."""
+    resume starts from the save committed before (4, then 14). The trackers (TensorBoard, W&B offline)
+    follow both: one tracker run across the rerun, the same rows as stats.jsonl, steps 15-19 given once."""
     faults = ["background_write:killjob:step=9:rank=0", "background_write:kill:step=19:rank=1"]
-    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async"], kills=1)
+    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async",
+                                             "logging.trackers=[tensorboard,wandb]"], kills=1,
+                   extra_env={"WANDB_MODE": "offline"})
     assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4, 14]
     commits = [e for e in trial.events("commit")]
     assert all(e["background"] for e in commits) and [e["global_step"] for e in commits][-1] == 23
     assert_recovered_exactly(trial, reference, restarts=1)
+    assert_trackers_hold_the_stats(trial)
+
+
+def assert_trackers_hold_the_stats(trial: Trial) -> None:
+    """TensorBoard's scalars and the offline W&B run, read back from disk, are stats.jsonl's rows; the
+    restart is a marker at the step that was in flight."""
+    from tracker_files import tensorboard_notes, tensorboard_rows, wandb_runs
+
+    stats = {r["global_step"]: {k: v for k, v in r.items() if k != "global_step" and not isinstance(v, bool)
+                                and isinstance(v, (int, float))} for r in trial.stats()}
+    restart_step = trial.events("failure")[-1]["global_step"]
+    trackers = trial.logs / "trackers"
+
+    def strip_markers(rows: dict[int, dict]) -> dict[int, dict]:
+        return {s: {k: v for k, v in row.items() if not k.startswith("events/")} for s, row in rows.items()}
+
+    board = tensorboard_rows(trackers / "tensorboard")
+    assert sorted(board) == list(range(24))
+    for step, row in strip_markers(board).items():  # TensorBoard keeps float32
+        assert row == pytest.approx(stats[step], rel=1e-6), step
+    assert board[restart_step]["events/restart"] == 1
+    assert any(n.startswith("restart 1 of") for n in tensorboard_notes(trackers / "tensorboard")[restart_step])
+
+    runs = wandb_runs(trackers)
+    assert len(runs) == 2 and len({run_id for run_id, _ in runs}) == 1  # two Supervisor lives, one run
+    history: dict[int, dict] = {}  # as `wandb sync` leaves the run: a step at or below the last one is dropped
+    for _, rows in runs:
+        history.update({step: row for step, row in rows.items() if step > max(history, default=-1)})
+    assert strip_markers(history) == stats
+    assert history[restart_step]["events/restart"] == 1
 
 
 def _strip_newer_keys(step_dir: Path) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from supervisor.config import Config, Frequency
-from supervisor.tools.plan import fire_steps, make_plan
+from supervisor.tools.plan import GPU_NEVER_RUN, built_shape, fire_steps, make_plan, param_count
 from supervisor.tools.verify import compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,8 +54,57 @@ def test_plan_of_the_gpu_example_reports_its_steps_and_schedule_without_a_cluste
     assert "recover    after steps 9, 19, 29, 39, ..., 109, 119 (12 times), and whenever 600 s" in out
     assert "saver      after steps 29, 59, 89, 119 (4 times)" in out
     assert "evaluator  after steps 29, 59, 89, 119 (4 times)" in out
+    assert ("spares     none (recover.spare_workers=auto idles no GPU; set it to N to keep N, each holding "
+            "{CPU: 4, GPU: 1} and the unsharded fp32 model from model.path (its size unknown here: no config.json "
+            "on this machine))") in out
     assert [w for w in out.splitlines() if w.startswith("warning:")] == [
+        f"warning: {GPU_NEVER_RUN}",
         "warning: model.path /models/Qwen2.5-0.5B-Instruct is not on this machine: every node must have it"]
+
+
+def test_plan_of_the_default_job_shows_its_spares_and_no_gpu_warning():
+    r = plan_cli("configs/tiny_grpo.yaml")
+    assert r.returncode == 0, r.stderr
+    assert ("spares     up to 2 (auto: one per rank as far as the cluster has room beside the TrainGroup and the "
+            "engines; counted when the job starts), each on a node that runs no rank when one has room, each "
+            "holding {CPU: 1} and the unsharded fp32 model built from the config (75k parameters, ~0.3 MiB of host "
+            "memory), imports done, in no process group") in r.stdout
+    assert "GPU paths" not in r.stdout
+
+
+@pytest.mark.parametrize("model", [{}, {"tokenizer": "bpe", "vocab_size": 4096, "hidden_size": 128,
+                                        "intermediate_size": 352, "num_layers": 3, "num_heads": 4,
+                                        "num_kv_heads": 2}])
+def test_the_spares_memory_estimate_counts_the_built_models_parameters(model):
+    from transformers import AutoModelForCausalLM
+
+    from workers.model import model_config
+
+    class Tok:  # the built model's config needs only the tokenizer's size and special ids
+        pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+        def __len__(self):
+            return built_shape(config)["vocab_size"]
+
+    config = Config.model_validate({"model": model})
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(model_config(config.model, Tok()))
+    assert param_count(built_shape(config)) == sum(p.numel() for p in built.parameters())
+
+
+def test_plan_says_when_the_trackers_get_their_rows():
+    plan = make_plan(Config.model_validate({"logging": {"trackers": ["tensorboard", "wandb"]},
+                                            "recover": {"mode": "on", "freq_steps": 5}}), dataset_size=100)
+    assert ("trackers   tensorboard, wandb: every stats row once its step is final (at every recover checkpoint "
+            "and the end), faults and restarts as markers") in plan.lines
+    assert not any(line.startswith("trackers") for line in make_plan(Config(), dataset_size=100).lines)
+
+
+def test_plan_shows_an_explicit_spare_count_and_none():
+    one = make_plan(Config.model_validate({"recover": {"spare_workers": 1}}), dataset_size=100)
+    assert any(line.startswith("spares     1, each on a node that runs no rank") for line in one.lines)
+    none = make_plan(Config.model_validate({"recover": {"spare_workers": 0}}), dataset_size=100)
+    assert "spares     none (recover.spare_workers=0): a restart starts every rank cold" in none.lines
 
 
 def test_plan_refuses_bad_input_with_one_line():

@@ -18,10 +18,11 @@ E2E_TOTAL = {"CPU": 7.0, "memory": 1e9}
     ("auto", {"CPU": 3.0}, {}, 0),                                   # only the group and the engine fit
     ("auto", {"CPU": 4.0}, {}, 1),                                   # room for one more rank, not two
     ("auto", E2E_TOTAL, {"n_train_workers": 4, "cpus_per_worker": 2}, 0),   # 12 CPUs wanted
-    ("auto", {"CPU": 16.0, "GPU": 2.0}, {"gpus_per_worker": 1}, 0),  # 3 GPUs wanted for 2 ranks and a spare
-    ("auto", {"CPU": 16.0, "GPU": 3.0}, {"gpus_per_worker": 1}, 1),
-    ("auto", {"CPU": 16.0, "GPU": 4.0}, {"gpus_per_worker": 1}, 2),
-    ("auto", {"CPU": 16.0, "GPU": 3.0}, {"gpus_per_worker": 1, "gpus_per_engine": 1}, 0),
+    # on GPU auto idles no GPU, however many are free; a number is kept as given
+    ("auto", {"CPU": 16.0, "GPU": 4.0}, {"gpus_per_worker": 1}, 0),
+    ("auto", {"CPU": 64.0, "GPU": 16.0}, {"gpus_per_worker": 1, "gpus_per_engine": 1}, 0),
+    (1, {"CPU": 16.0, "GPU": 4.0}, {"gpus_per_worker": 1}, 1),
+    ("auto", {"CPU": 16.0, "GPU": 1.0}, {"gpus_per_engine": 1}, 2),  # GPU engines, CPU ranks: CPU spares
 ])
 def test_spare_count(setting, total, cluster, expected):
     assert spare_count(setting, total, ClusterConfig(**cluster)) == expected
