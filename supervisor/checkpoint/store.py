@@ -8,7 +8,9 @@ a temporary name and renamed when complete. The commit point is the atomic repla
 
 Loading reads everything from the selected step directory, never from the mirror, so a crash between the
 two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`), unless published
-step directories show that it went missing: then nothing is deleted and the run stops naming it.
+step directories show that it went missing: then nothing is deleted and the run stops naming it. Only prune
+deletes a published step directory, after a newer one is committed: whatever the pointer says, a directory in
+the way is moved aside (invariant 2).
 """
 from __future__ import annotations
 
@@ -30,16 +32,20 @@ from supervisor.checkpoint.durable import (
 )
 from supervisor.checkpoint.layout import (
     CHECKPOINT_INFO,
+    DAMAGED,
     DCP_METADATA,
     MANIFEST,
     META,
     RECOVER_INFO_FILES,
     REFERENCE_PREFIX,
     TMP_PREFIX,
+    UNCOMMITTED,
     TrialLayout,
+    aside_dir,
     inside,
     step_of,
     step_of_reference,
+    step_set_aside,
 )
 from supervisor.testing.fault_points import fault_point
 
@@ -217,22 +223,33 @@ class RecoverStore:
                                                                       infos[CHECKPOINT_INFO]))
 
     def prune(self, newest: int) -> list[int]:
-        """Delete published steps beyond `keep_last`, oldest first; only ever after a newer one is published."""
+        """Delete published steps beyond `keep_last`, oldest first, and steps set aside as uncommitted that are
+        older than `newest`: only ever after a newer one is committed."""
         steps = [s for s in self.published_steps() if s <= newest]
         doomed = steps[: max(0, len(steps) - self.keep_last)]
         for step in doomed:
             fault_point("during_prune", step=step)
             shutil.rmtree(self.layout.step_dir(step), ignore_errors=True)
+        for aside, step in self._uncommitted():
+            if step < newest:
+                shutil.rmtree(aside, ignore_errors=True)
         self._prune_references()
         return doomed
 
+    def _uncommitted(self) -> list[tuple[Path, int]]:
+        """The step directories set aside as uncommitted, with their steps."""
+        root = self.layout.recover_checkpoint
+        found = [(p, step_set_aside(p, UNCOMMITTED)) for p in root.iterdir()] if root.is_dir() else []
+        return [(p, step) for p, step in found if step is not None]
+
     def _prune_references(self) -> None:
-        """Delete reference policy files older than the oldest one a published step still names."""
+        """Delete reference policy files older than the oldest one a published (or uncommitted) step still names."""
         ref_dir = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
         needed = []
-        for step in self.published_steps():
+        kept = [self.layout.step_dir(step) for step in self.published_steps()] + [p for p, _ in self._uncommitted()]
+        for step_dir in kept:
             try:
-                files = json.loads((self.layout.step_dir(step) / MANIFEST).read_bytes())["files"]
+                files = json.loads((step_dir / MANIFEST).read_bytes())["files"]
             except (OSError, ValueError, KeyError):
                 return  # a step being pruned or damaged: keep everything, try again after the next commit
             needed += [step_of_reference(n) for n in files if n.startswith(REFERENCE_PREFIX)]
@@ -311,35 +328,41 @@ class RecoverStore:
         )
 
     # ---- housekeeping --------------------------------------------------------------------------
-    def leftovers(self, keep_step: int | None) -> list[Path]:
-        """Temporary directories of interrupted saves and HF exports, and step directories never committed."""
+    def temporaries(self) -> list[Path]:
+        """Temporary directories of interrupted saves and HF exports: never published, so never a checkpoint."""
         found = []
         reference = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
-        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root, reference):
+        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root, reference,
+                     self.layout.recover_info):
             if root.is_dir():
                 found += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
-        if self.layout.recover_info.is_dir():
-            found += [p for p in self.layout.recover_info.iterdir() if p.name.startswith(TMP_PREFIX)]
-        for step in self.published_steps():
-            if keep_step is None or step > keep_step:
-                found.append(self.layout.step_dir(step))
         return found
 
-    def remove_leftovers(self, keep_step: int | None, spare: tuple[Path, ...] = ()) -> list[Path]:
-        """Clean up before training on from `keep_step`. A damaged committed step directory newer than it
-        is moved aside as `damaged.globalstep{G}` for inspection, not deleted; the rest is removed, but for
-        `spare` (directories of background saves and exports still being written)."""
-        committed = self.committed_step()
-        removed = [p for p in self.leftovers(keep_step) if p not in spare]
+    def remove_temporaries(self, spare: tuple[Path, ...] = ()) -> list[Path]:
+        """Delete the temporaries but for `spare` (directories of background saves and exports still being
+        written). Touches no step directory, whatever the pointer says: what a failed save leaves behind."""
+        removed = [p for p in self.temporaries() if p not in spare]
         for p in removed:
-            step = step_of(p)
-            if step is not None and committed is not None and step <= committed:
-                p.rename(p.with_name(f"damaged.{p.name}.{uuid.uuid4().hex[:8]}"))
-            elif p.is_dir():
+            if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
         return removed
+
+    def remove_leftovers(self, keep_step: int | None) -> tuple[list[Path], list[Path]]:
+        """Clean up before training on from the loaded `keep_step` (None: a fresh start): (temporaries removed,
+        step directories set aside). A step directory newer than `keep_step` is in the way of the steps trained
+        again, but may have been committed (the pointer can be stale, unreadable or gone), so it is moved aside,
+        never deleted: as `damaged.` when loading passed over it, as `uncommitted.` when the pointer did not
+        name it (prune deletes those once a newer step is committed)."""
+        committed = self.committed_step()
+        removed = self.remove_temporaries()
+        set_aside = [self.layout.step_dir(s) for s in self.published_steps() if keep_step is None or s > keep_step]
+        tag = uuid.uuid4().hex[:8]
+        for p in set_aside:
+            tried = keep_step is not None and (committed is None or step_of(p) <= committed)
+            p.rename(aside_dir(p, DAMAGED if tried else UNCOMMITTED, tag))
+        return removed, set_aside
 
     def restore_mirror(self, checkpoint: Checkpoint) -> None:
         """Rewrite recover_info/ from a loaded step directory (after a crash or a fallback)."""

@@ -114,9 +114,9 @@ class CheckpointCoordinator:
                                           self.config.cluster.n_train_workers)
             if problem:
                 raise CheckpointError(f"{ckpt.path}: {problem}")
-        removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
-        if removed:
-            self.events.emit(Event.CLEANUP, removed=[str(p) for p in removed])
+        removed, set_aside = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
+        if removed or set_aside:
+            self.events.emit(Event.CLEANUP, removed=[str(p) for p in removed], set_aside=[str(p) for p in set_aside])
         if ckpt is not None:
             self.store.restore_mirror(ckpt)
             if ckpt.manifest.get("config_hash") != self.config.resume_hash():
@@ -269,11 +269,11 @@ class CheckpointCoordinator:
         return self.store.committed_step() if self.store is not None else None
 
     def discard_failed_save(self) -> list[Path]:
-        """Remove what a save or export that failed left behind, but for the directories of background saves
-        and exports still being written; the last valid checkpoint is untouched."""
+        """Remove the temporaries a save or export that failed left behind, but for the directories of background
+        saves and exports still being written; no step directory is touched, whatever the pointer says."""
         live = self.in_flight.live_paths()
         if self.store is not None:
-            return self.store.remove_leftovers(self.store.committed_step(), spare=live)
+            return self.store.remove_temporaries(spare=live)
         removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*") if p not in live] \
             if self.layout.export_root.is_dir() else []
         for p in removed:
