@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from supervisor.checkpoint.durable import file_digest, publish_dir, tmp_name
+from supervisor.checkpoint.durable import file_digest, tmp_name
+from supervisor.checkpoint.exports import prune_exports, publish_export
 from supervisor.checkpoint.layout import (
     DATALOADER_INFO,
     REFERENCE_PREFIX,
@@ -239,11 +240,10 @@ class CheckpointCoordinator:
     def export_hf(self, trainers, s: StepInfo, background: bool = False) -> None:
         """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned. With
         `background`, returns once rank 0 holds the full weights: `collect_export` publishes it when written.
-        One export in flight: the previous one is waited for first."""
+        One export in flight: the previous one is waited for first. A replayed step is exported again: its
+        weights may differ from the abandoned timeline's (checkpoint/exports.py)."""
         self.collect_export(trainers, block=True)
         final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
-        if final.exists():
-            return  # the same step trained again after a rollback: identical weights, already exported
         final.parent.mkdir(parents=True, exist_ok=True)
         pending = PendingExport(tmp_name(final), final, s.global_step)
         if background:
@@ -254,15 +254,11 @@ class CheckpointCoordinator:
         self._publish_export(pending)
 
     def _publish_export(self, pending: "PendingExport") -> None:
-        publish_dir(pending.path, pending.final)
-        self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final))
-        keep = self.config.saver.keep_last
-        if keep:
-            exports = sorted((p for p in pending.final.parent.iterdir()
-                              if p.is_dir() and p.name.startswith("epoch") and not p.name.startswith(TMP_PREFIX)),
-                             key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
-            for old in exports[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        outcome = publish_export(pending.path, pending.final)
+        self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final),
+                         outcome=outcome.value)
+        if self.config.saver.keep_last:
+            prune_exports(pending.final.parent, self.config.saver.keep_last)
 
     def committed_step(self) -> int | None:
         """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
