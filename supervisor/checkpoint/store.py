@@ -103,8 +103,8 @@ def _decode_info(name: str, data: bytes):
 def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
     """Check every file of a step directory against its manifest and read its metadata through the safe
     unpicklers (a manifest rewritten to match a pickle payload is still refused); raise naming the bad file.
-    With `trusted` (the manifest this process wrote when it committed the step) and a manifest on disk equal
-    to it, files are checked by size only: their hashes were computed moments ago, by whoever wrote them."""
+    With `trusted` (the manifest this process wrote when it committed the step, or checked when it hashed it) and
+    a manifest on disk equal to it, files are checked by size only: their hashes were computed by this process."""
     step = step_of(path)
     manifest_path = path / MANIFEST
     try:
@@ -154,7 +154,7 @@ class RecoverStore:
         self.layout = layout
         self.keep_last = keep_last
         self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prune")
-        self._committed: dict[int, dict] = {}  # step -> manifest, for the steps this process committed
+        self._trusted: dict[int, dict] = {}  # step -> manifest, for the steps this process committed or hashed
 
     # ---- writing -------------------------------------------------------------------------------
     def staging_dir(self, global_step: int) -> Path:
@@ -197,7 +197,7 @@ class RecoverStore:
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         fault_point("before_publish", step=global_step)
         publish_dir(staging, final)
-        self._committed[global_step] = json.loads(json.dumps(manifest))
+        self._trusted[global_step] = json.loads(json.dumps(manifest))
         fault_point("after_publish", step=global_step)
         self._write_recover_info(infos, global_step)
         fault_point("after_commit", step=global_step)
@@ -295,8 +295,11 @@ class RecoverStore:
             return None
 
     def validate(self, step: int) -> Checkpoint:
-        """Validate a published step; one this process committed itself is not hashed again."""
-        return read_checkpoint(self.layout.step_dir(step), trusted=self._committed.get(step))
+        """Validate a published step; one this process committed or hashed already is checked by size only
+        (a restarted Supervisor loads the same step twice: to report its failure, then for the new TrainGroup)."""
+        checkpoint = read_checkpoint(self.layout.step_dir(step), trusted=self._trusted.get(step))
+        self._trusted[step] = checkpoint.manifest
+        return checkpoint
 
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""

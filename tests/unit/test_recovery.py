@@ -331,3 +331,19 @@ def test_a_pickle_in_a_non_tensor_dcp_entry_falls_back_like_a_bad_metadata(store
     result = fresh.load_latest()
     assert result.checkpoint.global_step == 4 and "Weights only load failed" in result.fallbacks[0]
     assert not marker.exists()
+
+
+def test_a_restarted_supervisor_hashes_a_checkpoint_once(store, monkeypatch):
+    # on its restart the Supervisor loads the checkpoint (to report the failure at its step), then restarts the
+    # TrainGroup, which loads it again: the second load trusts what the first one hashed
+    import supervisor.checkpoint.store as recovery
+
+    commit(store, 4)
+    restarted = RecoverStore(store.layout, keep_last=2)
+    hashed = []
+    monkeypatch.setattr(recovery, "file_digest", lambda p, real=recovery.file_digest: hashed.append(p) or real(p))
+    assert restarted.load_latest().checkpoint.global_step == 4
+    files = len(json.loads((store.layout.step_dir(4) / "manifest.json").read_text())["files"])
+    assert len(hashed) == files
+    assert restarted.load_latest().checkpoint.global_step == 4
+    assert len(hashed) == files
