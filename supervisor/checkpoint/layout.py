@@ -27,7 +27,6 @@ STEP_DIR = re.compile(r"^globalstep(\d+)$")
 MANIFEST = "manifest.json"      # every file of the step with its size and sha256, the engine, the world size
 RUN_CONFIG = "run_config.json"  # the full config of the run, so `relaunch export` can rebuild the model
 META = "meta"                   # the recover_info of the step, mirrored beside its shards
-DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
 DCP_METADATA = ".metadata"      # DCP's index, written by rank 0 last: a DCP step without it is incomplete
 DEEPSPEED_RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
 REFERENCE_DIR = "reference"     # recover_checkpoint/reference/: the KL reference's weights, shared by steps

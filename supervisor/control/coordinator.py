@@ -20,7 +20,6 @@ from typing import Callable, TypeVar
 from supervisor.checkpoint.durable import file_digest, tmp_name
 from supervisor.checkpoint.exports import prune_exports, publish_export
 from supervisor.checkpoint.layout import (
-    DATALOADER_INFO,
     REFERENCE_PREFIX,
     RUN_CONFIG,
     TMP_PREFIX,
@@ -126,20 +125,19 @@ class CheckpointCoordinator:
         return ckpt
 
     def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
-        """Every rank writes its part of step `s` (rank 0 also the driver state: dataloader and data state)
-        into a staging directory; nothing is published yet. With `background`, returns once the ranks have
+        """Every rank writes its part of step `s` into a staging directory (the Supervisor's own state goes into
+        meta/ at the commit); nothing is published yet. With `background`, returns once the ranks have
         staged their state in CPU memory (their uploads start only once every file the Supervisor checks is
         written): `collect_save` commits it once durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        driver_state = {"dataloader": infos[DATALOADER_INFO], "global_step": s.global_step}
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))  # before the ranks write
         run_config = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         if background:
-            trainers.begin_save(str(staging), s.global_step, driver_state)
+            trainers.begin_save(str(staging), s.global_step)
             files = {}
         else:
-            files = trainers.save_recover(str(staging), s.global_step, driver_state)
+            files = trainers.save_recover(str(staging), s.global_step)
         actor = self.config.actor
         ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
         if ref_step is not None:  # the reference weights this step needs, written on the step they changed

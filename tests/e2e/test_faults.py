@@ -113,7 +113,7 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
 @pytest.mark.quick
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
     # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank; then, at
-    # step 14, rank 0 alone fails before its upload starts (its driver_state.pt write): the save is skipped on
+    # step 14, rank 0 alone fails before its upload starts (as it begins its part): the save is skipped on
     # every rank, and the next one pairs up (recover.write_mode auto: fsdp writes in the background)
     r = run_with_fault(cluster, trial, tmp_path,
                        "dcp_write:enospc:step=9:rank=1,TrainWorker.begin_save.enter:enospc:step=14:rank=0")

@@ -22,7 +22,7 @@ class RefWritingTrainers:
     def __init__(self):
         self.reference_bytes = b"A" * 64
 
-    def save_recover(self, staging, global_step, driver_state=None):
+    def save_recover(self, staging, global_step):
         if (global_step + 1) % 2 == 0:
             ref = reference_file(Path(staging).parent, global_step)
             ref.parent.mkdir(exist_ok=True)
