@@ -179,13 +179,22 @@ def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, t
 def test_background_saves_in_flight_are_never_published_by_a_kill(reference, trial, tmp_path):
     """Recover saves written in the background (the default on fsdp), killed before they are durable: the
     whole job while step 9's is written, then the writer thread of one rank mid-write at step 19. Each
-    resume starts from the save committed before (4, then 14)."""
+    resume starts from the save committed before (4, then 14). An HF export every step: the steps trained
+    again are exported again, and on CPU (exact) each keeps the export already published."""
     faults = ["background_write:killjob:step=9:rank=0", "background_write:kill:step=19:rank=1"]
-    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async"], kills=1)
+    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async", "saver.freq_steps=1"],
+                   kills=1)
     assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4, 14]
     commits = [e for e in trial.events("commit")]
     assert all(e["background"] for e in commits) and [e["global_step"] for e in commits][-1] == 23
     assert_recovered_exactly(trial, reference, restarts=1)
+    exports = trial.events("export")
+    first = {}
+    for e in exports:
+        first.setdefault(e["global_step"], e)
+    assert [e["outcome"] for e in exports] == ["published" if first[e["global_step"]] is e else "kept" for e in exports]
+    again = {e["global_step"] for e in exports if e["outcome"] == "kept"}
+    assert again and again <= set(range(5, 10)) | set(range(15, 20))  # only steps trained again
 
 
 def _strip_newer_keys(step_dir: Path) -> None:
