@@ -126,3 +126,12 @@ def test_replacing_an_export_never_leaves_its_path_without_a_complete_export(tmp
         monkeypatch.setattr(module, name, watched)
     assert exports.publish_export(new, final) is exports.ExportOutcome.REPLACED
     assert seen and set(seen) <= {b"old", b"new"} and seen[-1] == b"new"
+
+
+def test_exports_beyond_saver_keep_last_are_pruned_oldest_step_first(tmp_path):
+    config = load_config(None, [f"cluster.fileroot={tmp_path}", "saver.freq_steps=1", "saver.keep_last=2"])
+    layout = TrialLayout.from_config(config)
+    coordinator = CheckpointCoordinator(config, layout, EventLog(layout.events_log))
+    for g in (8, 9, 10):  # 10 sorts before 9 as a name: retention goes by step
+        coordinator.export_hf(ExportingTrainers(b"w%d" % g), StepInfo(0, g, g, 12))
+    assert {p.name for p in layout.export_root.iterdir()} == {layout.export_dir(0, g, g).name for g in (9, 10)}
