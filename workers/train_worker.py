@@ -12,13 +12,14 @@ import math
 import os
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
 
 from supervisor.checkpoint.durable import file_digest
-from supervisor.checkpoint.layout import DRIVER_STATE, step_of
+from supervisor.checkpoint.layout import step_of
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
@@ -37,10 +38,8 @@ class TrainWorker:
         self.rank: int | None = None
         self.world_size: int | None = None
         self.engine = None
-        self.background: Future | None = None  # the recover save being written in the background, if any
-        self.background_step: int | None = None
-        self.prepared: tuple[int, Path, list[str]] | None = None  # (step, staging, files) of a save begun, not started
-        self.exporting: tuple[int, Future] | None = None  # (step, rank 0's HF export being written)
+        self.saving: Write | None = None    # the last background recover save begun on this rank
+        self.exporting: Write | None = None  # rank 0: the last background HF export begun
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
         self.parts = None  # what warm() built, until setup hands it to the engine
         self.weights_group = None  # rank 0: its member of the weights-update group (workers/weight_sync.py)
@@ -138,39 +137,35 @@ class TrainWorker:
                     targets, timeout, self.engine.device if self.weights_backend == "nccl" else "cpu")
 
     @fault_points
-    def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:
-        """Collective; returns {file: {size, sha256}} for the files this rank wrote. Rank 0 also writes
-        `driver_state` (the dataloader and data state) once, as driver_state.pt."""
+    def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
+        """Collective; returns {file: {size, sha256}} for the files this rank wrote."""
         directory = Path(staging)
         mine = self.engine.save(directory, global_step)
         fault_point("after_shards", step=global_step, rank=self.rank)
-        return _digests(directory, mine + self._save_driver_state(directory, driver_state))
+        return _digests(directory, mine)
 
     @fault_points
-    def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
-        """This rank's part of a background save that needs no peer (rank 0 writes `driver_state`): the first
-        of two calls, so that a storage error on one rank skips the save on every rank. Only once every rank's
-        `begin_save` succeeded does the Supervisor call `start_upload` on all of them."""
-        if self.background is not None:
-            wait([self.background])  # the Supervisor waits for the previous one first; this is a backstop
+    def begin_save(self, staging: str, global_step: int) -> None:
+        """This rank's part of a background save that needs no peer: the first of two calls, so that a storage
+        error on one rank skips the save on every rank. Only once every rank's `begin_save` succeeded does the
+        Supervisor call `start_upload` on all of them."""
+        if self.saving is not None and self.saving.future is not None:
+            wait([self.saving.future])  # the Supervisor waits for the previous one first; this is a backstop
         directory = Path(staging)
-        local = self._save_driver_state(directory, driver_state) + self.engine.save_local(directory, global_step)
-        self.prepared = (global_step, directory, local)
+        self.saving = Write(global_step, directory, self.engine.save_local(directory, global_step))
 
     @fault_points
     def start_upload(self, global_step: int) -> None:
         """Collective; returns once this rank's state is staged in CPU memory: the engine writes it in the
         background, and `save_result` reports it when it is durable. One save in flight at a time."""
-        step, directory, local = self.prepared
-        if step != global_step:
-            raise RuntimeError(f"start_upload of step {global_step}, but this rank began the save of step {step}")
-        self.prepared = None
-        tracked: Future = Future()  # tracked before anything can raise: save_result reports whatever happens
-        self.background, self.background_step = tracked, global_step
+        save = self.saving
+        if save is None or save.global_step != global_step or save.future is not None:
+            raise RuntimeError(f"start_upload of step {global_step}, but this rank has not begun that save")
+        save.future = Future()  # tracked before anything can raise: save_result reports whatever happens
         try:
-            shards = self.engine.save_async(directory, global_step)
+            shards = self.engine.save_async(save.directory, global_step)
         except BaseException as e:
-            tracked.set_exception(e)
+            save.future.set_exception(e)
             raise
 
         def finish() -> None:
@@ -179,9 +174,9 @@ class TrainWorker:
                     fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
                 finally:
                     written = shards.result()  # the write is over before the tracked future is, whatever happened
-                tracked.set_result(_digests(directory, local + written))
+                save.future.set_result(_digests(save.directory, save.files + written))
             except BaseException as e:  # noqa: BLE001 - the write's error is reported by save_result
-                tracked.set_exception(e)
+                save.future.set_exception(e)
 
         self._writer.submit(finish)
 
@@ -191,17 +186,8 @@ class TrainWorker:
         None while it is still being written. Raises the write's error if it failed. Asking again gives the
         same answer, so the Supervisor can poll every rank until all are done (it never blocks here: a slow
         write is waited for by polling, so that the rank stays seen alive)."""
-        if self.background is None or self.background_step != global_step:
-            raise RuntimeError(f"no recover save of step {global_step} was begun on this rank")
-        if not self.background.done():
-            return None
-        return self.background.result()
-
-    def _save_driver_state(self, directory: Path, driver_state: dict | None) -> list[str]:
-        if self.rank != 0 or driver_state is None:
-            return []
-        torch.save(driver_state, directory / DRIVER_STATE)
-        return [DRIVER_STATE]
+        future = Write.running(self.saving, global_step, "recover save")
+        return future.result() if future.done() else None
 
     @fault_points
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
@@ -216,7 +202,8 @@ class TrainWorker:
         if self.rank == 0:
             if self.world_size == 1:  # nothing was gathered: the tensors are the parameters the next step updates
                 full = {name: t.clone() for name, t in full.items()}
-            self.exporting = global_step, self._writer.submit(self.engine.export_hf, Path(directory), full)
+            path = Path(directory)
+            self.exporting = Write(global_step, path, future=self._writer.submit(self.engine.export_hf, path, full))
 
     @fault_points
     def export_result(self, global_step: int) -> bool:
@@ -224,9 +211,7 @@ class TrainWorker:
         write's error if it failed. Ranks other than 0 write nothing: always True."""
         if self.rank != 0:
             return True
-        if self.exporting is None or self.exporting[0] != global_step:
-            raise RuntimeError(f"no HF export of step {global_step} was begun on this rank")
-        future = self.exporting[1]
+        future = Write.running(self.exporting, global_step, "HF export")
         if not future.done():
             return False
         future.result()
@@ -238,6 +223,25 @@ class TrainWorker:
         full = self.engine.full_state_dict()
         if self.rank == 0:
             self.engine.export_hf(Path(directory), full)
+
+
+@dataclass
+class Write:
+    """One background write of a step on this rank (TorchTitan keeps a future per save): begun, then running
+    on the writer thread once its `future` is set. `files` were written before it started (the part of a
+    recover save that needs no peer)."""
+
+    global_step: int
+    directory: Path
+    files: list[str] = field(default_factory=list)
+    future: Future | None = None
+
+    @staticmethod
+    def running(write: "Write | None", global_step: int, what: str) -> Future:
+        """The future of `write` when it is the running write of `global_step`; RuntimeError otherwise."""
+        if write is None or write.global_step != global_step or write.future is None:
+            raise RuntimeError(f"no {what} of step {global_step} was started on this rank")
+        return write.future
 
 
 def _digests(directory: Path, names: list[str]) -> dict[str, dict]:

@@ -27,11 +27,14 @@ STEP_DIR = re.compile(r"^globalstep(\d+)$")
 MANIFEST = "manifest.json"      # every file of the step with its size and sha256, the engine, the world size
 RUN_CONFIG = "run_config.json"  # the full config of the run, so `relaunch export` can rebuild the model
 META = "meta"                   # the recover_info of the step, mirrored beside its shards
-DRIVER_STATE = "driver_state.pt"  # rank 0's copy of the Supervisor's data state, beside the engine's files
 DCP_METADATA = ".metadata"      # DCP's index, written by rank 0 last: a DCP step without it is incomplete
 DEEPSPEED_RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
 REFERENCE_DIR = "reference"     # recover_checkpoint/reference/: the KL reference's weights, shared by steps
 REFERENCE_PREFIX = f"../{REFERENCE_DIR}/"  # a step manifest's entry for the reference file it needs
+
+# a step directory moved out of the way of training on, never deleted on the pointer's word (invariant 2)
+DAMAGED = "damaged"          # passed over by loading: kept for inspection
+UNCOMMITTED = "uncommitted"  # newer than the pointer: kept until a newer step is committed
 
 EXPORT_DIR = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 TMP_PREFIX = ".tmp."
@@ -101,6 +104,17 @@ class TrialLayout:
 def step_of(path: Path) -> int | None:
     """The global step a recover step directory holds, from its name (None: not a step directory)."""
     m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def aside_dir(step_dir: Path, why: str, tag: str) -> Path:
+    """Where a step directory is moved aside: `{why}.globalstep{G}.{tag}` beside it (why: DAMAGED, UNCOMMITTED)."""
+    return step_dir.with_name(f"{why}.{step_dir.name}.{tag}")
+
+
+def step_set_aside(path: Path, why: str) -> int | None:
+    """The global step of a directory moved aside for `why`, from its name (None: not one)."""
+    m = re.match(rf"^{why}\.globalstep(\d+)\.", path.name)
     return int(m.group(1)) if m else None
 
 

@@ -86,6 +86,16 @@ def check_dcp(checkpoint: Path, entries: bool = True) -> None:
             load(byte_entries, checkpoint, no_dist=True)
 
 
+def check_deepspeed(checkpoint: Path, tag: str) -> int:
+    """Every file of DeepSpeed's tag loads as a resume reads it (deepspeed_files), memory-mapped; returns how
+    many there are. Raises UnsafeCheckpointError (or OSError, RuntimeError) naming a file that does not."""
+    files = sorted((Path(checkpoint) / tag).glob("*.pt"))
+    with deepspeed_files():
+        for f in files:
+            torch.load(f, map_location="cpu", mmap=True)
+    return len(files)
+
+
 @contextlib.contextmanager
 def deepspeed_files():
     """While DeepSpeed reads its checkpoint files: every torch.load is weights_only (DeepSpeed asks for

@@ -8,7 +8,9 @@ a temporary name and renamed when complete. The commit point is the atomic repla
 
 Loading reads everything from the selected step directory, never from the mirror, so a crash between the
 two cannot mix steps. No recover_info/ at all means a fresh start (`relaunch clean-restart`), unless published
-step directories show that it went missing: then nothing is deleted and the run stops naming it.
+step directories show that it went missing: then nothing is deleted and the run stops naming it. Only prune
+deletes a published step directory, after a newer one is committed: whatever the pointer says, a directory in
+the way is moved aside (invariant 2).
 """
 from __future__ import annotations
 
@@ -30,16 +32,20 @@ from supervisor.checkpoint.durable import (
 )
 from supervisor.checkpoint.layout import (
     CHECKPOINT_INFO,
+    DAMAGED,
     DCP_METADATA,
     MANIFEST,
     META,
     RECOVER_INFO_FILES,
     REFERENCE_PREFIX,
     TMP_PREFIX,
+    UNCOMMITTED,
     TrialLayout,
+    aside_dir,
     inside,
     step_of,
     step_of_reference,
+    step_set_aside,
 )
 from supervisor.testing.fault_points import fault_point
 
@@ -97,8 +103,8 @@ def _decode_info(name: str, data: bytes):
 def read_checkpoint(path: Path, trusted: dict | None = None) -> Checkpoint:
     """Check every file of a step directory against its manifest and read its metadata through the safe
     unpicklers (a manifest rewritten to match a pickle payload is still refused); raise naming the bad file.
-    With `trusted` (the manifest this process wrote when it committed the step) and a manifest on disk equal
-    to it, files are checked by size only: their hashes were computed moments ago, by whoever wrote them."""
+    With `trusted` (the manifest this process wrote when it committed the step, or checked when it hashed it) and
+    a manifest on disk equal to it, files are checked by size only: their hashes were computed by this process."""
     step = step_of(path)
     manifest_path = path / MANIFEST
     try:
@@ -148,7 +154,7 @@ class RecoverStore:
         self.layout = layout
         self.keep_last = keep_last
         self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prune")
-        self._committed: dict[int, dict] = {}  # step -> manifest, for the steps this process committed
+        self._trusted: dict[int, dict] = {}  # step -> manifest, for the steps this process committed or hashed
 
     # ---- writing -------------------------------------------------------------------------------
     def staging_dir(self, global_step: int) -> Path:
@@ -191,7 +197,7 @@ class RecoverStore:
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         fault_point("before_publish", step=global_step)
         publish_dir(staging, final)
-        self._committed[global_step] = json.loads(json.dumps(manifest))
+        self._trusted[global_step] = json.loads(json.dumps(manifest))
         fault_point("after_publish", step=global_step)
         self._write_recover_info(infos, global_step)
         fault_point("after_commit", step=global_step)
@@ -217,22 +223,33 @@ class RecoverStore:
                                                                       infos[CHECKPOINT_INFO]))
 
     def prune(self, newest: int) -> list[int]:
-        """Delete published steps beyond `keep_last`, oldest first; only ever after a newer one is published."""
+        """Delete published steps beyond `keep_last`, oldest first, and steps set aside as uncommitted that are
+        older than `newest`: only ever after a newer one is committed."""
         steps = [s for s in self.published_steps() if s <= newest]
         doomed = steps[: max(0, len(steps) - self.keep_last)]
         for step in doomed:
             fault_point("during_prune", step=step)
             shutil.rmtree(self.layout.step_dir(step), ignore_errors=True)
+        for aside, step in self._uncommitted():
+            if step < newest:
+                shutil.rmtree(aside, ignore_errors=True)
         self._prune_references()
         return doomed
 
+    def _uncommitted(self) -> list[tuple[Path, int]]:
+        """The step directories set aside as uncommitted, with their steps."""
+        root = self.layout.recover_checkpoint
+        found = [(p, step_set_aside(p, UNCOMMITTED)) for p in root.iterdir()] if root.is_dir() else []
+        return [(p, step) for p, step in found if step is not None]
+
     def _prune_references(self) -> None:
-        """Delete reference policy files older than the oldest one a published step still names."""
+        """Delete reference policy files older than the oldest one a published (or uncommitted) step still names."""
         ref_dir = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
         needed = []
-        for step in self.published_steps():
+        kept = [self.layout.step_dir(step) for step in self.published_steps()] + [p for p, _ in self._uncommitted()]
+        for step_dir in kept:
             try:
-                files = json.loads((self.layout.step_dir(step) / MANIFEST).read_bytes())["files"]
+                files = json.loads((step_dir / MANIFEST).read_bytes())["files"]
             except (OSError, ValueError, KeyError):
                 return  # a step being pruned or damaged: keep everything, try again after the next commit
             needed += [step_of_reference(n) for n in files if n.startswith(REFERENCE_PREFIX)]
@@ -278,8 +295,11 @@ class RecoverStore:
             return None
 
     def validate(self, step: int) -> Checkpoint:
-        """Validate a published step; one this process committed itself is not hashed again."""
-        return read_checkpoint(self.layout.step_dir(step), trusted=self._committed.get(step))
+        """Validate a published step; one this process committed or hashed already is checked by size only
+        (a restarted Supervisor loads the same step twice: to report its failure, then for the new TrainGroup)."""
+        checkpoint = read_checkpoint(self.layout.step_dir(step), trusted=self._trusted.get(step))
+        self._trusted[step] = checkpoint.manifest
+        return checkpoint
 
     def load_latest(self) -> LoadResult:
         """The newest valid committed checkpoint, falling back to older ones; None when none was committed."""
@@ -311,35 +331,41 @@ class RecoverStore:
         )
 
     # ---- housekeeping --------------------------------------------------------------------------
-    def leftovers(self, keep_step: int | None) -> list[Path]:
-        """Temporary directories of interrupted saves and HF exports, and step directories never committed."""
+    def temporaries(self) -> list[Path]:
+        """Temporary directories of interrupted saves and HF exports: never published, so never a checkpoint."""
         found = []
         reference = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
-        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root, reference):
+        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root, reference,
+                     self.layout.recover_info):
             if root.is_dir():
                 found += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
-        if self.layout.recover_info.is_dir():
-            found += [p for p in self.layout.recover_info.iterdir() if p.name.startswith(TMP_PREFIX)]
-        for step in self.published_steps():
-            if keep_step is None or step > keep_step:
-                found.append(self.layout.step_dir(step))
         return found
 
-    def remove_leftovers(self, keep_step: int | None, spare: tuple[Path, ...] = ()) -> list[Path]:
-        """Clean up before training on from `keep_step`. A damaged committed step directory newer than it
-        is moved aside as `damaged.globalstep{G}` for inspection, not deleted; the rest is removed, but for
-        `spare` (directories of background saves and exports still being written)."""
-        committed = self.committed_step()
-        removed = [p for p in self.leftovers(keep_step) if p not in spare]
+    def remove_temporaries(self, spare: tuple[Path, ...] = ()) -> list[Path]:
+        """Delete the temporaries but for `spare` (directories of background saves and exports still being
+        written). Touches no step directory, whatever the pointer says: what a failed save leaves behind."""
+        removed = [p for p in self.temporaries() if p not in spare]
         for p in removed:
-            step = step_of(p)
-            if step is not None and committed is not None and step <= committed:
-                p.rename(p.with_name(f"damaged.{p.name}.{uuid.uuid4().hex[:8]}"))
-            elif p.is_dir():
+            if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
         return removed
+
+    def remove_leftovers(self, keep_step: int | None) -> tuple[list[Path], list[Path]]:
+        """Clean up before training on from the loaded `keep_step` (None: a fresh start): (temporaries removed,
+        step directories set aside). A step directory newer than `keep_step` is in the way of the steps trained
+        again, but may have been committed (the pointer can be stale, unreadable or gone), so it is moved aside,
+        never deleted: as `damaged.` when loading passed over it, as `uncommitted.` when the pointer did not
+        name it (prune deletes those once a newer step is committed)."""
+        committed = self.committed_step()
+        removed = self.remove_temporaries()
+        set_aside = [self.layout.step_dir(s) for s in self.published_steps() if keep_step is None or s > keep_step]
+        tag = uuid.uuid4().hex[:8]
+        for p in set_aside:
+            tried = keep_step is not None and (committed is None or step_of(p) <= committed)
+            p.rename(aside_dir(p, DAMAGED if tried else UNCOMMITTED, tag))
+        return removed, set_aside
 
     def restore_mirror(self, checkpoint: Checkpoint) -> None:
         """Rewrite recover_info/ from a loaded step directory (after a crash or a fallback)."""

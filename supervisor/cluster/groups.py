@@ -209,16 +209,16 @@ class TrainGroup(_Members):
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
         return self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
 
-    def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict:
+    def save_recover(self, staging: str, global_step: int) -> dict:
         files = {}
-        for part in self.call_all("save_recover", staging, global_step, driver_state):
+        for part in self.call_all("save_recover", staging, global_step):
             files.update(part)
         return files
 
-    def begin_save(self, staging: str, global_step: int, driver_state: dict | None = None) -> None:
+    def begin_save(self, staging: str, global_step: int) -> None:
         """The first half of a background save: each rank writes its part that needs no peer, alone (a storage
         error there fails the call with every peer settled, so the save is skipped on every rank)."""
-        self.call_all("begin_save", staging, global_step, driver_state)
+        self.call_all("begin_save", staging, global_step)
 
     def start_upload(self, global_step: int) -> None:
         """The second half, once every rank's first half succeeded: all start the upload of their shards."""

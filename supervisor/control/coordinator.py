@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from supervisor.checkpoint.durable import file_digest, publish_dir, tmp_name
+from supervisor.checkpoint.durable import file_digest, tmp_name
+from supervisor.checkpoint.exports import prune_exports, publish_export
 from supervisor.checkpoint.layout import (
-    DATALOADER_INFO,
     REFERENCE_PREFIX,
     RUN_CONFIG,
     TMP_PREFIX,
@@ -114,9 +114,9 @@ class CheckpointCoordinator:
                                           self.config.cluster.n_train_workers)
             if problem:
                 raise CheckpointError(f"{ckpt.path}: {problem}")
-        removed = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
-        if removed:
-            self.events.emit(Event.CLEANUP, removed=[str(p) for p in removed])
+        removed, set_aside = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
+        if removed or set_aside:
+            self.events.emit(Event.CLEANUP, removed=[str(p) for p in removed], set_aside=[str(p) for p in set_aside])
         if ckpt is not None:
             self.store.restore_mirror(ckpt)
             if ckpt.manifest.get("config_hash") != self.config.resume_hash():
@@ -125,20 +125,19 @@ class CheckpointCoordinator:
         return ckpt
 
     def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
-        """Every rank writes its part of step `s` (rank 0 also the driver state: dataloader and data state)
-        into a staging directory; nothing is published yet. With `background`, returns once the ranks have
+        """Every rank writes its part of step `s` into a staging directory (the Supervisor's own state goes into
+        meta/ at the commit); nothing is published yet. With `background`, returns once the ranks have
         staged their state in CPU memory (their uploads start only once every file the Supervisor checks is
         written): `collect_save` commits it once durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        driver_state = {"dataloader": infos[DATALOADER_INFO], "global_step": s.global_step}
         (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))  # before the ranks write
         run_config = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
         if background:
-            trainers.begin_save(str(staging), s.global_step, driver_state)
+            trainers.begin_save(str(staging), s.global_step)
             files = {}
         else:
-            files = trainers.save_recover(str(staging), s.global_step, driver_state)
+            files = trainers.save_recover(str(staging), s.global_step)
         actor = self.config.actor
         ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
         if ref_step is not None:  # the reference weights this step needs, written on the step they changed
@@ -239,11 +238,10 @@ class CheckpointCoordinator:
     def export_hf(self, trainers, s: StepInfo, background: bool = False) -> None:
         """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned. With
         `background`, returns once rank 0 holds the full weights: `collect_export` publishes it when written.
-        One export in flight: the previous one is waited for first."""
+        One export in flight: the previous one is waited for first. A replayed step is exported again: its
+        weights may differ from the abandoned timeline's (checkpoint/exports.py)."""
         self.collect_export(trainers, block=True)
         final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
-        if final.exists():
-            return  # the same step trained again after a rollback: identical weights, already exported
         final.parent.mkdir(parents=True, exist_ok=True)
         pending = PendingExport(tmp_name(final), final, s.global_step)
         if background:
@@ -254,26 +252,22 @@ class CheckpointCoordinator:
         self._publish_export(pending)
 
     def _publish_export(self, pending: "PendingExport") -> None:
-        publish_dir(pending.path, pending.final)
-        self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final))
-        keep = self.config.saver.keep_last
-        if keep:
-            exports = sorted((p for p in pending.final.parent.iterdir()
-                              if p.is_dir() and p.name.startswith("epoch") and not p.name.startswith(TMP_PREFIX)),
-                             key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
-            for old in exports[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        outcome = publish_export(pending.path, pending.final)
+        self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final),
+                         outcome=outcome.value)
+        if self.config.saver.keep_last:
+            prune_exports(pending.final.parent, self.config.saver.keep_last)
 
     def committed_step(self) -> int | None:
         """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
         return self.store.committed_step() if self.store is not None else None
 
     def discard_failed_save(self) -> list[Path]:
-        """Remove what a save or export that failed left behind, but for the directories of background saves
-        and exports still being written; the last valid checkpoint is untouched."""
+        """Remove the temporaries a save or export that failed left behind, but for the directories of background
+        saves and exports still being written; no step directory is touched, whatever the pointer says."""
         live = self.in_flight.live_paths()
         if self.store is not None:
-            return self.store.remove_leftovers(self.store.committed_step(), spare=live)
+            return self.store.remove_temporaries(spare=live)
         removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*") if p not in live] \
             if self.layout.export_root.is_dir() else []
         for p in removed:

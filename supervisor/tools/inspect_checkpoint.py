@@ -1,7 +1,8 @@
 """`relaunch inspect CHECKPOINT`: what a recover checkpoint holds and whether a resume would accept it.
 
-Reads only what cannot run code: JSON files, the DCP metadata through the safe unpickler, the manifest
-check of every file. A damaged checkpoint is still described (its files, sizes, what is wrong).
+Reads only what cannot run code: JSON files, the DCP metadata through the safe unpickler, DeepSpeed's files
+weights_only with the allow-list a resume uses, the manifest check of every file. A damaged checkpoint is
+still described (its files, sizes, what is wrong).
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from supervisor.checkpoint.layout import (
     REFERENCE_PREFIX,
     RUN_CONFIG,
     STEP_INFO,
+    deepspeed_tag,
     step_of,
 )
+from supervisor.checkpoint.safe_load import check_deepspeed
 from supervisor.checkpoint.store import CheckpointError, read_checkpoint
 
 
@@ -64,6 +67,12 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
         loaded = read_checkpoint(checkpoint)
     except CheckpointError as e:
         reason = str(e)
+    zero_files = 0
+    if loaded is not None and loaded.manifest.get("engine", "fsdp") == "deepspeed":
+        try:
+            zero_files = check_deepspeed(checkpoint, deepspeed_tag(loaded.global_step))
+        except Exception as e:  # noqa: BLE001 - refused or unreadable: a resume would not load it either
+            loaded, reason = None, f"{checkpoint / deepspeed_tag(step_of(checkpoint))}: cannot load ({e})"
     valid = loaded is not None
     lines.append("valid        yes" if valid else f"valid        NO: {reason}")
     manifest = _json(checkpoint / MANIFEST) or {}
@@ -88,9 +97,10 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
     if valid:
         loader = loaded.infos[DATALOADER_INFO]
         lines.append("a resume would load:")
-        if manifest.get("engine", "fsdp") == "deepspeed":  # ZeRO files are read by DeepSpeed's own unpickler
-            lines.append(f"  DeepSpeed ZeRO partitions of tag global_step{loaded.global_step} "
-                         f"(trusted files: DeepSpeed loads them with a full unpickler)")
+        if manifest.get("engine", "fsdp") == "deepspeed":
+            lines.append(f"  DeepSpeed ZeRO partitions of tag {deepspeed_tag(loaded.global_step)}: {zero_files} "
+                         f"file{'s' if zero_files != 1 else ''} read with weights_only and an allow-list of "
+                         f"DeepSpeed's classes, as on resume")
         else:
             lines += [f"  {line}" for line in _state_summary(checkpoint)]
         lines.append(f"  RNG states of {len(list(checkpoint.glob('rng_rank*.pt')))} ranks, the six recover_info "

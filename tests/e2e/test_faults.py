@@ -113,7 +113,7 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
 @pytest.mark.quick
 def test_disk_full_during_a_save_skips_it_and_trains_on(cluster, reference, trial, tmp_path):
     # a real ENOSPC inside DCP's writer on one rank: DCP raises CheckpointException on every rank; then, at
-    # step 14, rank 0 alone fails before its upload starts (its driver_state.pt write): the save is skipped on
+    # step 14, rank 0 alone fails before its upload starts (as it begins its part): the save is skipped on
     # every rank, and the next one pairs up (recover.write_mode auto: fsdp writes in the background)
     r = run_with_fault(cluster, trial, tmp_path,
                        "dcp_write:enospc:step=9:rank=1,TrainWorker.begin_save.enter:enospc:step=14:rank=0")
@@ -180,16 +180,25 @@ def test_the_whole_job_killed_at_every_interruption_point_and_rerun(reference, t
 def test_background_saves_in_flight_are_never_published_by_a_kill(reference, trial, tmp_path):
     """Recover saves written in the background (the default on fsdp), killed before they are durable: the
     whole job while step 9's is written, then the writer thread of one rank mid-write at step 19. Each
-    resume starts from the save committed before (4, then 14). The trackers (TensorBoard, W&B offline)
-    follow both: one tracker run across the rerun, the same rows as stats.jsonl, steps 15-19 given once."""
+    resume starts from the save committed before (4, then 14). An HF export every step: the steps trained
+    again are exported again, and on CPU (exact) each keeps the export already published. The trackers
+    (TensorBoard, W&B offline) follow both: one tracker run across the rerun, the same rows as stats.jsonl, steps
+    15-19 given once."""
     faults = ["background_write:killjob:step=9:rank=0", "background_write:kill:step=19:rank=1"]
-    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async",
+    run_until_done(trial, tmp_path, faults, [*MATRIX_JOB[:-1], "recover.write_mode=async", "saver.freq_steps=1",
                                              "logging.trackers=[tensorboard,wandb]"], kills=1,
                    extra_env={"WANDB_MODE": "offline"})
     assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4, 14]
     commits = [e for e in trial.events("commit")]
     assert all(e["background"] for e in commits) and [e["global_step"] for e in commits][-1] == 23
     assert_recovered_exactly(trial, reference, restarts=1)
+    exports = trial.events("export")
+    first = {}
+    for e in exports:
+        first.setdefault(e["global_step"], e)
+    assert [e["outcome"] for e in exports] == ["published" if first[e["global_step"]] is e else "kept" for e in exports]
+    again = {e["global_step"] for e in exports if e["outcome"] == "kept"}
+    assert again and again <= set(range(5, 10)) | set(range(15, 20))  # only steps trained again
     assert_trackers_hold_the_stats(trial)
 
 

@@ -111,14 +111,14 @@ class FakeTrainers:
         return [{"loss": float(global_step), "grad_norm": 1.0, "lr": 0.1, "memory": {"rss_gb": 0.1}}]
 
 
-    def save_recover(self, staging, global_step, driver_state=None):
+    def save_recover(self, staging, global_step):
         self._check("save", global_step)
         self._storage()
         path = Path(staging) / "model.json"
         path.write_text(json.dumps(self.history))
         return {"model.json": {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
 
-    def begin_save(self, staging, global_step, driver_state=None):
+    def begin_save(self, staging, global_step):
         """A background save: staged now, written when asked for its result the second time (or at once)."""
         self._check("save", global_step)
         self._storage()

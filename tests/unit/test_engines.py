@@ -112,3 +112,18 @@ def test_deepspeed_without_the_package_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="actor.backend: deepspeed is not installed"):
         load_config(DEFAULT_CONFIG, ["actor.backend=deepspeed"])
     load_config(DEFAULT_CONFIG, ["actor.backend=fsdp"])
+
+
+def test_the_engines_able_to_save_in_the_background_are_exactly_those_config_lists():
+    import inspect
+
+    from supervisor.config import ASYNC_SAVE_BACKENDS
+    from workers.engines.base import BackgroundSave, engine_class
+
+    def implements(cls) -> bool:
+        methods = [m for m in vars(BackgroundSave) if not m.startswith("_")]
+        return all(callable(getattr(cls, m, None)) and
+                   list(inspect.signature(getattr(cls, m)).parameters) ==
+                   list(inspect.signature(getattr(BackgroundSave, m)).parameters) for m in methods)
+
+    assert {b for b in Backend if implements(engine_class(b))} == set(ASYNC_SAVE_BACKENDS)

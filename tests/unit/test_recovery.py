@@ -142,8 +142,9 @@ def test_uncommitted_and_temporary_dirs_are_leftovers(store):
     staging = store.staging_dir(9)  # an interrupted save
     (store.layout.recover_checkpoint / "globalstep9").mkdir()  # published dir but no commit pointer
     assert store.load_latest().checkpoint.global_step == 4
-    removed = store.remove_leftovers(4)
-    assert staging in removed and not staging.exists()
+    removed, set_aside = store.remove_leftovers(4)
+    assert removed == [staging] and not staging.exists()
+    assert set_aside == [store.layout.step_dir(9)]  # out of the way of step 9's replay, not deleted
     assert store.published_steps() == [4]
 
 
@@ -232,7 +233,7 @@ def test_an_interrupted_hf_export_is_a_leftover(store):
     commit(store, 4)
     torn = store.layout.export_root / ".tmp.epoch0epochstep4globalstep4.abcd1234"
     torn.mkdir(parents=True)
-    assert torn in store.remove_leftovers(4) and not torn.exists()
+    assert store.remove_leftovers(4) == ([torn], []) and not torn.exists()
     assert store.published_steps() == [4]
 
 
@@ -279,7 +280,7 @@ def test_a_crash_between_the_first_publish_and_the_first_commit_is_a_fresh_start
     commit(store, 4)
     shutil.rmtree(store.layout.recover_info)  # as if killed at after_publish of the very first commit
     assert store.load_latest().checkpoint is None
-    assert store.remove_leftovers(None) == [store.layout.step_dir(4)]
+    assert store.remove_leftovers(None) == ([], [store.layout.step_dir(4)])  # set aside until a newer commit
 
 
 def _rewrite_manifest(step_dir: Path, edit) -> None:
@@ -330,3 +331,19 @@ def test_a_pickle_in_a_non_tensor_dcp_entry_falls_back_like_a_bad_metadata(store
     result = fresh.load_latest()
     assert result.checkpoint.global_step == 4 and "Weights only load failed" in result.fallbacks[0]
     assert not marker.exists()
+
+
+def test_a_restarted_supervisor_hashes_a_checkpoint_once(store, monkeypatch):
+    # on its restart the Supervisor loads the checkpoint (to report the failure at its step), then restarts the
+    # TrainGroup, which loads it again: the second load trusts what the first one hashed
+    import supervisor.checkpoint.store as recovery
+
+    commit(store, 4)
+    restarted = RecoverStore(store.layout, keep_last=2)
+    hashed = []
+    monkeypatch.setattr(recovery, "file_digest", lambda p, real=recovery.file_digest: hashed.append(p) or real(p))
+    assert restarted.load_latest().checkpoint.global_step == 4
+    files = len(json.loads((store.layout.step_dir(4) / "manifest.json").read_text())["files"])
+    assert len(hashed) == files
+    assert restarted.load_latest().checkpoint.global_step == 4
+    assert len(hashed) == files

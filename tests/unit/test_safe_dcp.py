@@ -2,6 +2,7 @@
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,39 @@ def test_deepspeed_files_are_read_weights_only_and_a_payload_is_refused_naming_t
             torch.load(evil, map_location="cpu", weights_only=False)
     assert not marker.exists()
     torch.load(states, weights_only=False)  # torch.load is itself again afterwards
+
+
+def _deepspeed_checkpoint(tmp_path, model_states) -> Path:
+    """A committed DeepSpeed-engine step whose ZeRO file holds `model_states`."""
+    from test_recovery import infos
+
+    from supervisor.checkpoint.durable import file_digest
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.store import RecoverStore
+
+    store = RecoverStore(TrialLayout(tmp_path, "u", "exp", "t0"), keep_last=2)
+    staging = store.staging_dir(4)
+    (staging / "global_step4").mkdir()
+    torch.save(model_states, staging / "global_step4" / "mp_rank_00_model_states.pt")
+    torch.save({"cpu": torch.ones(2)}, staging / "rng_rank0.pt")
+    files = {str(f.relative_to(staging)): {"size": f.stat().st_size, "sha256": file_digest(f)}
+             for f in staging.rglob("*.pt")}
+    return store.commit(staging, 4, 1, "hash", files, infos(4), engine="deepspeed")
+
+
+def test_inspect_says_how_deepspeed_files_are_read_and_checks_them_so(tmp_path):
+    from supervisor.tools.inspect_checkpoint import inspect
+
+    valid, report = inspect(_deepspeed_checkpoint(tmp_path, {"module": {"w": torch.ones(3)}}))
+    assert valid, report
+    assert "full unpickler" not in report
+    assert "1 file read with weights_only" in report
+
+
+def test_inspect_refuses_a_deepspeed_file_that_would_run_code_even_with_a_matching_manifest(tmp_path):
+    from supervisor.tools.inspect_checkpoint import inspect
+
+    marker = tmp_path / "executed"
+    valid, report = inspect(_deepspeed_checkpoint(tmp_path, {"module": _Payload(marker)}))
+    assert not valid and "mp_rank_00_model_states.pt" in report.splitlines()[1]
+    assert not marker.exists()

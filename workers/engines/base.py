@@ -9,15 +9,17 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from supervisor.config import Config
+from supervisor.config import Backend, Config
 
-ENGINES = {"fsdp": "workers.engines.fsdp:FSDPEngine", "deepspeed": "workers.engines.deepspeed:DeepSpeedEngine"}
+ENGINES = {Backend.FSDP: "workers.engines.fsdp:FSDPEngine",
+           Backend.DEEPSPEED: "workers.engines.deepspeed:DeepSpeedEngine"}
 
 
 class TrainEngine(Protocol):
@@ -42,16 +44,23 @@ class TrainEngine(Protocol):
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)
         this rank wrote, so that together the ranks report every file exactly once."""
 
-    # Engines in config.ASYNC_SAVE_BACKENDS also have
-    #   save_local(directory, global_step) -> the files of this rank's part that need no peer (written first)
-    #   save_async(directory, global_step) -> Future of the shard files, written in the background
-    # which returns once the state is staged in CPU memory; the future is done when the rest is durable.
-
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
         """Collective: restore a recover step directory; returns the names of state it lacked."""
 
     def export_hf(self, directory: Path, full_state: dict[str, torch.Tensor]) -> None:
         """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
+
+
+class BackgroundSave(Protocol):
+    """What an engine of config.ASYNC_SAVE_BACKENDS adds: a recover save written in the background, in two
+    halves, so that a storage error on one rank skips the save on every rank before any upload starts."""
+
+    def save_local(self, directory: Path, global_step: int) -> list[str]:
+        """This rank's files of the save that need no peer, written now; returns their paths (relative)."""
+
+    def save_async(self, directory: Path, global_step: int) -> Future:
+        """Collective: returns once this rank's state is staged in CPU memory; a future of the shard files it
+        writes in the background, done when they are durable."""
 
 
 def even_part(flat: torch.Tensor, rank: int, world_size: int) -> tuple[int, torch.Tensor]:
@@ -122,7 +131,7 @@ def build_parts(config: Config) -> tuple:
     (seeded by `seed`), so a warm spare's model is the one a cold rank builds."""
     from workers.model import build_model, build_tokenizer
 
-    importlib.import_module(ENGINES[config.actor.backend.value].split(":")[0])
+    engine_class(config.actor.backend)
     tokenizer = build_tokenizer(config.model)
     return tokenizer, build_model(config.model, tokenizer, config.seed)
 
@@ -132,6 +141,11 @@ def make_engine(config: Config, rank: int, world_size: int, master_addr: str, ma
     """Join the process group and build the engine `actor.backend` names (imported only when chosen), from
     `parts` (build_parts) when given."""
     device = init_process_group(config, rank, world_size, master_addr, master_port)
-    module, cls = ENGINES[config.actor.backend.value].split(":")
     tokenizer, model = parts if parts is not None else build_parts(config)
-    return getattr(importlib.import_module(module), cls)(config, rank, world_size, device, tokenizer, model)
+    return engine_class(config.actor.backend)(config, rank, world_size, device, tokenizer, model)
+
+
+def engine_class(backend: Backend) -> type:
+    """The engine class `actor.backend` names, its module imported only now."""
+    module, cls = ENGINES[backend].split(":")
+    return getattr(importlib.import_module(module), cls)
