@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -104,9 +105,17 @@ def submit(args, address, wait):
     address = _address(address)
     if not address:
         _fail("submit needs --address (or RAY_ADDRESS): the Ray dashboard URL, e.g. http://127.0.0.1:8265")
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
     from supervisor.submit import SubmitError
     from supervisor.submit import submit as submit_job
 
+    try:  # the job's driver takes the lock; a live run is named here, before anything is uploaded
+        holder = TrialLock(TrialLayout.from_config(config).lock).live_holder()
+    except TrialLocked as e:
+        _fail(str(e))
+    if holder:
+        _fail(f"trial is already running: held by {holder.describe(time.time())}")
     path, overrides = _split_args(args)
     try:
         sys.exit(submit_job(path, overrides, config, address, wait))
@@ -119,7 +128,6 @@ def submit(args, address, wait):
 @click.option("--kill-at-step", default=8, show_default=True, help="kill the TrainGroup's node after this step")
 def demo(args, kill_at_step):
     """The default job on a local 3-node Ray cluster, with a worker node killed mid-run."""
-    import time
 
     path, overrides = _split_args(args)
     try:
@@ -166,9 +174,11 @@ def status(args, as_json, address):
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 @click.option("--dry-run", is_flag=True, help="only list what would be removed")
 def clean_restart(args, yes, dry_run):
-    """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept."""
+    """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept.
+    Refused while a run holds the trial."""
     config = _config_and_overrides(args)
     from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 
     layout = TrialLayout.from_config(config)
     root = layout.checkpoint_root.resolve()
@@ -180,16 +190,27 @@ def clean_restart(args, yes, dry_run):
     if not targets:
         click.echo(f"nothing to remove: no recover state under {root}")
         return
-    for p in targets:
-        click.echo(f"{'would remove' if dry_run else 'removing'} {p}")
     if dry_run:
+        for p in targets:
+            click.echo(f"would remove {p}")
         return
-    if not yes:
-        if not sys.stdin.isatty():
-            _fail("clean-restart deletes recover state: pass --yes to confirm")
-        click.confirm("delete these?", abort=True)
-    for p in targets:
-        shutil.rmtree(p)
+    lock = TrialLock(layout.lock)  # no run may be running, or start, while its recover state goes
+    try:
+        lock.acquire()
+    except TrialLocked as e:
+        _fail(str(e))
+    try:
+        if not yes:
+            if not sys.stdin.isatty():
+                _fail(f"clean-restart would delete {', '.join(map(str, targets))}: pass --yes to confirm")
+            for p in targets:
+                click.echo(f"would remove {p}")
+            click.confirm("delete these?", abort=True)
+        for p in targets:
+            click.echo(f"removing {p}")
+            shutil.rmtree(p)
+    finally:
+        lock.release()
     click.echo("done: the next run starts at step 0")
 
 

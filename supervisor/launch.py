@@ -1,6 +1,8 @@
-"""The driver: connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
+"""The driver: lock the trial, connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
 
-The driver holds no state of the run; it shows a progress bar from the Supervisor's answers, has Ray restart a
+The driver holds the trial's lock (checkpoint/trial_lock.py) for the whole run, so a second run of the trial,
+from any cluster or machine sharing the fileroot, is refused before it touches anything. It holds no state of the
+run; it shows a progress bar from the Supervisor's answers, has Ray restart a
 Supervisor that hangs (control/watchdog.py), and turns the result into an exit code. The Supervisor is a named
 actor (`relaunch/{experiment}/{trial}`), so one trial can never have two controllers on a cluster, and
 `relaunch status` can find it.
@@ -16,6 +18,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
 from supervisor.control.watchdog import Watchdog
@@ -46,6 +50,21 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def run_job(config: Config, address: str | None) -> int:
+    lock = TrialLock(TrialLayout.from_config(config).lock)
+    try:
+        taken_over = lock.acquire()
+    except TrialLocked as e:
+        print(f"relaunch: error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    try:
+        if taken_over:
+            print(f"relaunch: {taken_over}", file=sys.stderr)
+        return _run_locked(config, address)
+    finally:
+        lock.release()
+
+
+def _run_locked(config: Config, address: str | None) -> int:
     connect(config, address)
     try:
         name = supervisor_name(config)

@@ -82,6 +82,11 @@ class TrialLayout:
     def events_log(self) -> Path:
         return self.log_root / "events.jsonl"
 
+    @property
+    def lock(self) -> Path:
+        """The trial's run lock (checkpoint/trial_lock.py): one run of a trial at a time, whatever its cluster."""
+        return self.checkpoint_root / "run.lock"
+
     def step_dir(self, global_step: int) -> Path:
         return self.recover_checkpoint / f"globalstep{global_step}"
 
