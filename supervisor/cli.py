@@ -26,6 +26,9 @@ def _split_args(args: tuple[str, ...]) -> tuple[Path, list[str]]:
     """`[CONFIG] [KEY=VALUE ...]`: the first argument without '=' is the config file."""
     path, overrides = None, []
     for a in args:
+        if a.startswith("-"):  # the commands take unknown options as arguments, to pass KEY=VALUE through
+            command = click.get_current_context().command_path
+            _fail(f"no such option: {a.split('=', 1)[0]} (`{command} --help` lists the options)")
         if "=" not in a and path is None and not overrides:
             path = Path(a)
         else:
@@ -128,7 +131,6 @@ def submit(args, address, wait):
 @click.option("--kill-at-step", default=8, show_default=True, help="kill the TrainGroup's node after this step")
 def demo(args, kill_at_step):
     """The default job on a local 3-node Ray cluster, with a worker node killed mid-run."""
-
     path, overrides = _split_args(args)
     try:
         config = load_config(path, ["trial_name=demo-" + time.strftime("%Y%m%d-%H%M%S"), *overrides])
@@ -162,9 +164,14 @@ def plot(args, out):
 def status(args, as_json, address):
     """Last valid step, restarts and recent events of CONFIG's trial."""
     config = _config_and_overrides(args)
-    from supervisor.tools.status import format_status, live_progress, trial_status
+    from supervisor.tools.status import TrialState, format_status, live_progress, trial_status
 
     st = trial_status(config)
+    if st["state"] == TrialState.NEVER_RUN:  # most likely a misspelled name or fileroot: nothing to report
+        if as_json:
+            click.echo(json.dumps(st, default=str))
+        _fail(f"no run of {config.experiment_name}/{config.trial_name} under {config.cluster.fileroot} "
+              "(check experiment_name, trial_name and cluster.fileroot)")
     st["live"], st["live_error"] = live_progress(config, _address(address))
     click.echo(json.dumps(st, default=str) if as_json else format_status(st))
 

@@ -16,7 +16,6 @@ import uuid
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from tqdm import tqdm
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
@@ -24,6 +23,7 @@ from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
 from supervisor.control.watchdog import Watchdog
 from supervisor.exit_codes import ExitCode
+from supervisor.progress import RunProgress
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
@@ -77,15 +77,20 @@ def _run_locked(config: Config, address: str | None) -> int:
         # The restart policy counts the Supervisor's own restarts against recover.retries and gives up once
         # they are spent; Ray's limit is only a backstop one above it, never a second budget.
         backstop = (config.recover.retries if config.recover.mode.enabled else 0) + 1
+        job = uuid.uuid4().hex[:12]
         supervisor = Supervisor.options(
             name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(config, uuid.uuid4().hex[:12])
+        ).remote(config, job)
+        progress = RunProgress(TrialLayout.from_config(config).events_log, job)
         try:
-            result = _follow(supervisor, supervisor.run.remote(), Watchdog.from_config(config, time.monotonic()))
+            result = _follow(supervisor, supervisor.run.remote(), Watchdog.from_config(config, time.monotonic()),
+                             progress)
         except KeyboardInterrupt:
-            ray.kill(supervisor, no_restart=True)
-            print("relaunch: interrupted; the last valid checkpoint is kept", file=sys.stderr)
+            # Leaving Ray ends the Supervisor and its workers (their owner is gone) without the "will be
+            # retried" line that killing the actor under a pending task makes Ray print.
+            ray.shutdown()
+            print(progress.interrupted(), file=sys.stderr)
             return ExitCode.INTERRUPTED
     finally:
         ray.shutdown()
@@ -100,10 +105,9 @@ def _run_locked(config: Config, address: str | None) -> int:
     return code
 
 
-def _follow(supervisor, run_ref, watchdog: Watchdog) -> dict:
+def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress) -> dict:
     """Wait for the run, drawing a progress bar from the Supervisor's progress answers; have Ray restart a
     Supervisor that the watchdog finds hung (it rebuilds from disk and counts the restart)."""
-    bar = tqdm(desc="relaunch", unit="step", mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
     try:
         while True:
             done, _ = ray.wait([run_ref], timeout=1.0)
@@ -121,18 +125,14 @@ def _follow(supervisor, run_ref, watchdog: Watchdog) -> dict:
                 watchdog.restarted(now)
             if p is None:
                 continue
-            bar.total = p["total_steps"]
-            bar.n = p["global_step"] + 1
-            reward = f"{p['reward']:.3f}" if p["reward"] is not None else "-"
-            bar.set_postfix(phase=p["phase"], reward=reward, restarts=p["restarts"], refresh=False)
-            bar.refresh()
+            progress.show(p)
         try:
             return ray.get(run_ref)
         except ray.exceptions.RayError as e:
             return {"exit_code": ExitCode.FAILED, "message": f"the Supervisor was lost: {str(e).splitlines()[0]}",
                     "global_step": -1, "reward": None, "details": ""}
     finally:
-        bar.close()
+        progress.close()
 
 
 def _alive(supervisor) -> bool:
