@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
-from conftest import CONFIG, Trial, job_env, relaunch, status_json
+from conftest import CONFIG, SHORT, Trial, job_env, metrics, relaunch, start_relaunch, status_json
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,3 +98,20 @@ def test_export_then_clean_restart_starts_fresh_and_keeps_exports(default_run: T
     assert r.returncode == 0, r.stderr
     assert trial.events("loaded")[-1]["global_step"] == -1  # started at step 0
     assert [s["global_step"] for s in trial.stats()] == list(range(12))
+
+
+def test_two_runs_of_one_trial_at_once_one_runs_the_other_touches_nothing(reference, trial, tmp_path):
+    """Two embedded runs started together (each would start a Ray of its own): one takes the trial's lock and
+    ends exactly as the uninterrupted reference; the other exits 2 at once, naming the holder."""
+    args = ("run", str(CONFIG), *SHORT, "recover.spare_workers=0", *trial.overrides)
+    procs = [start_relaunch(*args, env=job_env(), log=tmp_path / f"run{i}.log") for i in range(2)]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert sorted(codes) == [0, 2], codes
+    winner, loser = (procs[0], procs[1]) if codes[0] == 0 else (procs[1], procs[0])
+    lines = (tmp_path / f"run{procs.index(loser)}.log").read_text().splitlines()
+    assert lines == [f"relaunch: error: trial is already running: {trial.root / 'run.lock'} is held by pid "
+                     f"{winner.pid} on {socket.gethostname()}" + lines[0].split(socket.gethostname(), 1)[1]]
+    assert len({e["job"] for e in trial.events("start")}) == 1
+    assert metrics(trial.stats()) == metrics(reference.stats())
+    assert trial.final_checksum() == reference.final_checksum()
+    assert not (trial.root / "run.lock").exists()  # released at the end
