@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 
 import pytest
@@ -115,3 +116,29 @@ def test_two_runs_of_one_trial_at_once_one_runs_the_other_touches_nothing(refere
     assert metrics(trial.stats()) == metrics(reference.stats())
     assert trial.final_checksum() == reference.final_checksum()
     assert not (trial.root / "run.lock").exists()  # released at the end
+
+
+def test_ctrl_c_is_told_truthfully_and_the_rerun_says_where_it_resumed(reference, trial, tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the driver's whole process group): exit 130, no Ray line about
+    retries that never happen, `status` says interrupted with the step kept, and the rerun says where it
+    resumed and ends exactly as the uninterrupted reference."""
+    args = ("run", str(CONFIG), *SHORT, "recover.spare_workers=0", *trial.overrides)
+    log = tmp_path / "first.log"
+    proc = start_relaunch(*args, env=job_env(), log=log)
+    trial.wait_for_step(7, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    kept = trial.events("commit")[-1]["global_step"]
+    out = log.read_text()
+    assert "retries remaining" not in out and "will be retried" not in out, out
+    assert out.splitlines()[-1] == (f"relaunch: interrupted; the last valid checkpoint (global step {kept}) is kept, "
+                                    "the next run resumes after it")
+    st = status_json(trial)
+    assert (st["state"], st["last_valid"]["global_step"]) == ("interrupted", kept)
+
+    r = relaunch(*args)
+    assert r.returncode == 0, r.stderr
+    assert f"relaunch: resumed from global step {kept} (" in r.stderr
+    assert metrics(trial.stats()) == metrics(reference.stats())
+    assert trial.final_checksum() == reference.final_checksum()
+
