@@ -50,6 +50,11 @@ def _address(address: str | None) -> str | None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """relaunch: run RL post-training on Ray and keep it running through failures."""
+    # As in a Ray job, the directory a command starts in is importable (`reward.fn: myreward:reward`), also
+    # under the `relaunch` script, whose sys.path has its own directory instead; the driver passes it on to
+    # every actor (launch.py's runtime env).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
