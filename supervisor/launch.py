@@ -10,6 +10,7 @@ actor (`relaunch/{experiment}/{trial}`), so one trial can never have two control
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import uuid
@@ -35,11 +36,39 @@ def _runtime_env() -> dict:
     return {"env_vars": env}
 
 
+class ClusterUnreachable(Exception):
+    """The cluster at --address does not answer, or refuses us; the message says which and what to do."""
+
+
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """Pure: (host, port) of a plain `host:port` GCS address, the one form a socket can probe; None for
+    `auto`, `local`, `ray://...` and the like, which Ray resolves itself."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "/" in address or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def probe(address: str, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, where ray.init would retry an unreachable GCS for minutes."""
+    endpoint = gcs_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout).close()
+    except OSError as e:
+        raise ClusterUnreachable(f"--address {address}: no Ray cluster answers there ({e.strerror or e}); "
+                                 "start one (docs/cli.md), or leave --address out for a Ray of the job's own") from e
+
+
 def connect(config: Config, address: str | None) -> None:
     if address:
         # Inside a submitted Ray job the job's runtime env (working dir, env vars) already reaches every actor.
         in_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-        ray.init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
+        try:
+            ray.init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            raise ClusterUnreachable(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
         return
     cluster = config.cluster
     needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker
@@ -52,14 +81,19 @@ def connect(config: Config, address: str | None) -> None:
 def run_job(config: Config, address: str | None) -> int:
     lock = TrialLock(TrialLayout.from_config(config).lock)
     try:
+        if address:
+            probe(address)
         taken_over = lock.acquire()
-    except TrialLocked as e:
+    except (ClusterUnreachable, TrialLocked) as e:
         print(f"relaunch: error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     try:
         if taken_over:
             print(f"relaunch: {taken_over}", file=sys.stderr)
         return _run_locked(config, address)
+    except ClusterUnreachable as e:
+        print(f"relaunch: error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     finally:
         lock.release()
 

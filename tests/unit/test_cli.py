@@ -12,6 +12,7 @@ from supervisor.checkpoint.trial_lock import TrialLock
 from supervisor.cli import main
 from supervisor.config import DEFAULT_CONFIG, load_config
 from supervisor.control.events import Event
+from supervisor.launch import gcs_endpoint
 from supervisor.progress import kept_step
 from supervisor.tools.status import TrialState, state_of
 
@@ -96,3 +97,25 @@ def test_state_of(job, ended, locked, state):
 ])
 def test_kept_step(events, step):
     assert kept_step(events) == step
+
+
+@pytest.mark.parametrize("address, endpoint", [
+    ("127.0.0.1:6379", ("127.0.0.1", 6379)),
+    ("head.example:6379", ("head.example", 6379)),
+    ("auto", None),
+    ("ray://127.0.0.1:10001", None),  # Ray Client: Ray resolves it
+    ("http://127.0.0.1:8265", None),
+])
+def test_gcs_endpoint(address, endpoint):
+    assert gcs_endpoint(address) == endpoint
+
+
+def test_run_with_an_unreachable_address_is_one_line_and_touches_nothing(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = relaunch("run", f"cluster.fileroot={tmp_path}", "--address", f"127.0.0.1:{port}")
+    assert r.exit_code == 2
+    assert r.output == (f"relaunch: error: --address 127.0.0.1:{port}: no Ray cluster answers there (Connection "
+                        "refused); start one (docs/cli.md), or leave --address out for a Ray of the job's own\n")
+    assert list(tmp_path.iterdir()) == []
