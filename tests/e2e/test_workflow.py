@@ -1,10 +1,13 @@
 """How users meet the product: Ray Jobs against a `ray start` cluster, live status, demo and plots."""
 from __future__ import annotations
 
+import getpass
 import time
 
 import pytest
 from conftest import CONFIG, REPO, RayStartCluster, job_env, relaunch, status_json
+
+from supervisor.testing.local_cluster import short_tmp
 
 pytestmark = pytest.mark.e2e
 
@@ -54,15 +57,23 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
 
 
 def test_demo_runs_to_its_end_and_plots(tmp_path):
+    """Beside a real Ray cluster's address file, which the demo leaves as it found it."""
     fileroot = tmp_path / "runs"
-    r = relaunch("demo", f"cluster.fileroot={fileroot}", env=job_env())
+    ray_tmp = short_tmp("dem")
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("10.1.2.3:6379")
+    r = relaunch("demo", f"cluster.fileroot={fileroot}", env=job_env({"RAY_TMPDIR": str(ray_tmp)}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[demo] timeline:" in r.stdout
     assert "fault detected" in r.stdout and "TrainGroup restarted on node" in r.stdout
     assert "engines resynced to weights version" in r.stdout and "job finished at step 59" in r.stdout
     assert "cluster shut down" in r.stdout
+    assert (ray_tmp / "ray" / "ray_current_cluster").read_text() == "10.1.2.3:6379"
 
     trial_name = next((fileroot / "logs").glob("*/tiny-grpo/demo-*")).name
+    plot = fileroot / "logs" / getpass.getuser() / "tiny-grpo" / trial_name / "curves.png"
+    assert r.stdout.splitlines()[-1] == f"[demo] reward and loss per step, the fault and the restart marked: {plot}"
+    assert plot.stat().st_size > 10_000
     out = tmp_path / "curves.png"
     r = relaunch("plot", str(CONFIG), f"cluster.fileroot={fileroot}", f"trial_name={trial_name}", "--out", str(out))
     assert r.returncode == 0, r.stderr
