@@ -1,4 +1,4 @@
-"""Every path and file name of the on-disk layout, in one place (DESIGN.md "On-disk layout").
+"""Every path and file name of the on-disk layout, in one place (docs/on-disk.md).
 
 Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated
 config, and every derived path is checked to stay inside the trial's root, so no name can walk out of it. The
