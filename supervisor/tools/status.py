@@ -101,7 +101,7 @@ def format_status(st: dict) -> str:
             lines.append(f"  {role:<8} " + ", ".join(f"{n} on node {node[:8]}" for node, n in per_node.items()))
     else:
         why = f"; not live: {st['live_error']}" if st.get("live_error") else ""
-        lines.append(f"state      {st['state'].value} (from disk{why})")
+        lines.append(f"state      {TrialState(st['state']).value} (from disk{why})")
     lv = st["last_valid"]
     lines.append("last valid " + (f"global step {lv['global_step']} (epoch {lv['epoch']} step {lv['epoch_step']}) "
                                   f"{lv['path']}" if lv else "none") +
