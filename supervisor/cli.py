@@ -119,11 +119,9 @@ def submit(args, address, wait):
     from supervisor.submit import submit as submit_job
 
     try:  # the job's driver takes the lock; a live run is named here, before anything is uploaded
-        holder = TrialLock(TrialLayout.from_config(config).lock).live_holder()
+        TrialLock(TrialLayout.from_config(config).lock).check_free()
     except TrialLocked as e:
         _fail(str(e))
-    if holder:
-        _fail(f"trial is already running: held by {holder.describe(time.time())}")
     path, overrides = _split_args(args)
     try:
         sys.exit(submit_job(path, overrides, config, address, wait))

@@ -114,6 +114,15 @@ class TrialLock:
         reason = stale_reason(holder, socket.gethostname(), time.time(), process_start(holder.pid))
         return None if reason else holder
 
+    def check_free(self) -> None:
+        """TrialLocked, naming the holder, when a live run holds the trial; writes nothing."""
+        holder = self.live_holder()
+        if holder is not None:
+            raise self._refusal(holder)
+
+    def _refusal(self, holder: Holder) -> TrialLocked:
+        return TrialLocked(f"trial is already running: {self.path} is held by {holder.describe(time.time())}")
+
     def acquire(self) -> str | None:
         """Take the lock; return why a stale lock was taken over (None: there was none). TrialLocked when a live
         run holds it. Creates the trial's directory, and nothing else, when it is missing."""
@@ -126,8 +135,7 @@ class TrialLock:
             if holder is not None:
                 reason = stale_reason(holder, me.host, time.time(), process_start(holder.pid))
                 if reason is None:
-                    raise TrialLocked(f"trial is already running: {self.path} is held by "
-                                      f"{holder.describe(time.time())}")
+                    raise self._refusal(holder)
                 if self._discard(holder):
                     taken_over = f"took over the lock of {holder.describe(time.time())}: {reason}"
             if self._link(me):

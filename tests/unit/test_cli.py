@@ -119,3 +119,11 @@ def test_run_with_an_unreachable_address_is_one_line_and_touches_nothing(tmp_pat
     assert r.output == (f"relaunch: error: --address 127.0.0.1:{port}: no Ray cluster answers there (Connection "
                         "refused); start one (docs/cli.md), or leave --address out for a Ray of the job's own\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_submit_of_a_live_trial_refuses_before_it_contacts_the_cluster(layout, tmp_path):
+    with TrialLock(layout.lock):
+        r = relaunch("submit", f"cluster.fileroot={tmp_path}", "--address", "http://127.0.0.1:1")
+    assert r.exit_code == 2
+    assert r.output.startswith(f"relaunch: error: trial is already running: {layout.lock} is held by pid "
+                               f"{os.getpid()} on {socket.gethostname()}")

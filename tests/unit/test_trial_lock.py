@@ -90,3 +90,15 @@ def test_release_leaves_a_lock_that_is_no_longer_ours(tmp_path):
     plant(path, holder(host="elsewhere", heartbeat=time.time()))  # taken over while we were frozen
     lock.release()
     assert json.loads(path.read_text())["host"] == "elsewhere"
+
+
+def test_the_holder_refreshes_its_heartbeat(tmp_path, monkeypatch):
+    monkeypatch.setattr("supervisor.checkpoint.trial_lock.REFRESH_SECS", 0.05)
+    path = tmp_path / "run.lock"
+    lock = TrialLock(path)
+    lock.acquire()
+    first = json.loads(path.read_text())
+    time.sleep(0.5)
+    later = json.loads(path.read_text())
+    lock.release()
+    assert later["heartbeat"] > first["heartbeat"] and later["token"] == first["token"]
