@@ -66,14 +66,18 @@ def stale_reason(holder: Holder, host: str, now: float, running_since: float | N
 
 
 def process_start(pid: int) -> float | None:
-    """When process `pid` started (clock ticks since boot, from /proc), or None when there is none."""
+    """When process `pid` started (clock ticks since boot, from /proc), or None when there is none or it has
+    exited (a zombie its parent has not reaped yet holds nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
     except OSError:  # not Linux: only whether the pid exists is known
         return _pid_exists(pid)
-    return float(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the command name in parentheses
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name in parentheses: field 3 on
+    if fields[0] in ("Z", "X"):
+        return None
+    return float(fields[19])  # field 22, starttime
 
 
 def _pid_exists(pid: int) -> float | None:

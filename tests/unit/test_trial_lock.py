@@ -34,6 +34,15 @@ def test_stale_reason(h, running_since, stale):
     assert stale_reason(h, "here", NOW, running_since) == stale
 
 
+def test_a_zombie_holds_nothing():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 10
+    while process_start(proc.pid) is not None and time.time() < deadline:  # exited, not reaped yet
+        time.sleep(0.05)
+    assert process_start(proc.pid) is None and proc.poll() == 0
+    assert process_start(os.getpid()) is not None
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
