@@ -52,7 +52,7 @@ class RunProgress:
         attempt = max((e.get("attempt", 0) for e in events), default=0)
         EventLog(self.events_log, attempt=attempt, job=self.job).emit(Event.INTERRUPTED, global_step=step)
         if step is None:
-            return "relaunch: interrupted before its first checkpoint; the next run starts at step 0"
+            return "relaunch: interrupted before this run loaded or saved a checkpoint; what was on disk is kept"
         return (f"relaunch: interrupted; the last valid checkpoint (global step {step}) is kept, "
                 f"the next run resumes after it")
 

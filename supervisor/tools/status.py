@@ -24,11 +24,11 @@ class TrialState(str, enum.Enum):
 
 
 def state_of(job: str | None, ended: Event | None, locked: bool) -> TrialState:
-    """Pure: the latest job's end event wins; else a live lock means running."""
-    if ended is not None:
-        return TrialState(ended.value)
+    """Pure: a live lock means running (also before the new run's first event); else how the latest job ended."""
     if locked:
         return TrialState.RUNNING
+    if ended is not None:
+        return TrialState(ended.value)
     return TrialState.STOPPED if job else TrialState.NEVER_RUN
 
 

@@ -83,7 +83,8 @@ def test_status_of_a_trial_that_never_ran_exits_2(tmp_path):
     ("j", None, True, TrialState.RUNNING),
     ("j", None, False, TrialState.STOPPED),
     ("j", Event.INTERRUPTED, False, TrialState.INTERRUPTED),
-    ("j", Event.DONE, True, TrialState.DONE),  # its end was written; the lock is the next run's
+    ("j", Event.DONE, True, TrialState.RUNNING),  # a new run holds the trial, before its first event
+    ("j", Event.DONE, False, TrialState.DONE),
 ])
 def test_state_of(job, ended, locked, state):
     assert state_of(job, ended, locked) == state
