@@ -46,7 +46,7 @@ def gcs_endpoint(address: str) -> tuple[str, int] | None:
     host, sep, port = address.rpartition(":")
     if not sep or "/" in address or not port.isdigit():
         return None
-    return host, int(port)
+    return host.strip("[]"), int(port)  # [::1]:6379 -> ::1
 
 
 def probe(address: str, timeout: float = 5.0) -> None:

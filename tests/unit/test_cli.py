@@ -103,6 +103,7 @@ def test_kept_step(events, step):
 @pytest.mark.parametrize("address, endpoint", [
     ("127.0.0.1:6379", ("127.0.0.1", 6379)),
     ("head.example:6379", ("head.example", 6379)),
+    ("[::1]:6379", ("::1", 6379)),
     ("auto", None),
     ("ray://127.0.0.1:10001", None),  # Ray Client: Ray resolves it
     ("http://127.0.0.1:8265", None),
