@@ -94,6 +94,10 @@ def run_job(config: Config, address: str | None) -> int:
     except ClusterUnreachable as e:
         print(f"relaunch: error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:  # while Ray started, before the run was followed
+        ray.shutdown()
+        print("relaunch: interrupted while starting; the last valid checkpoint is kept", file=sys.stderr)
+        return ExitCode.INTERRUPTED
     finally:
         lock.release()
 
