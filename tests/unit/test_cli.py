@@ -14,6 +14,7 @@ from supervisor.config import DEFAULT_CONFIG, load_config
 from supervisor.control.events import Event
 from supervisor.launch import gcs_endpoint
 from supervisor.progress import kept_step
+from supervisor.submit import SubmitError, _submit_when_ready
 from supervisor.tools.status import TrialState, state_of
 
 
@@ -129,3 +130,30 @@ def test_submit_of_a_live_trial_refuses_before_it_contacts_the_cluster(layout, t
     assert r.exit_code == 2
     assert r.output.startswith(f"relaunch: error: trial is already running: {layout.lock} is held by pid "
                                f"{os.getpid()} on {socket.gethostname()}")
+
+
+class StandInJobsClient:
+    """Answers as a newly started head does: no job agent for the first `busy` submissions."""
+
+    def __init__(self, busy: int, error: str = "Request failed with status code 500: No available agent to "
+                                               "submit job, please try again later.."):
+        self.busy, self.error, self.calls = busy, error, 0
+
+    def submit_job(self, **job) -> str:
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise RuntimeError(self.error)
+        return "raysubmit_1"
+
+
+def test_submit_waits_for_a_new_heads_job_agent(monkeypatch):
+    monkeypatch.setattr("supervisor.submit.time.sleep", lambda s: None)
+    client = StandInJobsClient(busy=2)
+    assert _submit_when_ready(client, "http://h:8265", entrypoint="x") == "raysubmit_1"
+    assert client.calls == 3
+
+
+def test_submit_fails_in_one_line_on_another_error():
+    with pytest.raises(SubmitError, match=r"^--address http://h:8265: Request failed with status code 403$"):
+        _submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
+                           "http://h:8265", entrypoint="x")
