@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -119,12 +120,27 @@ def documented_recipe() -> str:
     return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
 
+def free_ports_from(n: int = 3) -> int:
+    """A port P with P .. P + n - 1 all free (the recipe derives its agents' ports from one)."""
+    while True:
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+
+
 def test_the_documented_cluster_recipe_runs_as_written(tmp_path):
     """docs/cli.md's commands as written, but for their ports, the fileroot and a one-epoch job; in a shell whose
     HOME has no Ray token yet and no RAY_AUTH_MODE, as a user's starts. The job succeeds, and the last command
     stops every process of that cluster (the test kills only what its own session left, and expects nothing)."""
-    gcs, dashboard = free_port(), free_port()
-    script = (documented_recipe().replace("6379", str(gcs)).replace("8265", str(dashboard))
+    gcs, jobs, agents = free_port(), free_port(), free_ports_from()
+    ports = "GCS=6379 JOBS=8265 AGENTS=52365"
+    assert ports in documented_recipe()
+    script = (documented_recipe().replace(ports, f"GCS={gcs} JOBS={jobs} AGENTS={agents}")
               .replace("$PWD/runs", str(tmp_path / "runs"))
               .replace("configs/tiny_grpo.yaml", "configs/tiny_grpo.yaml total_train_epochs=1"))
     home = tmp_path / "home"
