@@ -34,7 +34,7 @@ def entrypoint(config_path: Path, overrides: list[str], config: Config) -> str:
 AGENT_WAIT_SECS = 120.0  # how long a newly started head's job agent may take to come up
 
 
-def _submit_when_ready(client, address: str, **job) -> str:
+def submit_when_ready(client, address: str, **job) -> str:
     """Submit; while a head that has just started answers "No available agent to submit job, please try again
     later" (its job agent is not up yet, though the Jobs API already answers), try again."""
     deadline = time.monotonic() + AGENT_WAIT_SECS
@@ -55,7 +55,7 @@ def submit(config_path: Path, overrides: list[str], config: Config, address: str
     except ConnectionError as e:
         raise SubmitError(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
     env = {k: os.environ[k] for k in FAULT_ENV_VARS if k in os.environ}
-    job_id = _submit_when_ready(
+    job_id = submit_when_ready(
         client, address, entrypoint=entrypoint(config_path, overrides, config),
         runtime_env={"working_dir": str(Path.cwd()), **({"env_vars": env} if env else {})},
         metadata={"relaunch": f"{config.experiment_name}/{config.trial_name}"},

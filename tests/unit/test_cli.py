@@ -14,7 +14,7 @@ from supervisor.config import DEFAULT_CONFIG, load_config
 from supervisor.control.events import Event
 from supervisor.launch import gcs_endpoint
 from supervisor.progress import kept_step
-from supervisor.submit import SubmitError, _submit_when_ready
+from supervisor.submit import SubmitError, submit_when_ready
 from supervisor.tools.status import TrialState, state_of
 
 
@@ -149,11 +149,11 @@ class StandInJobsClient:
 def test_submit_waits_for_a_new_heads_job_agent(monkeypatch):
     monkeypatch.setattr("supervisor.submit.time.sleep", lambda s: None)
     client = StandInJobsClient(busy=2)
-    assert _submit_when_ready(client, "http://h:8265", entrypoint="x") == "raysubmit_1"
+    assert submit_when_ready(client, "http://h:8265", entrypoint="x") == "raysubmit_1"
     assert client.calls == 3
 
 
 def test_submit_fails_in_one_line_on_another_error():
     with pytest.raises(SubmitError, match=r"^--address http://h:8265: Request failed with status code 403$"):
-        _submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
+        submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
                            "http://h:8265", entrypoint="x")
