@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -25,6 +26,9 @@ def _split_args(args: tuple[str, ...]) -> tuple[Path, list[str]]:
     """`[CONFIG] [KEY=VALUE ...]`: the first argument without '=' is the config file."""
     path, overrides = None, []
     for a in args:
+        if a.startswith("-"):  # the commands take unknown options as arguments, to pass KEY=VALUE through
+            command = click.get_current_context().command_path
+            _fail(f"no such option: {a.split('=', 1)[0]} (`{command} --help` lists the options)")
         if "=" not in a and path is None and not overrides:
             path = Path(a)
         else:
@@ -46,6 +50,11 @@ def _address(address: str | None) -> str | None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """relaunch: run RL post-training on Ray and keep it running through failures."""
+    # As in a Ray job, the directory a command starts in is importable (`reward.fn: myreward:reward`), also
+    # under the `relaunch` script, whose sys.path has its own directory instead; the driver passes it on to
+    # every actor (launch.py's runtime env).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -111,9 +120,15 @@ def submit(args, address, wait):
     address = _address(address)
     if not address:
         _fail("submit needs --address (or RAY_ADDRESS): the Ray dashboard URL, e.g. http://127.0.0.1:8265")
+    from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
     from supervisor.submit import SubmitError
     from supervisor.submit import submit as submit_job
 
+    try:  # the job's driver takes the lock; a live run is named here, before anything is uploaded
+        TrialLock(TrialLayout.from_config(config).lock).check_free()
+    except TrialLocked as e:
+        _fail(str(e))
     path, overrides = _split_args(args)
     try:
         sys.exit(submit_job(path, overrides, config, address, wait))
@@ -126,8 +141,6 @@ def submit(args, address, wait):
 @click.option("--kill-at-step", default=8, show_default=True, help="kill the TrainGroup's node after this step")
 def demo(args, kill_at_step):
     """The default job on a local 3-node Ray cluster, with a worker node killed mid-run."""
-    import time
-
     path, overrides = _split_args(args)
     try:
         config = load_config(path, ["trial_name=demo-" + time.strftime("%Y%m%d-%H%M%S"), *overrides])
@@ -161,9 +174,14 @@ def plot(args, out):
 def status(args, as_json, address):
     """Last valid step, restarts and recent events of CONFIG's trial."""
     config = _config_and_overrides(args)
-    from supervisor.tools.status import format_status, live_progress, trial_status
+    from supervisor.tools.status import TrialState, format_status, live_progress, trial_status
 
     st = trial_status(config)
+    if st["state"] == TrialState.NEVER_RUN:  # most likely a misspelled name or fileroot: nothing to report
+        if as_json:
+            click.echo(json.dumps(st, default=str))
+        _fail(f"no run of {config.experiment_name}/{config.trial_name} under {config.cluster.fileroot} "
+              "(check experiment_name, trial_name and cluster.fileroot)")
     st["live"], st["live_error"] = live_progress(config, _address(address))
     click.echo(json.dumps(st, default=str) if as_json else format_status(st))
 
@@ -173,9 +191,11 @@ def status(args, as_json, address):
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 @click.option("--dry-run", is_flag=True, help="only list what would be removed")
 def clean_restart(args, yes, dry_run):
-    """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept."""
+    """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept.
+    Refused while a run holds the trial."""
     config = _config_and_overrides(args)
     from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 
     layout = TrialLayout.from_config(config)
     root = layout.checkpoint_root.resolve()
@@ -187,16 +207,27 @@ def clean_restart(args, yes, dry_run):
     if not targets:
         click.echo(f"nothing to remove: no recover state under {root}")
         return
-    for p in targets:
-        click.echo(f"{'would remove' if dry_run else 'removing'} {p}")
     if dry_run:
+        for p in targets:
+            click.echo(f"would remove {p}")
         return
-    if not yes:
-        if not sys.stdin.isatty():
-            _fail("clean-restart deletes recover state: pass --yes to confirm")
-        click.confirm("delete these?", abort=True)
-    for p in targets:
-        shutil.rmtree(p)
+    lock = TrialLock(layout.lock)  # no run may be running, or start, while its recover state goes
+    try:
+        lock.acquire()
+    except TrialLocked as e:
+        _fail(str(e))
+    try:
+        if not yes:
+            if not sys.stdin.isatty():
+                _fail(f"clean-restart would delete {', '.join(map(str, targets))}: pass --yes to confirm")
+            for p in targets:
+                click.echo(f"would remove {p}")
+            click.confirm("delete these?", abort=True)
+        for p in targets:
+            click.echo(f"removing {p}")
+            shutil.rmtree(p)
+    finally:
+        lock.release()
     click.echo("done: the next run starts at step 0")
 
 

@@ -1,11 +1,14 @@
 """`relaunch demo`: the default job on a local multi-node Ray cluster, with a worker node killed mid-run.
 
 It starts a head and two worker nodes (own temp dir and ports), runs the job, kills the node that hosts
-the TrainGroup once training passes `kill_at_step` (its raylet and every process under it), and prints
-what happened from events.jsonl. The cluster is torn down at the end, also on Ctrl-C.
+the TrainGroup once training passes `kill_at_step` (its raylet and every process under it), prints what
+happened from events.jsonl and plots the run beside its logs. The cluster is torn down at the end, also on
+Ctrl-C. Ray's test cluster writes its address file into Ray's default temp dir and deletes it at shutdown,
+where a real Ray cluster on this machine keeps its own: the demo points that default at a directory of its own.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -13,7 +16,8 @@ from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import Config
 from supervisor.control.events import ENDED, Event, read_jsonl
 from supervisor.launch import run_job
-from supervisor.testing.local_cluster import LocalCluster
+from supervisor.testing.local_cluster import LocalCluster, short_tmp
+from supervisor.tools.plot import plot_trial
 
 
 class NodeKiller(threading.Thread):
@@ -65,6 +69,7 @@ def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
 
 def run_demo(config: Config, kill_at_step: int) -> int:
     layout = TrialLayout.from_config(config)
+    os.environ["RAY_TMPDIR"] = str(short_tmp("rld"))  # leave any real cluster's address file alone
     print("[demo] starting a local Ray cluster: a head node and 2 worker nodes of 3 CPUs", flush=True)
     cluster = LocalCluster()
     killer = NodeKiller(cluster, layout, kill_at_step)
@@ -80,4 +85,8 @@ def run_demo(config: Config, kill_at_step: int) -> int:
     print("\n[demo] timeline:")
     for line in timeline(layout, killer.killed_at):
         print(f"  - {line}")
+    if layout.stats_log.exists():
+        plot = layout.log_root / "curves.png"
+        plot_trial(layout, plot)
+        print(f"[demo] reward and loss per step, the fault and the restart marked: {plot}")
     return code

@@ -1,4 +1,4 @@
-"""The process exit codes of every relaunch command, in one place (DESIGN.md's contract)."""
+"""The process exit codes of every relaunch command, in one place (documented in docs/cli.md)."""
 from __future__ import annotations
 
 import enum

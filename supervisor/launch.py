@@ -1,6 +1,8 @@
-"""The driver: connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
+"""The driver: lock the trial, connect to (or start) a Ray cluster, start the Supervisor actor, follow it to the end.
 
-The driver holds no state of the run; it shows a progress bar from the Supervisor's answers, has Ray restart a
+The driver holds the trial's lock (checkpoint/trial_lock.py) for the whole run, so a second run of the trial,
+from any cluster or machine sharing the fileroot, is refused before it touches anything. It holds no state of the
+run; it shows a progress bar from the Supervisor's answers, has Ray restart a
 Supervisor that hangs (control/watchdog.py), and turns the result into an exit code. The Supervisor is a named
 actor (`relaunch/{experiment}/{trial}`), so one trial can never have two controllers on a cluster, and
 `relaunch status` can find it.
@@ -8,19 +10,22 @@ actor (`relaunch/{experiment}/{trial}`), so one trial can never have two control
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import uuid
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from tqdm import tqdm
 
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
+from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
 from supervisor.control.watchdog import Watchdog
 from supervisor.exit_codes import ExitCode
-from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
+from supervisor.progress import RunProgress
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
 
 
@@ -33,11 +38,39 @@ def _runtime_env() -> dict:
     return {"env_vars": env}
 
 
+class ClusterUnreachable(Exception):
+    """The cluster at --address does not answer, or refuses us; the message says which and what to do."""
+
+
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """Pure: (host, port) of a plain `host:port` GCS address, the one form a socket can probe; None for
+    `auto`, `local`, `ray://...` and the like, which Ray resolves itself."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "/" in address or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)  # [::1]:6379 -> ::1
+
+
+def probe(address: str, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, where ray.init would retry an unreachable GCS for minutes."""
+    endpoint = gcs_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout).close()
+    except OSError as e:
+        raise ClusterUnreachable(f"--address {address}: no Ray cluster answers there ({e.strerror or e}); "
+                                 "start one (docs/cli.md), or leave --address out for a Ray of the job's own") from e
+
+
 def connect(config: Config, address: str | None) -> None:
     if address:
         # Inside a submitted Ray job the job's runtime env (working dir, env vars) already reaches every actor.
         in_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-        ray.init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
+        try:
+            ray.init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            raise ClusterUnreachable(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
         return
     cluster = config.cluster
     needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker
@@ -48,6 +81,30 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def run_job(config: Config, address: str | None) -> int:
+    lock = TrialLock(TrialLayout.from_config(config).lock)
+    try:
+        if address:
+            probe(address)
+        taken_over = lock.acquire()
+    except (ClusterUnreachable, TrialLocked) as e:
+        print(f"relaunch: error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    try:
+        if taken_over:
+            print(f"relaunch: {taken_over}", file=sys.stderr)
+        return _run_locked(config, address)
+    except ClusterUnreachable as e:
+        print(f"relaunch: error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:  # while Ray started, before the run was followed
+        ray.shutdown()
+        print("relaunch: interrupted while starting; the last valid checkpoint is kept", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    finally:
+        lock.release()
+
+
+def _run_locked(config: Config, address: str | None) -> int:
     connect(config, address)
     try:
         name = supervisor_name(config)
@@ -60,15 +117,20 @@ def run_job(config: Config, address: str | None) -> int:
         # The restart policy counts the Supervisor's own restarts against recover.retries and gives up once
         # they are spent; Ray's limit is only a backstop one above it, never a second budget.
         backstop = (config.recover.retries if config.recover.mode.enabled else 0) + 1
+        job = uuid.uuid4().hex[:12]
         supervisor = Supervisor.options(
             name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(config, uuid.uuid4().hex[:12])
+        ).remote(config, job)
+        progress = RunProgress(TrialLayout.from_config(config).events_log, job)
         try:
-            result = _follow(supervisor, supervisor.run.remote(), Watchdog.from_config(config, time.monotonic()))
+            result = _follow(supervisor, supervisor.run.remote(), Watchdog.from_config(config, time.monotonic()),
+                             progress)
         except KeyboardInterrupt:
-            ray.kill(supervisor, no_restart=True)
-            print("relaunch: interrupted; the last valid checkpoint is kept", file=sys.stderr)
+            # Leaving Ray ends the Supervisor and its workers (their owner is gone) without the "will be
+            # retried" line that killing the actor under a pending task makes Ray print.
+            ray.shutdown()
+            print(progress.interrupted(), file=sys.stderr)
             return ExitCode.INTERRUPTED
     finally:
         ray.shutdown()
@@ -83,10 +145,9 @@ def run_job(config: Config, address: str | None) -> int:
     return code
 
 
-def _follow(supervisor, run_ref, watchdog: Watchdog) -> dict:
+def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress) -> dict:
     """Wait for the run, drawing a progress bar from the Supervisor's progress answers; have Ray restart a
     Supervisor that the watchdog finds hung (it rebuilds from disk and counts the restart)."""
-    bar = tqdm(desc="relaunch", unit="step", mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
     try:
         while True:
             done, _ = ray.wait([run_ref], timeout=1.0)
@@ -104,18 +165,14 @@ def _follow(supervisor, run_ref, watchdog: Watchdog) -> dict:
                 watchdog.restarted(now)
             if p is None:
                 continue
-            bar.total = p["total_steps"]
-            bar.n = p["global_step"] + 1
-            reward = f"{p['reward']:.3f}" if p["reward"] is not None else "-"
-            bar.set_postfix(phase=p["phase"], reward=reward, restarts=p["restarts"], refresh=False)
-            bar.refresh()
+            progress.show(p)
         try:
             return ray.get(run_ref)
         except ray.exceptions.RayError as e:
             return {"exit_code": ExitCode.FAILED, "message": f"the Supervisor was lost: {str(e).splitlines()[0]}",
                     "global_step": -1, "reward": None, "details": ""}
     finally:
-        bar.close()
+        progress.close()
 
 
 def _alive(supervisor) -> bool:

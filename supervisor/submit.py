@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import time
 from pathlib import Path
 
 from supervisor.config import Config
@@ -31,13 +32,32 @@ def entrypoint(config_path: Path, overrides: list[str], config: Config) -> str:
     return "python -m supervisor run " + " ".join(shlex.quote(a) for a in args)
 
 
+AGENT_WAIT_SECS = 120.0  # how long a newly started head's job agent may take to come up
+
+
+def submit_when_ready(client, address: str, **job) -> str:
+    """Submit; while a head that has just started answers "No available agent to submit job, please try again
+    later" (its job agent is not up yet, though the Jobs API already answers), try again."""
+    deadline = time.monotonic() + AGENT_WAIT_SECS
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise SubmitError(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
+            time.sleep(2)
+
+
 def submit(config_path: Path, overrides: list[str], config: Config, address: str, wait: bool) -> int:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    client = JobSubmissionClient(address)
+    try:
+        client = JobSubmissionClient(address)
+    except ConnectionError as e:
+        raise SubmitError(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
     env = {k: os.environ[k] for k in FAULT_ENV_VARS + WANDB_ENV_VARS if k in os.environ}
-    job_id = client.submit_job(
-        entrypoint=entrypoint(config_path, overrides, config),
+    job_id = submit_when_ready(
+        client, address, entrypoint=entrypoint(config_path, overrides, config),
         runtime_env={"working_dir": str(Path.cwd()), **({"env_vars": env} if env else {})},
         metadata={"relaunch": f"{config.experiment_name}/{config.trial_name}"},
     )

@@ -1,4 +1,4 @@
-"""Every path and file name of the on-disk layout, in one place (DESIGN.md "On-disk layout").
+"""Every path and file name of the on-disk layout, in one place (docs/on-disk.md).
 
 Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated
 config, and every derived path is checked to stay inside the trial's root, so no name can walk out of it. The
@@ -89,6 +89,11 @@ class TrialLayout:
     def trackers_dir(self) -> Path:
         """logging.trackers' files: tensorboard/ event files, wandb/ runs, state.json (what they hold)."""
         return self.log_root / "trackers"
+
+    @property
+    def lock(self) -> Path:
+        """The trial's run lock (checkpoint/trial_lock.py): one run of a trial at a time, whatever its cluster."""
+        return self.checkpoint_root / "run.lock"
 
     def step_dir(self, global_step: int) -> Path:
         return self.recover_checkpoint / f"globalstep{global_step}"

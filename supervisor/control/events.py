@@ -1,6 +1,7 @@
 """The run's two logs: stats.jsonl (one object per completed step) and events.jsonl (one per event).
 
-Only the Supervisor writes them. events.jsonl is the history of every attempt and only grows;
+Only the Supervisor writes them, but for the `interrupted` row the driver writes once Ctrl-C has ended the
+Supervisor. events.jsonl is the history of every attempt and only grows;
 stats.jsonl is cut back to the checkpoint's step on resume, so it ends with exactly one line per step.
 """
 from __future__ import annotations
@@ -38,9 +39,10 @@ class Event(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"                        # a user-code error or a bug: no retry
     GAVE_UP = "gave_up"                      # retries exhausted
+    INTERRUPTED = "interrupted"              # Ctrl-C (SIGINT) to the driver: the last valid checkpoint is kept
 
 
-ENDED = (Event.DONE, Event.GAVE_UP, Event.FAILED)  # the events that end a job
+ENDED = (Event.DONE, Event.GAVE_UP, Event.FAILED, Event.INTERRUPTED)  # the events that end a job
 
 
 def _append(path: Path, obj: dict) -> None:

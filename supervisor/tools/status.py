@@ -1,14 +1,43 @@
 """What `relaunch status` reports, read from disk (and from the live Supervisor when reachable)."""
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter
 
 from supervisor.checkpoint.layout import STEP_INFO, TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
+from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 from supervisor.config import Config
 from supervisor.control.events import ENDED, Event, read_jsonl
 from supervisor.control.repair_clock import recovery_line
+
+
+class TrialState(str, enum.Enum):
+    """What `status` says of a trial: how its latest job ended, or why it has not."""
+    DONE = Event.DONE.value
+    GAVE_UP = Event.GAVE_UP.value
+    FAILED = Event.FAILED.value
+    INTERRUPTED = Event.INTERRUPTED.value
+    RUNNING = "running"      # a live run holds the trial's lock
+    STOPPED = "stopped"      # started, never ended, no run holds the lock: its driver was killed or its machine died
+    NEVER_RUN = "never run"  # no job of this trial under this fileroot (a misspelled name?): status exits 2
+
+
+def state_of(job: str | None, ended: Event | None, locked: bool) -> TrialState:
+    """Pure: a live lock means running (also before the new run's first event); else how the latest job ended."""
+    if locked:
+        return TrialState.RUNNING
+    if ended is not None:
+        return TrialState(ended.value)
+    return TrialState.STOPPED if job else TrialState.NEVER_RUN
+
+
+def _locked(layout: TrialLayout) -> bool:
+    try:
+        return TrialLock(layout.lock).live_holder() is not None
+    except TrialLocked:  # a file that is not a lock: say nothing about it here
+        return False
 
 
 def trial_status(config: Config, n_events: int = 10) -> dict:
@@ -27,7 +56,7 @@ def trial_status(config: Config, n_events: int = 10) -> dict:
     job = next((e.get("job") for e in reversed(events) if e["event"] == Event.START), None)
     this_job = [e for e in events if e.get("job") == job] if job else []
     stats = read_jsonl(layout.stats_log)
-    ended = next((e["event"] for e in reversed(this_job) if e["event"] in ENDED), None)
+    ended = next((Event(e["event"]) for e in reversed(this_job) if e["event"] in ENDED), None)
     return {
         "experiment_name": config.experiment_name,
         "trial_name": config.trial_name,
@@ -36,7 +65,7 @@ def trial_status(config: Config, n_events: int = 10) -> dict:
         "checkpoint_error": error,
         "restarts": sum(e["event"] == Event.RESTART for e in this_job),
         "job": job,
-        "state": ended or ("unknown" if job else "never run"),
+        "state": state_of(job, ended, _locked(layout)),
         "last_step": stats[-1] if stats else None,
         "last_recovery": next((e for e in reversed(events) if e["event"] == Event.RECOVERY), None),
         "recover_interval": next((e for e in reversed(this_job) if e["event"] == Event.RECOVER_INTERVAL), None),
@@ -73,7 +102,7 @@ def format_status(st: dict) -> str:
             lines.append(f"  {role:<8} " + ", ".join(f"{n} on node {node[:8]}" for node, n in per_node.items()))
     else:
         why = f"; not live: {st['live_error']}" if st.get("live_error") else ""
-        lines.append(f"state      {st['state']} (from disk{why})")
+        lines.append(f"state      {TrialState(st['state']).value} (from disk{why})")
     lv = st["last_valid"]
     lines.append("last valid " + (f"global step {lv['global_step']} (epoch {lv['epoch']} step {lv['epoch_step']}) "
                                   f"{lv['path']}" if lv else "none") +

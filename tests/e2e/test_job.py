@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG, Trial, job_env, relaunch, status_json
+from conftest import CONFIG, SHORT, Trial, job_env, metrics, relaunch, start_relaunch, status_json
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,3 +102,59 @@ def test_export_then_clean_restart_starts_fresh_and_keeps_exports(default_run: T
     assert r.returncode == 0, r.stderr
     assert trial.events("loaded")[-1]["global_step"] == -1  # started at step 0
     assert [s["global_step"] for s in trial.stats()] == list(range(12))
+
+
+def test_two_runs_of_one_trial_at_once_one_runs_the_other_touches_nothing(reference, trial, tmp_path):
+    """Two embedded runs started together (each would start a Ray of its own): one takes the trial's lock and
+    ends exactly as the uninterrupted reference; the other exits 2 at once, naming the holder."""
+    args = ("run", str(CONFIG), *SHORT, "recover.spare_workers=0", *trial.overrides)
+    procs = [start_relaunch(*args, env=job_env(), log=tmp_path / f"run{i}.log") for i in range(2)]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert sorted(codes) == [0, 2], codes
+    winner, loser = (procs[0], procs[1]) if codes[0] == 0 else (procs[1], procs[0])
+    lines = (tmp_path / f"run{procs.index(loser)}.log").read_text().splitlines()
+    assert lines == [f"relaunch: error: trial is already running: {trial.root / 'run.lock'} is held by pid "
+                     f"{winner.pid} on {socket.gethostname()}" + lines[0].split(socket.gethostname(), 1)[1]]
+    assert len({e["job"] for e in trial.events("start")}) == 1
+    assert metrics(trial.stats()) == metrics(reference.stats())
+    assert trial.final_checksum() == reference.final_checksum()
+    assert not (trial.root / "run.lock").exists()  # released at the end
+
+
+def test_ctrl_c_is_told_truthfully_and_the_rerun_says_where_it_resumed(reference, trial, tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the driver's whole process group): exit 130, no Ray line about
+    retries that never happen, `status` says interrupted with the step kept, and the rerun says where it
+    resumed and ends exactly as the uninterrupted reference."""
+    args = ("run", str(CONFIG), *SHORT, "recover.spare_workers=0", *trial.overrides)
+    log = tmp_path / "first.log"
+    proc = start_relaunch(*args, env=job_env(), log=log)
+    trial.wait_for_step(7, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    kept = trial.events("commit")[-1]["global_step"]
+    out = log.read_text()
+    assert "retries remaining" not in out and "will be retried" not in out, out
+    assert out.splitlines()[-1] == (f"relaunch: interrupted; the last valid checkpoint (global step {kept}) is kept, "
+                                    "the next run resumes after it")
+    st = status_json(trial)
+    assert (st["state"], st["last_valid"]["global_step"]) == ("interrupted", kept)
+
+    r = relaunch(*args)
+    assert r.returncode == 0, r.stderr
+    assert f"relaunch: resumed from global step {kept} (" in r.stderr
+    assert metrics(trial.stats()) == metrics(reference.stats())
+    assert trial.final_checksum() == reference.final_checksum()
+
+
+def test_a_reward_module_in_the_directory_the_job_starts_from_is_imported(cluster, tmp_path):
+    """`reward.fn=myreward:reward` from a directory outside the repository holding myreward.py, through the
+    `relaunch` script as a user types it: embedded, and joining a cluster with --address."""
+    (tmp_path / "myreward.py").write_text("def reward(prompt, completion, row):\n    return 0.25\n")
+    script = Path(sys.executable).parent / "relaunch"
+    for i, where in enumerate(([], ["--address", cluster.address])):
+        t = Trial(tmp_path / f"runs{i}")
+        r = subprocess.run([str(script), "run", "total_train_epochs=1", "recover.spare_workers=0",
+                            "reward.fn=myreward:reward", *t.overrides, *where],
+                           cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert [s["reward"] for s in t.stats()] == [0.25] * 12

@@ -1,10 +1,20 @@
 """How users meet the product: Ray Jobs against a `ray start` cluster, live status, demo and plots."""
 from __future__ import annotations
 
+import getpass
+import os
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
-from conftest import CONFIG, REPO, RayStartCluster, job_env, relaunch, status_json
+from conftest import CONFIG, REPO, RayStartCluster, Trial, job_env, kill_session, relaunch, status_json
+
+from supervisor.testing.local_cluster import free_port, short_tmp
+from supervisor.testing.processes import command_line, kill_all
 
 pytestmark = pytest.mark.e2e
 
@@ -54,15 +64,23 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
 
 
 def test_demo_runs_to_its_end_and_plots(tmp_path):
+    """Beside a real Ray cluster's address file, which the demo leaves as it found it."""
     fileroot = tmp_path / "runs"
-    r = relaunch("demo", f"cluster.fileroot={fileroot}", env=job_env())
+    ray_tmp = short_tmp("dem")
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("10.1.2.3:6379")
+    r = relaunch("demo", f"cluster.fileroot={fileroot}", env=job_env({"RAY_TMPDIR": str(ray_tmp)}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[demo] timeline:" in r.stdout
     assert "fault detected" in r.stdout and "TrainGroup restarted on node" in r.stdout
     assert "engines resynced to weights version" in r.stdout and "job finished at step 59" in r.stdout
     assert "cluster shut down" in r.stdout
+    assert (ray_tmp / "ray" / "ray_current_cluster").read_text() == "10.1.2.3:6379"
 
     trial_name = next((fileroot / "logs").glob("*/tiny-grpo/demo-*")).name
+    plot = fileroot / "logs" / getpass.getuser() / "tiny-grpo" / trial_name / "curves.png"
+    assert r.stdout.splitlines()[-1] == f"[demo] reward and loss per step, the fault and the restart marked: {plot}"
+    assert plot.stat().st_size > 10_000
     out = tmp_path / "curves.png"
     r = relaunch("plot", str(CONFIG), f"cluster.fileroot={fileroot}", f"trial_name={trial_name}", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -93,3 +111,59 @@ def test_gpu_example_config_passes_validation(tmp_path):
     assert cfg.actor.backend is Backend.FSDP and cfg.recover.mode.enabled
     r = relaunch("run", str(REPO / "examples" / "gpu" / "qwen2.5-0.5b-grpo.yaml"))
     assert r.returncode == 2 and "model.path" in r.stderr  # the example's model is not on this machine
+
+
+def documented_recipe() -> str:
+    """The bash block of docs/cli.md's cluster section, as a user copies it."""
+    text = (REPO / "docs" / "cli.md").read_text()
+    section = text[text.index("## Ray Jobs on a cluster of your own"):]
+    return section.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def free_ports_from(n: int = 3) -> int:
+    """A port P with P .. P + n - 1 all free (the recipe derives its agents' ports from one)."""
+    while True:
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+
+
+def test_the_documented_cluster_recipe_runs_as_written(tmp_path):
+    """docs/cli.md's commands as written, but for their ports, the fileroot and a one-epoch job; in a shell whose
+    HOME has no Ray token yet and no RAY_AUTH_MODE, as a user's starts. The job succeeds, and the last command
+    stops every process of that cluster (the test kills only what its own session left, and expects nothing)."""
+    gcs, jobs, agents = free_port(), free_port(), free_ports_from()
+    ports = "GCS=6379 JOBS=8265 AGENTS=52365"
+    assert ports in documented_recipe()
+    script = (documented_recipe().replace(ports, f"GCS={gcs} JOBS={jobs} AGENTS={agents}")
+              .replace("$PWD/runs", str(tmp_path / "runs"))
+              .replace("configs/tiny_grpo.yaml", "configs/tiny_grpo.yaml total_train_epochs=1"))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(job_env(), HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("RAY_AUTH_MODE", None)
+    log = tmp_path / "recipe.log"
+    proc = subprocess.Popen(["bash", "-e", "-c", script + "wait\n"], cwd=REPO, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    def of_this_cluster() -> list[int]:
+        return [pid for pid in psutil.pids() if f":{gcs}" in " ".join(command_line(pid))]
+
+    try:
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+        out = log.read_text()
+        assert "SUCCEEDED" in out and "state      done" in out, out[-3000:]
+        assert (home / ".ray" / "auth_token").is_file()
+        deadline = time.time() + 30
+        while of_this_cluster() and time.time() < deadline:
+            time.sleep(0.5)
+        assert of_this_cluster() == [], "the documented kill left processes of the cluster running"
+    finally:
+        kill_session(proc.pid)
+        kill_all(of_this_cluster())
+    trial = Trial(tmp_path / "runs")
+    assert [s["global_step"] for s in trial.stats()] == list(range(12))

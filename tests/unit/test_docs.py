@@ -23,3 +23,12 @@ def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 def test_every_config_key_has_a_row_in_the_config_reference():
     rows = {line.split("|")[1].strip().strip("`") for line in DOC.read_text().splitlines() if line.startswith("| `")}
     assert not [k for k in keys(Config) if k not in rows]
+
+
+def test_nothing_in_the_repository_points_at_the_design_notes_outside_it():
+    """The project's contract lives in docs/ (on-disk.md's guarantees, cli.md's exit codes and states); a
+    reader of a clone has nothing else."""
+    root = DOC.parents[1]
+    files = [p for pattern in ("*.md", "*.py", "*.yaml", "*.sh", "*.toml") for p in root.rglob(pattern)
+             if not p.relative_to(root).parts[0].startswith(".") and p != Path(__file__).resolve()]
+    assert [str(p.relative_to(root)) for p in files if "DESIGN.md" in p.read_text(errors="replace")] == []

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRY = {"supervisor.cli", "supervisor.launch", "supervisor.submit", "supervisor.demo", "supervisor.__main__"}
+ENTRY = {"supervisor.cli", "supervisor.launch", "supervisor.progress", "supervisor.submit", "supervisor.demo",
+         "supervisor.__main__"}
 BASE = ("supervisor.config", "supervisor.exit_codes")  # importable from every layer but workers/
 # what each layer may import from this repo (beside itself, BASE and workers/)
 MAY_IMPORT = {

@@ -1,0 +1,232 @@
+"""One trial, one run: an exclusive lock file in the trial's directory, held by the driver for the whole run.
+
+The lock lives beside the trial's checkpoints, so it holds across separate Ray clusters and across machines that
+share the fileroot. It names its holder (host, pid, the process's start time, the job's token) and a heartbeat
+that a thread of the holder refreshes every `REFRESH_SECS`. The driver holds it, not the Supervisor actor: the
+driver lives as long as the run (a Supervisor that Ray restarts runs under the same driver, and a `relaunch
+submit` job's driver is its entrypoint), and an actor dies with its driver.
+
+A lock left by a dead holder is taken over:
+- same host: the holder's pid is gone, or now belongs to another process (its start time differs);
+- other host: its heartbeat is older than `LEASE_SECS` by this machine's clock (hosts' clocks must agree to
+  well within the lease, as NTP keeps them).
+
+Taking the lock is one `link` of a complete file onto the lock's name, which fails when the name exists (on NFS
+too), so two contenders never both win. A stale lock is first renamed aside, and only the lock that was judged
+stale is discarded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+LEASE_SECS = 60.0    # another host's lock without a heartbeat for this long is stale
+REFRESH_SECS = 10.0  # how often the holder refreshes its heartbeat
+
+
+class TrialLocked(Exception):
+    """The trial is run by a live holder; the message names it."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    host: str
+    pid: int
+    started: float | None  # the process's start time (seconds since boot on Linux), None where unknown
+    token: str
+    heartbeat: float       # wall clock of the holder's last refresh
+
+    def describe(self, now: float) -> str:
+        return (f"pid {self.pid} on {self.host} (heartbeat {max(0.0, now - self.heartbeat):.0f} s ago, "
+                f"token {self.token})")
+
+
+def stale_reason(holder: Holder, host: str, now: float, running_since: float | None,
+                 lease: float = LEASE_SECS) -> str | None:
+    """Why `holder`'s lock is left by a dead run, or None while it may be alive. Pure.
+
+    `running_since`: the start time of the process that has `holder.pid` on this host now (None: no such
+    process); it only counts when the holder is on this host."""
+    if holder.host == host:
+        if running_since is None:
+            return f"its pid {holder.pid} is gone"
+        if holder.started is not None and running_since != holder.started:
+            return f"its pid {holder.pid} now belongs to another process"
+        return None
+    if now - holder.heartbeat > lease:
+        return f"its heartbeat is {now - holder.heartbeat:.0f} s old (lease {lease:.0f} s)"
+    return None
+
+
+def process_start(pid: int) -> float | None:
+    """When process `pid` started (clock ticks since boot, from /proc), or None when there is none or it has
+    exited (a zombie its parent has not reaped yet holds nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:  # not Linux: only whether the pid exists is known
+        return _pid_exists(pid)
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name in parentheses: field 3 on
+    if fields[0] in ("Z", "X"):
+        return None
+    return float(fields[19])  # field 22, starttime
+
+
+def _pid_exists(pid: int) -> float | None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return 0.0
+
+
+class TrialLock:
+    """The lock of one trial's directory: `acquire` (or TrialLocked naming the holder), `release`, and a
+    heartbeat thread while held."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.holder: Holder | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> Holder | None:
+        """The holder named in the lock file; None when there is no lock. A file that is not a lock (torn by
+        hand, or another tool's) is named as such rather than guessed at."""
+        try:
+            return Holder(**json.loads(self.path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as e:
+            raise TrialLocked(f"{self.path}: not a relaunch lock file ({e}); remove it if no run uses this trial") from e
+
+    def live_holder(self) -> Holder | None:
+        """The holder when it may be alive, None when the trial is free (no lock, or a stale one)."""
+        holder = self.read()
+        if holder is None:
+            return None
+        reason = stale_reason(holder, socket.gethostname(), time.time(), process_start(holder.pid))
+        return None if reason else holder
+
+    def check_free(self) -> None:
+        """TrialLocked, naming the holder, when a live run holds the trial; writes nothing."""
+        holder = self.live_holder()
+        if holder is not None:
+            raise self._refusal(holder)
+
+    def _refusal(self, holder: Holder) -> TrialLocked:
+        return TrialLocked(f"trial is already running: {self.path} is held by {holder.describe(time.time())}")
+
+    def acquire(self) -> str | None:
+        """Take the lock; return why a stale lock was taken over (None: there was none). TrialLocked when a live
+        run holds it. Creates the trial's directory, and nothing else, when it is missing."""
+        pid = os.getpid()
+        me = Holder(socket.gethostname(), pid, process_start(pid), uuid.uuid4().hex[:12], time.time())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        taken_over = None
+        for _ in range(3):  # a stale lock removed, then someone else's may appear: look again
+            holder = self.read()
+            if holder is not None:
+                reason = stale_reason(holder, me.host, time.time(), process_start(holder.pid))
+                if reason is None:
+                    raise self._refusal(holder)
+                if self._discard(holder):
+                    taken_over = f"took over the lock of {holder.describe(time.time())}: {reason}"
+            if self._link(me):
+                self.holder = me
+                self._start_heartbeat()
+                return taken_over
+        raise TrialLocked(f"{self.path}: could not take the lock (others keep taking it)")
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock, if it is still ours."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        if self.holder and self._ours():
+            self.path.unlink(missing_ok=True)
+        self.holder = None
+
+    def __enter__(self) -> "TrialLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # ---- file operations ----------------------------------------------------------------------
+    def _beside(self) -> Path:
+        """A fresh name next to the lock (not a `.tmp.` name: the Supervisor's cleanup of interrupted saves
+        removes those, and it runs while the lock is held)."""
+        return self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex[:8]}")
+
+    def _write_tmp(self, holder: Holder) -> Path:
+        tmp = self._beside()
+        with open(tmp, "w") as f:
+            json.dump(asdict(holder), f)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def _link(self, holder: Holder) -> bool:
+        """Publish a complete lock file under the lock's name, only when that name is free."""
+        tmp = self._write_tmp(holder)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _discard(self, stale: Holder) -> bool:
+        """Rename the lock aside; keep it gone only when it is the stale one judged, else put it back."""
+        aside = self._beside()
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            moved = Holder(**json.loads(aside.read_text()))
+        except (ValueError, TypeError):
+            moved = None
+        if moved is not None and moved.token != stale.token:
+            try:
+                os.link(aside, self.path)  # a live run took it meanwhile: give it back
+            except FileExistsError:
+                pass
+        aside.unlink(missing_ok=True)
+        return moved is not None and moved.token == stale.token
+
+    def _ours(self) -> bool:
+        try:
+            holder = self.read()
+        except TrialLocked:
+            return False
+        return holder is not None and self.holder is not None and holder.token == self.holder.token
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="trial-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(REFRESH_SECS):
+            if not self._ours():
+                print(f"relaunch: warning: {self.path} is no longer held by this run", flush=True)
+                return
+            self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
+            try:
+                os.replace(self._write_tmp(self.holder), self.path)
+            except OSError as e:  # a full or unreachable disk: the next beat tries again
+                print(f"relaunch: warning: cannot refresh {self.path}: {e}", flush=True)

@@ -1,0 +1,60 @@
+"""What the driver tells the user while a run goes on, and how it ended when interrupted.
+
+The progress bar is drawn from the Supervisor's progress answers; the step a run resumed from is read from its
+own `loaded` event, said once in a line of its own, and the bar (and its rate) starts there.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from supervisor.control.events import Event, EventLog, read_jsonl
+
+
+def kept_step(job_events: list[dict]) -> int | None:
+    """Pure: the global step of the last checkpoint the job loaded or committed (None: none yet)."""
+    kept = next((e["global_step"] for e in reversed(job_events) if e["event"] in (Event.COMMIT, Event.LOADED)),
+                None)
+    return None if kept is None or kept < 0 else kept
+
+
+class RunProgress:
+    def __init__(self, events_log: Path, job: str):
+        self.events_log, self.job = events_log, job
+        self.loaded: dict | None = None  # this job's first `loaded` event, once it is written
+        self.bar = tqdm(desc="relaunch", unit="step", mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
+
+    def job_events(self) -> list[dict]:
+        return [e for e in read_jsonl(self.events_log) if e.get("job") == self.job]
+
+    def show(self, p: dict) -> None:
+        if self.loaded is None:
+            self.loaded = next((e for e in self.job_events() if e["event"] == Event.LOADED), None)
+            if self.loaded is not None and self.loaded["global_step"] >= 0:
+                self.bar.write(f"relaunch: resumed from global step {self.loaded['global_step']} "
+                               f"({self.loaded['path']}); training on from step {self.loaded['global_step'] + 1}",
+                               file=sys.stderr)
+                self.bar.initial = self.bar.n = self.loaded["global_step"] + 1
+                self.bar.start_t = self.bar.last_print_t = time.time()
+        self.bar.total = p["total_steps"]
+        self.bar.n = max(p["global_step"] + 1, self.bar.initial)
+        reward = f"{p['reward']:.3f}" if p["reward"] is not None else "-"
+        self.bar.set_postfix(phase=p["phase"], reward=reward, restarts=p["restarts"], refresh=False)
+        self.bar.refresh()
+
+    def interrupted(self) -> str:
+        """Record the interrupt in events.jsonl (the Supervisor is gone by now) and say what was kept."""
+        events = self.job_events()
+        step = kept_step(events)
+        attempt = max((e.get("attempt", 0) for e in events), default=0)
+        EventLog(self.events_log, attempt=attempt, job=self.job).emit(Event.INTERRUPTED, global_step=step)
+        if step is None:
+            return "relaunch: interrupted before this run loaded or saved a checkpoint; what was on disk is kept"
+        return (f"relaunch: interrupted; the last valid checkpoint (global step {step}) is kept, "
+                f"the next run resumes after it")
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,159 @@
+"""What the command line says and does on the mistakes people make, without a cluster."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.trial_lock import TrialLock
+from supervisor.cli import main
+from supervisor.config import DEFAULT_CONFIG, load_config
+from supervisor.control.events import Event
+from supervisor.launch import gcs_endpoint
+from supervisor.progress import kept_step
+from supervisor.submit import SubmitError, submit_when_ready
+from supervisor.tools.status import TrialState, state_of
+
+
+@pytest.fixture
+def layout(tmp_path) -> TrialLayout:
+    """A trial with recover state on disk (empty directories are enough for clean-restart)."""
+    layout = TrialLayout.from_config(load_config(DEFAULT_CONFIG, [f"cluster.fileroot={tmp_path}"]))
+    for p in layout.recover_state_paths():
+        p.mkdir(parents=True)
+    return layout
+
+
+def relaunch(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("args, option", [
+    (("run", "--adress", "127.0.0.1:1"), "--adress"),
+    (("status", "--adress=127.0.0.1:1"), "--adress"),
+    (("clean-restart", str(DEFAULT_CONFIG), "-y"), "-y"),
+])
+def test_an_unknown_option_is_named_as_one(args, option):
+    r = relaunch(*args)
+    assert r.exit_code == 2
+    assert r.output == f"relaunch: error: no such option: {option} (`main {args[0]} --help` lists the options)\n"
+
+
+def test_clean_restart_without_yes_off_a_terminal_removes_nothing_and_says_so(layout, tmp_path):
+    r = relaunch("clean-restart", f"cluster.fileroot={tmp_path}")
+    assert r.exit_code == 2
+    assert "removing" not in r.output
+    assert r.output.startswith("relaunch: error: clean-restart would delete ")
+    assert all(p.exists() for p in layout.recover_state_paths())
+
+
+def test_clean_restart_says_removing_only_while_it_removes(layout, tmp_path):
+    dry = relaunch("clean-restart", f"cluster.fileroot={tmp_path}", "--dry-run")
+    assert dry.exit_code == 0
+    assert dry.output.splitlines() == [f"would remove {p}" for p in layout.recover_state_paths()]
+    r = relaunch("clean-restart", f"cluster.fileroot={tmp_path}", "--yes")
+    assert r.exit_code == 0
+    assert r.output.splitlines() == [*(f"removing {p}" for p in layout.recover_state_paths()),
+                                     "done: the next run starts at step 0"]
+    assert not any(p.exists() for p in layout.recover_state_paths())
+    assert not layout.lock.exists()
+
+
+def test_clean_restart_of_a_live_trial_refuses_naming_the_holder(layout, tmp_path):
+    with TrialLock(layout.lock):
+        r = relaunch("clean-restart", f"cluster.fileroot={tmp_path}", "--yes")
+    assert r.exit_code == 2
+    assert r.output.startswith(f"relaunch: error: trial is already running: {layout.lock} is held by pid "
+                               f"{os.getpid()} on {socket.gethostname()}")
+    assert all(p.exists() for p in layout.recover_state_paths())
+
+
+def test_status_of_a_trial_that_never_ran_exits_2(tmp_path):
+    r = relaunch("status", f"cluster.fileroot={tmp_path}", "trial_name=misspelt")
+    assert r.exit_code == 2
+    assert r.output == (f"relaunch: error: no run of tiny-grpo/misspelt under {tmp_path} "
+                        "(check experiment_name, trial_name and cluster.fileroot)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("job, ended, locked, state", [
+    (None, None, False, TrialState.NEVER_RUN),
+    ("j", None, True, TrialState.RUNNING),
+    ("j", None, False, TrialState.STOPPED),
+    ("j", Event.INTERRUPTED, False, TrialState.INTERRUPTED),
+    ("j", Event.DONE, True, TrialState.RUNNING),  # a new run holds the trial, before its first event
+    ("j", Event.DONE, False, TrialState.DONE),
+])
+def test_state_of(job, ended, locked, state):
+    assert state_of(job, ended, locked) == state
+
+
+@pytest.mark.parametrize("events, step", [
+    ([], None),
+    ([{"event": "loaded", "global_step": -1}], None),
+    ([{"event": "loaded", "global_step": -1}, {"event": "commit", "global_step": 9}, {"event": "state"}], 9),
+    ([{"event": "commit", "global_step": 9}, {"event": "loaded", "global_step": 4}], 4),  # rolled back
+])
+def test_kept_step(events, step):
+    assert kept_step(events) == step
+
+
+@pytest.mark.parametrize("address, endpoint", [
+    ("127.0.0.1:6379", ("127.0.0.1", 6379)),
+    ("head.example:6379", ("head.example", 6379)),
+    ("[::1]:6379", ("::1", 6379)),
+    ("auto", None),
+    ("ray://127.0.0.1:10001", None),  # Ray Client: Ray resolves it
+    ("http://127.0.0.1:8265", None),
+])
+def test_gcs_endpoint(address, endpoint):
+    assert gcs_endpoint(address) == endpoint
+
+
+def test_run_with_an_unreachable_address_is_one_line_and_touches_nothing(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = relaunch("run", f"cluster.fileroot={tmp_path}", "--address", f"127.0.0.1:{port}")
+    assert r.exit_code == 2
+    assert r.output == (f"relaunch: error: --address 127.0.0.1:{port}: no Ray cluster answers there (Connection "
+                        "refused); start one (docs/cli.md), or leave --address out for a Ray of the job's own\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_submit_of_a_live_trial_refuses_before_it_contacts_the_cluster(layout, tmp_path):
+    with TrialLock(layout.lock):
+        r = relaunch("submit", f"cluster.fileroot={tmp_path}", "--address", "http://127.0.0.1:1")
+    assert r.exit_code == 2
+    assert r.output.startswith(f"relaunch: error: trial is already running: {layout.lock} is held by pid "
+                               f"{os.getpid()} on {socket.gethostname()}")
+
+
+class StandInJobsClient:
+    """Answers as a newly started head does: no job agent for the first `busy` submissions."""
+
+    def __init__(self, busy: int, error: str = "Request failed with status code 500: No available agent to "
+                                               "submit job, please try again later.."):
+        self.busy, self.error, self.calls = busy, error, 0
+
+    def submit_job(self, **job) -> str:
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise RuntimeError(self.error)
+        return "raysubmit_1"
+
+
+def test_submit_waits_for_a_new_heads_job_agent(monkeypatch):
+    monkeypatch.setattr("supervisor.submit.time.sleep", lambda s: None)
+    client = StandInJobsClient(busy=2)
+    assert submit_when_ready(client, "http://h:8265", entrypoint="x") == "raysubmit_1"
+    assert client.calls == 3
+
+
+def test_submit_fails_in_one_line_on_another_error():
+    with pytest.raises(SubmitError, match=r"^--address http://h:8265: Request failed with status code 403$"):
+        submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
+                           "http://h:8265", entrypoint="x")
