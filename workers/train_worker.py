@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
 from workers.shared_weights import attach
-from workers.weight_sync import join_group, op_timeout, send, write_shared
+from workers.weight_sync import (bucket_elements, buckets_to_check, check_buckets, join_group, op_timeout, send,
+                                 write_shared)
 
 
 @ray.remote
@@ -114,28 +116,39 @@ class TrainWorker:
 
     @fault_points
     def send_weights(self, global_step: int, targets: list[int], dtype: str, shared: bool = False,
-                     verify: bool = False) -> dict:
+                     check_all: bool = False) -> dict:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
         with no targets, only their digest. With `shared`, every rank writes its shards straight into the
-        targets' shared weights instead, and with `verify` a digest-only pass over the trainer's own weights
-        follows, for rank 0 to report whether both digests agree (`verified`). Rank 0 returns the digest, the
-        targets that failed and figures; the others {}."""
+        targets' shared weights instead, and the trainer's own gather of one bucket (`check_all`: of every
+        bucket) is compared with what was written there (workers/weight_sync.py: check_buckets). Rank 0
+        returns the digest, the targets that failed and figures; the others {}."""
         numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
-        bucket_bytes, timeout = self.config.rollout.weight_bucket_mb * 2**20, op_timeout(self.config)
+        torch_dtype, bucket_bytes = getattr(torch, dtype), self.config.rollout.weight_bucket_mb * 2**20
+        timeout, sender = op_timeout(self.config), self.rank == 0
         if shared and targets:
-            sent = write_shared(self.engine.weight_shard, numels, getattr(torch, dtype), bucket_bytes,
+            sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes,
                                 [self.segments[t] for t in targets], self.rank, self.world_size, self.weights_group,
                                 targets, timeout, global_step)
-            if verify:
-                own = send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0,
-                           None, [], timeout)
-                sent |= {"verified": own["digest"] == sent["digest"], "trainer_digest": own["digest"],
-                         "verify_secs": own["secs"]} if self.rank == 0 else {}
-            return sent
+            written = sent.pop("hashes", None)
+            return sent | self._check(numels, torch_dtype, bucket_bytes, global_step, check_all, written)
         group = self.weights_group if targets else None
-        return send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0, group,
-                    targets, timeout, self.engine.device if self.weights_backend == "nccl" else "cpu")
+        return send(self.engine.full_param, numels, torch_dtype, bucket_bytes, sender, group, targets, timeout,
+                    self.engine.device if self.weights_backend == "nccl" else "cpu")
+
+    def _check(self, numels: list[int], dtype: torch.dtype, bucket_bytes: int, global_step: int, check_all: bool,
+               written: list[int] | None) -> dict:
+        """Collective: compare the buckets the ranks wrote (`written`: their hashes, on rank 0) with the
+        trainer's own gather of them: every bucket, or bucket (version mod buckets) so that each is checked in
+        turn. Rank 0 returns the buckets checked, the first that differs (`mismatch`, None) and the cost."""
+        t0, count = time.monotonic(), -(-sum(numels) // bucket_elements(dtype.itemsize, bucket_bytes))
+        which = buckets_to_check(global_step + 1, count, check_all)
+        own = check_buckets(self.engine.full_param, numels, dtype, bucket_bytes, which, self.rank == 0)
+        if self.rank != 0:
+            return {}
+        bad = [k for k, h in zip(which, own) if written[k] != h]
+        return {"checked": len(which), "mismatch": bad[0] if bad else None,
+                "check_secs": time.monotonic() - t0}
 
     @fault_points
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:

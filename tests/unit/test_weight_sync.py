@@ -103,3 +103,53 @@ def test_digests_that_disagree_leave_no_version(monkeypatch):
     with pytest.raises(WeightSyncError, match="another digest"):
         result, error = stream([torch.ones(8)], [torch.zeros(8)], bucket_bytes=16)
         raise error
+
+
+def test_every_bucket_is_checked_once_in_as_many_syncs_as_there_are_buckets():
+    from workers.weight_sync import buckets_to_check
+
+    assert sorted(k for v in range(17, 17 + 5) for k in buckets_to_check(v, 5, whole=False)) == [0, 1, 2, 3, 4]
+    assert buckets_to_check(3, 5, whole=True) == [0, 1, 2, 3, 4]
+
+
+def test_the_trainers_own_bucket_hashes_are_the_digests_and_each_parameter_is_gathered_once_per_run():
+    from workers.weight_sync import bucket_hash, check_buckets
+
+    torch.manual_seed(0)
+    full = [torch.randn(37, 5), torch.randn(1000), torch.randn(3, 3)]
+    gathered = []
+    buffer = torch.empty(1000)
+
+    def gather(i: int) -> torch.Tensor:  # like FSDP's: a buffer reused from parameter to parameter
+        gathered.append(i)
+        out = buffer[:full[i].numel()].view(full[i].shape)
+        out.copy_(full[i])
+        return out
+
+    plan = plan_buckets([t.numel() for t in full], 4, 256)
+    flat = torch.cat([t.reshape(-1) for t in full])
+    want = [bucket_hash(flat[k * 64:(k + 1) * 64]) for k in range(len(plan))]
+    assert check_buckets(gather, [t.numel() for t in full], torch.float32, 256, range(len(plan)), True) == want
+    assert gathered == [0, 1, 2]
+    gathered.clear()
+    assert check_buckets(gather, [t.numel() for t in full], torch.float32, 256, [2], sender=False) == []
+    assert gathered == [0, 1]  # bucket 2 holds the end of parameter 0 and the start of 1: every rank gathers both
+
+
+def test_an_engines_shared_weights_hash_in_place_as_the_stream_hashes_them():
+    from workers.weight_sync import flat_digest
+
+    torch.manual_seed(0)
+    ts = [torch.randn(37, 5), torch.randn(1000)]
+    assert flat_digest(torch.cat([t.reshape(-1) for t in ts]), torch.float32, 256) == local_digest(ts, torch.float32, 256)
+
+
+def test_a_failed_write_into_shared_weights_is_an_internal_error_not_a_retried_fault():
+    from supervisor.cluster.errors import Group, GroupError
+    from supervisor.control.classify import FaultKind, classify
+    from workers.errors import ShardWriteError
+
+    error = ShardWriteError("trainer rank 1 could not write its shards into the engines' shared weights: "
+                            "ValueError: a bug in weight_shard")
+    fault = classify(GroupError(Group.TRAIN, error, ("TrainWorker[rank 1]",), settled=True))
+    assert fault.kind is FaultKind.INTERNAL_ERROR and "rank 1" in fault.message
