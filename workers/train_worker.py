@@ -24,8 +24,7 @@ from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
 from workers.shared_weights import attach
-from workers.weight_sync import (bucket_elements, buckets_to_check, check_buckets, join_group, op_timeout, send,
-                                 write_shared)
+from workers.weight_sync import join_group, mismatched, op_timeout, send, to_check, write_shared
 
 
 @ray.remote
@@ -120,35 +119,24 @@ class TrainWorker:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
         with no targets, only their digest. With `shared`, every rank writes its shards straight into the
-        targets' shared weights instead, and the trainer's own gather of one bucket (`check_all`: of every
-        bucket) is compared with what was written there (workers/weight_sync.py: check_buckets). Rank 0
-        returns the digest, the targets that failed and figures; the others {}."""
+        targets' shared weights instead, and the trainer's own gather of one parameter (`check_all`: of every
+        parameter) is compared with what was written (workers/weight_sync.py: mismatched). Rank 0 returns the
+        digest, the targets that failed and figures; the others {}."""
         numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
         torch_dtype, bucket_bytes = getattr(torch, dtype), self.config.rollout.weight_bucket_mb * 2**20
         timeout, sender = op_timeout(self.config), self.rank == 0
-        if shared and targets:
-            sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes,
-                                [self.segments[t] for t in targets], self.rank, self.world_size, self.weights_group,
-                                targets, timeout, global_step)
-            written = sent.pop("hashes", None)
-            return sent | self._check(numels, torch_dtype, bucket_bytes, global_step, check_all, written)
-        group = self.weights_group if targets else None
-        return send(self.engine.full_param, numels, torch_dtype, bucket_bytes, sender, group, targets, timeout,
-                    self.engine.device if self.weights_backend == "nccl" else "cpu")
-
-    def _check(self, numels: list[int], dtype: torch.dtype, bucket_bytes: int, global_step: int, check_all: bool,
-               written: list[int] | None) -> dict:
-        """Collective: compare the buckets the ranks wrote (`written`: their hashes, on rank 0) with the
-        trainer's own gather of them: every bucket, or bucket (version mod buckets) so that each is checked in
-        turn. Rank 0 returns the buckets checked, the first that differs (`mismatch`, None) and the cost."""
-        t0, count = time.monotonic(), -(-sum(numels) // bucket_elements(dtype.itemsize, bucket_bytes))
-        which = buckets_to_check(global_step + 1, count, check_all)
-        own = check_buckets(self.engine.full_param, numels, dtype, bucket_bytes, which, self.rank == 0)
-        if self.rank != 0:
-            return {}
-        bad = [k for k, h in zip(which, own) if written[k] != h]
-        return {"checked": len(which), "mismatch": bad[0] if bad else None,
-                "check_secs": time.monotonic() - t0}
+        if not (shared and targets):
+            group = self.weights_group if targets else None
+            return send(self.engine.full_param, numels, torch_dtype, bucket_bytes, sender, group, targets, timeout,
+                        self.engine.device if self.weights_backend == "nccl" else "cpu")
+        segments = [self.segments[t] for t in targets]
+        sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes, segments, self.rank,
+                            self.world_size, self.weights_group, targets, timeout, global_step)
+        t0, which = time.monotonic(), to_check(global_step + 1, len(numels), check_all)
+        bad = mismatched(self.engine.full_param, segments[0].view(torch_dtype) if sender else None, numels,
+                         torch_dtype, which)  # the first engine's: the digests show the others hold the same
+        return sent | {"checked": len(which), "mismatch": bad[0] if bad else None,
+                       "check_secs": time.monotonic() - t0} if sender else {}
 
     @fault_points
     def save_recover(self, staging: str, global_step: int, driver_state: dict | None = None) -> dict[str, dict]:

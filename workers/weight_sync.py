@@ -234,8 +234,7 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
     Each rank writes its parts into every segment, then, once all have (a barrier on the training group),
     hashes its share of the buckets there (bucket k on rank k % world_size): the digest is of the engine's own
     memory, and the same as the stream's, whatever the world size. Rank 0 sends each target its hashes, the
-    engine's signal that its weights are whole, and returns what `send` returns (and the buckets' `hashes`);
-    the others {}.
+    engine's signal that its weights are whole, and returns what `send` returns; the others {}.
 
     A rank whose writes fail still takes part in every collective; then every rank raises the same
     ShardWriteError naming it, rank 0 tells the engines to give up, and the Supervisor sees that error from
@@ -278,7 +277,7 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
             group.send([torch.cat([hashes[j], torch.zeros(1, dtype=torch.int64)])], target, TAG_DIGESTS).wait(timeout)
         except Exception as e:  # noqa: BLE001 - that target is dropped and reported
             unsent[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
-    return {"digest": combine(from_message(hashes[0])), "failed": unsent, "hashes": from_message(hashes[0]),
+    return {"digest": combine(from_message(hashes[0])), "failed": unsent,
             "bytes": total * flats[0].element_size(), "buckets": count, "secs": time.monotonic() - t0,
             "digest_secs": digest_secs, "write_secs": write_secs, "wait_secs": time.monotonic() - t2}
 
@@ -300,29 +299,26 @@ def _write_failed(error: BaseException | None, failed: torch.Tensor, group, targ
                            f"{texts[ranks[0]]}" + (f" (and ranks {ranks[1:]})" if ranks[1:] else ""))
 
 
-def buckets_to_check(version: int, count: int, whole: bool) -> list[int]:
-    """Which of a sync's `count` buckets are checked against the trainer's own gather: all of them (`whole`),
-    else one, a different one each version, so that `count` consecutive syncs cover every bucket."""
+def to_check(version: int, count: int, whole: bool) -> list[int]:
+    """Which of the `count` parameters a shared sync checks against the trainer's own gather: all of them
+    (`whole`), else one, a different one each version, so that `count` consecutive syncs cover them all."""
     return list(range(count)) if whole else [version % count]
 
 
-def check_buckets(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torch.dtype,
-                  bucket_bytes: int, which: Sequence[int], sender: bool) -> list[int]:
-    """Collective, on every trainer rank: the hashes of buckets `which` (in order) of the trainer's own weights,
-    gathered by `full` (the stream's gather, not the shards the ranks wrote), on rank 0 (the `sender`); the
-    others get []. What the shared path wrote is checked against them: a stale or misplaced shard shows."""
-    plan = plan_buckets(numels, torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
-    hashes, current, tensor = [], -1, None
-    for k in which:
-        parts = []
-        for piece in plan[k]:
-            if piece.param != current:
-                current, tensor = piece.param, full(piece.param)  # collective: every rank, each parameter once
-            if sender:  # a copy: `full` may hand out a buffer it reuses for the next parameter
-                parts.append(tensor.reshape(-1)[piece.start:piece.start + piece.length].to(dtype, copy=True))
-        if sender:
-            hashes.append(bucket_hash(torch.cat(parts)))
-    return hashes
+def mismatched(full: Callable[[int], torch.Tensor], flat: torch.Tensor | None, numels: Sequence[int],
+               dtype: torch.dtype, which: Sequence[int]) -> list[int]:
+    """Collective, on every trainer rank: parameters `which` as the trainer gathers them (`full`, the stream's
+    gather, not the shards the ranks wrote), compared bitwise on rank 0 with where the ranks wrote them (`flat`:
+    an engine's shared weights, laid end to end in `dtype`; None on the other ranks). The indices that differ,
+    on rank 0: a stale or misplaced shard shows."""
+    first, bad = np.cumsum([0, *numels[:-1]]).tolist(), []
+    for i in which:
+        tensor = full(i)  # collective: every rank, each parameter
+        if flat is not None:
+            own = tensor.reshape(-1).to(dtype).contiguous().view(torch.uint8)
+            if not torch.equal(own, flat[first[i]:first[i] + numels[i]].view(torch.uint8)):
+                bad.append(i)
+    return bad
 
 
 def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int, group,

@@ -58,13 +58,14 @@ class WeightStream:
         self.shared = all(a["shared"] for a in (spec, *others))
         # whether a shared sync was checked whole against the trainer's own gather, before and after the
         # TrainGroup's first optimizer step (right after a load, a stale shard cannot show); every other shared
-        # sync checks one bucket, a different one each version
+        # sync checks one parameter, a different one each version
         self.checked: set[bool] = set()
 
     def sync(self, global_step: int, only: list[int] | None = None) -> dict:
         """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
         digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, wait_secs, and
-        gather_secs (the stream) or write_secs (shared weights)."""
+        gather_secs (the stream) or write_secs, checked and check_secs (shared weights). A shared sync whose
+        writes differ from the trainer's own gather stops the job (an internal error)."""
         trainers, engines = self.trainers, self.engines
         only = list(range(len(engines.members))) if only is None else only
         shared = self.shared and bool(only)
@@ -81,8 +82,8 @@ class WeightStream:
             raise GroupError(Group.ROLLOUT, WeightSyncError("; ".join(sent["failed"].values())), names)
         if shared and sent["mismatch"] is not None:  # a bug in an engine's weight_shard: stop, do not train on
             raise GroupError(Group.TRAIN, ShardWriteError(
-                f"bucket {sent['mismatch']} of {sent['buckets']} as the ranks wrote it into the engines' shared "
-                f"weights differs from the trainer's own weights (version {global_step + 1}); "
+                f"{self.names[sent['mismatch']]} as the ranks wrote it into the engines' shared weights differs "
+                f"from the trainer's own (version {global_step + 1}); "
                 f"rollout.shared_memory_weights=false streams them instead"), (trainers.members[0].name,))
         if check_all:
             self.checked.add(trained)

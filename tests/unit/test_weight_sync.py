@@ -105,35 +105,32 @@ def test_digests_that_disagree_leave_no_version(monkeypatch):
         raise error
 
 
-def test_every_bucket_is_checked_once_in_as_many_syncs_as_there_are_buckets():
-    from workers.weight_sync import buckets_to_check
+def test_every_parameter_is_checked_once_in_as_many_syncs_as_there_are_parameters():
+    from workers.weight_sync import to_check
 
-    assert sorted(k for v in range(17, 17 + 5) for k in buckets_to_check(v, 5, whole=False)) == [0, 1, 2, 3, 4]
-    assert buckets_to_check(3, 5, whole=True) == [0, 1, 2, 3, 4]
+    assert sorted(k for v in range(17, 17 + 5) for k in to_check(v, 5, whole=False)) == [0, 1, 2, 3, 4]
+    assert to_check(3, 5, whole=True) == [0, 1, 2, 3, 4]
 
 
-def test_the_trainers_own_bucket_hashes_are_the_digests_and_each_parameter_is_gathered_once_per_run():
-    from workers.weight_sync import bucket_hash, check_buckets
+def test_a_parameter_written_stale_differs_from_the_trainers_own_gather_and_every_rank_gathers_alike():
+    from workers.weight_sync import mismatched
 
     torch.manual_seed(0)
     full = [torch.randn(37, 5), torch.randn(1000), torch.randn(3, 3)]
-    gathered = []
-    buffer = torch.empty(1000)
+    buffer, gathered = torch.empty(1000), []
 
     def gather(i: int) -> torch.Tensor:  # like FSDP's: a buffer reused from parameter to parameter
         gathered.append(i)
-        out = buffer[:full[i].numel()].view(full[i].shape)
-        out.copy_(full[i])
-        return out
+        return buffer[:full[i].numel()].view(full[i].shape).copy_(full[i])
 
-    plan = plan_buckets([t.numel() for t in full], 4, 256)
-    flat = torch.cat([t.reshape(-1) for t in full])
-    want = [bucket_hash(flat[k * 64:(k + 1) * 64]) for k in range(len(plan))]
-    assert check_buckets(gather, [t.numel() for t in full], torch.float32, 256, range(len(plan)), True) == want
-    assert gathered == [0, 1, 2]
+    written = torch.cat([t.reshape(-1) for t in full])
+    numels = [t.numel() for t in full]
+    assert mismatched(gather, written, numels, torch.float32, [0, 1, 2]) == []
+    written[185 + 999] = torch.nextafter(written[185 + 999], torch.tensor(9.0))  # the last element of parameter 1
+    assert mismatched(gather, written, numels, torch.float32, [0, 1, 2]) == [1]
+    assert mismatched(gather, written, numels, torch.float32, [2]) == []  # another parameter's turn: not seen
     gathered.clear()
-    assert check_buckets(gather, [t.numel() for t in full], torch.float32, 256, [2], sender=False) == []
-    assert gathered == [0, 1]  # bucket 2 holds the end of parameter 0 and the start of 1: every rank gathers both
+    assert mismatched(gather, None, numels, torch.float32, [1, 2]) == [] and gathered == [1, 2]  # rank > 0
 
 
 def test_an_engines_shared_weights_hash_in_place_as_the_stream_hashes_them():
