@@ -101,7 +101,7 @@ class RolloutWorker:
         if self.version is None:
             return None, ""
         bucket_bytes = self.config.rollout.weight_bucket_mb * 2**20
-        if self.shared:  # the segment is laid out in the stream's order: hashed where it is
+        if self.shared and [n for n, _ in self.shared.layout] == self.names:  # in the stream's order: hashed in place
             return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes)
         own = dict(self.model.named_parameters())
         return self.version, local_digest([own[n] for n in self.names], self.dtype, bucket_bytes)

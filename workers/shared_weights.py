@@ -46,7 +46,7 @@ class SharedWeights:
         fd = os.memfd_create(NAME, os.MFD_ALLOW_SEALING)  # kept open: the ranks reopen it through /proc
         os.ftruncate(fd, HEADER + self.nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # no SIGBUS by truncation
-        segment = mmap.mmap(fd, HEADER + self.nbytes)
+        segment = mmap.mmap(fd, HEADER + self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         nonce = os.urandom(NONCE)
         segment[:NONCE] = nonce
         data, offset = torch.frombuffer(segment, dtype=torch.uint8), HEADER
