@@ -6,11 +6,13 @@ weights (workers/shared_weights.py), each against a memcpy of the same bytes, an
     .venv/bin/python benchmarks/weight_sync.py [--size tiny|100m|0.5b] [--repeats 3] [--quick] [--address ADDR]
                                                [--json FILE] [KEY=VALUE ...]
 
-A 2-rank FSDP TrainGroup and one engine on a local 3-node cluster (or `--address`). Each sync is timed from
-the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's cost is a sync's
-time with the hash against the same sync with the hash replaced by a constant. At the end the engine checks,
-bitwise, that it holds the trainer's full weights after each kind of sync. `--quick` is --size tiny with 2
-repeats.
+A 2-rank FSDP TrainGroup and one engine, of the shipped config of `--size` (benchmarks/sizes.py), on a local
+one-node cluster whose object store is sized for that model (as benchmarks/step.py's; or `--address`). Each
+sync is timed from the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's
+cost is a sync's time with the hash against the same sync with the hash replaced by a constant. A shared sync
+checks what it wrote against the trainer's own gather: every parameter at a group's first syncs, one at the
+others (here always the first, the embedding: the largest); both are reported, and the mean of a rotation. At the end the engine checks, bitwise, that it holds the trainer's full weights
+after each kind of sync. `--quick` is --size tiny with 2 repeats.
 """
 from __future__ import annotations
 
@@ -21,20 +23,12 @@ import time
 import ray
 import torch
 from report import arguments, report
+from sizes import SIZES
 
 from supervisor.cluster.groups import RolloutGroup, TrainGroup
 from supervisor.config import load_config
 from supervisor.launch import connect
 from supervisor.testing.local_cluster import LocalCluster
-
-SIZES = {
-    "tiny": [],
-    "100m": ["model.hidden_size=768", "model.intermediate_size=3072", "model.num_layers=12", "model.num_heads=12",
-             "model.num_kv_heads=4"],
-    "0.5b": ["model.hidden_size=896", "model.intermediate_size=4864", "model.num_layers=24", "model.num_heads=14",
-             "model.num_kv_heads=2"],  # the Qwen2.5-0.5B shape, with the tiny vocabulary
-}
-
 
 # ---- the object-store push the stream replaced, kept here only to compare against ------------------------
 def _full_state_dict(worker) -> dict | None:
@@ -109,9 +103,11 @@ def memcpy_secs(nbytes: int) -> float:
     return statistics.median(times)
 
 
-def measure(address: str, overrides: list[str], repeats: int) -> dict:
-    config = load_config(None, ["cluster.n_rollout_workers=1", "recover.step_timeout_secs=600",
-                                f"cluster.fileroot={tempfile.mkdtemp(prefix='relaunch-bench-')}", *overrides])
+def measure(address: str, size: str, overrides: list[str], repeats: int) -> dict:
+    config = load_config(SIZES[size].config, [
+        "cluster.n_rollout_workers=1", "cluster.n_train_workers=2", "actor.backend=fsdp",
+        "recover.step_timeout_secs=600", f"cluster.fileroot={tempfile.mkdtemp(prefix='relaunch-bench-')}",
+        *overrides])
     connect(config, address)
     trainers = engines = None
     try:
@@ -120,8 +116,8 @@ def measure(address: str, overrides: list[str], repeats: int) -> dict:
         stream = engines.connect(trainers)
         if not stream.shared:
             raise SystemExit("the ranks could not map the engine's shared weights (rollout.shared_memory_weights?)")
-        for shared in (False, True):
-            timed_sync(stream, shared)  # warm: the first transfers set up the pairs' buffers
+        timed_sync(stream, False)  # warm: the first transfers set up the pairs' buffers
+        whole = timed_sync(stream, True)[1]  # a group's first shared sync checks every bucket
         times = {k: [] for k in ("object_store", "stream", "stream_unhashed", "shared", "shared_unhashed")}
         sent = {}
         for _ in range(repeats):  # alternating, so that a busy moment of the machine hits each alike
@@ -133,9 +129,11 @@ def measure(address: str, overrides: list[str], repeats: int) -> dict:
         equal = {kind: holds_after(stream, trainers, engines, kind == "shared") for kind in ("stream", "shared")}
         nbytes = sent["stream"]["bytes"]
         return {"bytes": nbytes, "buckets": sent["stream"]["buckets"], "params": nbytes // 4,
+                "params_count": len(stream.names),
                 **{f"{k}_secs": statistics.median(v) for k, v in times.items()},
                 "rank0": {"stream": {k: sent["stream"][k] for k in ("secs", "gather_secs", "wait_secs", "digest_secs")},
-                          "shared": {k: sent["shared"][k] for k in ("secs", "write_secs", "digest_secs")}},
+                          "shared": {k: sent["shared"][k] for k in ("secs", "write_secs", "digest_secs", "check_secs")},
+                          "shared_whole_check": {k: whole[k] for k in ("secs", "check_secs")}},
                 "digests_agree": sent["stream"]["digest"] == sent["shared"]["digest"],
                 "memcpy_secs": memcpy_secs(nbytes), "stream_equals_trainer": equal["stream"],
                 "shared_equals_trainer": equal["shared"]}
@@ -166,8 +164,11 @@ def table(size: str, f: dict) -> list[tuple[str, ...]]:
          f"{f['shared_unhashed_secs']:.3f} s without it)"),
         ("rank 0, stream: sync, gathering, waiting, hashing",
          " / ".join(f"{r0s[k]:.3f} s" for k in ("secs", "gather_secs", "wait_secs", "digest_secs"))),
-        ("rank 0, shared: sync, writing, hashing its buckets",
-         " / ".join(f"{r0m[k]:.3f} s" for k in ("secs", "write_secs", "digest_secs"))),
+        ("rank 0, shared: writing, hashing its buckets, checking the embedding",
+         " / ".join(f"{r0m[k]:.3f} s" for k in ("write_secs", "digest_secs", "check_secs"))),
+        ("rank 0, shared: checking every parameter (a group's first syncs), and its mean per sync",
+         f"{f['rank0']['shared_whole_check']['check_secs']:.3f} s, "
+         f"{f['rank0']['shared_whole_check']['check_secs'] / f['params_count']:.4f} s"),
         ("engine holds the trainer's weights bitwise: stream, shared",
          f"{f['stream_equals_trainer']}, {f['shared_equals_trainer']} (digests agree: {f['digests_agree']})"),
     ]
@@ -180,9 +181,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     size, repeats = ("tiny", 2) if args.quick else (args.size, args.repeats)
-    cluster = None if args.address else LocalCluster()
+    cluster = None if args.address else LocalCluster(n_workers=0, head_cpus=4, object_store=SIZES[size].object_store)
     try:
-        f = measure(args.address or cluster.address, [*SIZES[size], *args.overrides], repeats)
+        f = measure(args.address or cluster.address, size, args.overrides, repeats)
     finally:
         if cluster:
             cluster.shutdown()

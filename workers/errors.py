@@ -13,3 +13,9 @@ class StaleWeights(RuntimeError):
 class WeightSyncError(RuntimeError):
     """A weight sync that did not complete (a transfer broke, or a bucket's digest disagreed): the engine
     holds no version until a new sync completes."""
+
+
+class ShardWriteError(RuntimeError):
+    """A trainer rank could not write its shards into an engine's shared weights (workers/weight_sync.py). Every
+    rank raises it together. Nothing of the infrastructure fails there (the memory is mapped and sealed): it
+    is a bug in relaunch that a retry would only repeat, so it is classified an internal error (fail fast)."""

@@ -15,12 +15,13 @@ import torch
 
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_points
-from workers.errors import StaleWeights
+from workers.errors import StaleWeights, WeightSyncError
 from workers.generate import generate
 from workers.memory import peak_memory
 from workers.model import build_model, build_tokenizer
 from workers.shared_weights import SharedWeights
-from workers.weight_sync import join_group, op_timeout, receive, receive_shared
+from workers.weight_sync import (flat_digest, join_group, local_digest, op_timeout, receive,
+                                 receive_shared)
 
 
 @ray.remote
@@ -41,21 +42,26 @@ class RolloutWorker:
             except OSError:  # no memfd here (self.shared stays None): the weights are streamed to it
                 pass
         self.version: int | None = None
-        self.digest = ""  # of the sync that brought `version`
+        self.names: list[str] = []  # the stream's order of the parameters, as the sync that brought `version` sent
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)
+        self.group_name = ""
 
     @fault_points
     def where(self) -> dict:
-        """Where it runs, and the handle of its shared weights (None when it offers none)."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "memory": self.shared.handle() if self.shared else None}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    @fault_points
+    def share_weights(self, group_name: str) -> dict | None:
+        """The handle of a new segment of its shared weights, for the ranks of the weights-update group
+        `group_name` alone (workers/shared_weights.py: renew); None when it offers none."""
+        return self.shared.renew(group_name) if self.shared else None
 
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str) -> dict:
         """Join a new weights-update group as rank `rank_offset` (the trainer's rank 0 is its rank 0).
         Returns the dtype the engine wants its weights in."""
-        self.weights_group = None  # the previous group's connections go first
+        self.weights_group, self.group_name = None, group_name  # the previous group's connections go first
         self.weights_group = join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
                                         op_timeout(self.config))
         return {"dtype": str(self.dtype).removeprefix("torch.")}
@@ -67,7 +73,7 @@ class RolloutWorker:
         `version` only when the last bucket landed and every bucket's digest agrees. With `shared`, the
         trainer ranks write them into this engine's shared weights themselves, and the group brings only the
         hashes, once all have. Returns the digest."""
-        self.version, self.digest = None, ""  # from the first byte written, it holds no version
+        self.version = None  # from the first byte written, it holds no version
         own = dict(self.model.named_parameters())  # a tied lm_head is embed_tokens: named once
         if set(names) != set(own) or len(names) != len(own):
             raise ValueError(f"weights do not fit the engine's model: sent {sorted(set(names) - set(own))}, "
@@ -78,17 +84,27 @@ class RolloutWorker:
             raise ValueError(f"weights do not fit the engine's model: dtype or shape of {wrong[:5]}")
         params, bucket_bytes = [own[n] for n in names], self.config.rollout.weight_bucket_mb * 2**20
         if shared:
-            self.digest = receive_shared([p.numel() for p in params], self.dtype, bucket_bytes, self.weights_group,
-                                         op_timeout(self.config))
+            if self.shared.generation != self.group_name:  # the ranks wrote into another group's segment
+                raise WeightSyncError(f"shared weights of group {self.shared.generation} written for a sync of "
+                                      f"group {self.group_name}")
+            digest = receive_shared([p.numel() for p in params], self.dtype, bucket_bytes, self.weights_group,
+                                    op_timeout(self.config))
         else:
-            self.digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config))
-        self.version = version
-        return self.digest
+            digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config))
+        self.version, self.names = version, list(names)
+        return digest
 
     @fault_points
     def weight_status(self) -> tuple[int | None, str]:
-        """(version, digest of the sync that brought it), for the resync gate: stored, never hashed again."""
-        return self.version, self.digest
+        """(version, digest of the weights it holds now), for the resync gate: hashed again, not remembered, so
+        that whatever changed them since their sync (a late writer, a bug) shows."""
+        if self.version is None:
+            return None, ""
+        bucket_bytes = self.config.rollout.weight_bucket_mb * 2**20
+        if self.shared and [n for n, _ in self.shared.layout] == self.names:  # in the stream's order: hashed in place
+            return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes)
+        own = dict(self.model.named_parameters())
+        return self.version, local_digest([own[n] for n in self.names], self.dtype, bucket_bytes)
 
     @fault_points
     def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,

@@ -24,33 +24,52 @@ NONCE = 16
 
 class SharedWeights:
     """Engine side: moves `model`'s parameters (each once: a tied weight is one parameter) into a segment.
-    Raises OSError where the segment cannot be made (the engine then offers none and is streamed to)."""
+    Raises OSError where the segment cannot be made (the engine then offers none and is streamed to).
+
+    Each weights-update group gets a segment of its own (`renew`): the parameters are copied into a new memfd
+    and the old one is let go, so a writer left over from an earlier group (a rank of a killed TrainGroup that
+    outlived its kill) writes into memory the engine no longer serves. That costs one copy of the weights per
+    new group, and the old segment's memory until its last such writer is gone."""
 
     def __init__(self, model: torch.nn.Module):
-        params = list(model.named_parameters())
-        if len({p.dtype for _, p in params}) != 1:
+        self.params = [p for _, p in model.named_parameters()]
+        if len({p.dtype for p in self.params}) != 1:
             raise OSError("the engine's parameters are of several dtypes: one flat segment cannot hold them")
-        self.layout = [(name, list(p.shape)) for name, p in params]
-        self.nbytes = sum(p.numel() * p.element_size() for _, p in params)
-        self.fd = os.memfd_create(NAME, os.MFD_ALLOW_SEALING)  # kept open: the ranks reopen it through /proc
-        os.ftruncate(self.fd, HEADER + self.nbytes)
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # no SIGBUS by truncation
-        self.map = mmap.mmap(self.fd, HEADER + self.nbytes)
-        self.nonce = os.urandom(NONCE)
-        self.map[:NONCE] = self.nonce
-        data, offset = torch.frombuffer(self.map, dtype=torch.uint8), HEADER
+        self.layout = [(name, list(p.shape)) for name, p in model.named_parameters()]
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.generation: str | None = None  # the weights-update group whose ranks may write it
+        self.fd, self.map, self.nonce = -1, None, b""
+        self.renew(None)
+
+    def renew(self, generation: str | None) -> dict:
+        """A new segment for the group `generation`, holding the parameters as they are; returns its handle."""
+        fd = os.memfd_create(NAME, os.MFD_ALLOW_SEALING)  # kept open: the ranks reopen it through /proc
+        os.ftruncate(fd, HEADER + self.nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # no SIGBUS by truncation
+        segment = mmap.mmap(fd, HEADER + self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        nonce = os.urandom(NONCE)
+        segment[:NONCE] = nonce
+        data, offset = torch.frombuffer(segment, dtype=torch.uint8), HEADER
         with torch.no_grad():
-            for _, p in params:
+            for p in self.params:
                 n = p.numel() * p.element_size()
                 view = data[offset:offset + n].view(p.dtype).view(p.shape)
                 view.copy_(p.data)
                 p.data = view
                 offset += n
+        if self.fd >= 0:
+            os.close(self.fd)  # the old mapping goes with its last view, dropped above
+        self.fd, self.map, self.nonce, self.generation = fd, segment, nonce, generation
+        return self.handle()
+
+    def flat(self) -> torch.Tensor:
+        """The parameters as one flat uint8 tensor, in the stream's order: what the ranks write and hash."""
+        return torch.frombuffer(self.map, dtype=torch.uint8, offset=HEADER, count=self.nbytes)
 
     def handle(self) -> dict:
         """What a trainer rank needs to map the segment: picklable, checked by the nonce."""
         return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "nonce": self.nonce.hex(), "bytes": self.nbytes,
-                "layout": self.layout}
+                "layout": self.layout, "generation": self.generation}
 
 
 def attach(handle: dict) -> torch.Tensor | None:

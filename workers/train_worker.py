@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
 from workers.shared_weights import attach
-from workers.weight_sync import join_group, op_timeout, send, write_shared
+from workers.weight_sync import join_group, mismatched, op_timeout, send, to_check, write_shared
 
 
 @ray.remote
@@ -113,28 +114,28 @@ class TrainWorker:
 
     @fault_points
     def send_weights(self, global_step: int, targets: list[int], dtype: str, shared: bool = False,
-                     verify: bool = False) -> dict:
+                     check_all: bool = False) -> dict:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
         with no targets, only their digest. With `shared`, every rank writes its shards straight into the
-        targets' shared weights instead, and with `verify` a digest-only pass over the trainer's own weights
-        follows, for rank 0 to report whether both digests agree (`verified`). Rank 0 returns the digest, the
-        targets that failed and figures; the others {}."""
+        targets' shared weights instead, and the trainer's own gather of one parameter (`check_all`: of every
+        parameter) is compared with what was written (workers/weight_sync.py: mismatched). Rank 0 returns the
+        digest, the targets that failed and figures; the others {}."""
         numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
-        bucket_bytes, timeout = self.config.rollout.weight_bucket_mb * 2**20, op_timeout(self.config)
-        if shared and targets:
-            sent = write_shared(self.engine.weight_shard, numels, getattr(torch, dtype), bucket_bytes,
-                                [self.segments[t] for t in targets], self.rank, self.world_size, self.weights_group,
-                                targets, timeout, global_step)
-            if verify:
-                own = send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0,
-                           None, [], timeout)
-                sent |= {"verified": own["digest"] == sent["digest"], "trainer_digest": own["digest"],
-                         "verify_secs": own["secs"]} if self.rank == 0 else {}
-            return sent
-        group = self.weights_group if targets else None
-        return send(self.engine.full_param, numels, getattr(torch, dtype), bucket_bytes, self.rank == 0, group,
-                    targets, timeout, self.engine.device if self.weights_backend == "nccl" else "cpu")
+        torch_dtype, bucket_bytes = getattr(torch, dtype), self.config.rollout.weight_bucket_mb * 2**20
+        timeout, sender = op_timeout(self.config), self.rank == 0
+        if not (shared and targets):
+            group = self.weights_group if targets else None
+            return send(self.engine.full_param, numels, torch_dtype, bucket_bytes, sender, group, targets, timeout,
+                        self.engine.device if self.weights_backend == "nccl" else "cpu")
+        segments = [self.segments[t] for t in targets]
+        sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes, segments, self.rank,
+                            self.world_size, self.weights_group, targets, timeout, global_step)
+        t0, which = time.monotonic(), to_check(global_step + 1, len(numels), check_all)
+        bad = mismatched(self.engine.full_param, segments[0].view(torch_dtype) if sender else None, numels,
+                         torch_dtype, which)  # the first engine's: the digests show the others hold the same
+        return sent | {"checked": len(which), "mismatch": bad[0] if bad else None,
+                       "check_secs": time.monotonic() - t0} if sender else {}
 
     @fault_points
     def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:

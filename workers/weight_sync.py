@@ -36,7 +36,7 @@ import torch.distributed as dist
 import xxhash
 
 from supervisor.testing.fault_points import fault_point
-from workers.errors import WeightSyncError
+from workers.errors import ShardWriteError, WeightSyncError
 
 TAG_DIGESTS = 1 << 30  # the tag of the hashes message; bucket k is sent with tag k
 
@@ -103,6 +103,12 @@ def local_digest(tensors: Sequence[torch.Tensor], dtype: torch.dtype, bucket_byt
     flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
     plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
     return combine([bucket_hash(torch.cat([flat[p.param][p.start:p.start + p.length] for p in b])) for b in plan])
+
+
+def flat_digest(flat: torch.Tensor, dtype: torch.dtype, bucket_bytes: int) -> str:
+    """The digest of parameters laid end to end in `flat` (an engine's shared weights), hashed in place."""
+    per = bucket_elements(dtype.itemsize, bucket_bytes)
+    return combine([bucket_hash(flat[k:k + per]) for k in range(0, flat.numel(), per)])
 
 
 def op_timeout(config) -> datetime.timedelta:
@@ -230,8 +236,9 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
     memory, and the same as the stream's, whatever the world size. Rank 0 sends each target its hashes, the
     engine's signal that its weights are whole, and returns what `send` returns; the others {}.
 
-    A rank whose writes fail still takes part in the collectives and raises afterwards, so that its error, not
-    a hang of its peers, is what the Supervisor sees; rank 0 then sends nothing, and the engines give up."""
+    A rank whose writes fail still takes part in every collective; then every rank raises the same
+    ShardWriteError naming it, rank 0 tells the engines to give up, and the Supervisor sees that error from
+    every rank at once, not a hang of its peers."""
     t0, error = time.monotonic(), None
     flats = [s.view(dtype) for s in segments]
     first = np.cumsum([0, *numels[:-1]]).tolist()
@@ -249,43 +256,84 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
     per, total = bucket_elements(dtype.itemsize, bucket_bytes), sum(numels)
     count = -(-total // per)
     t1 = time.monotonic()
-    hashes = torch.zeros(len(flats), count + 1, dtype=torch.int64)  # the last column counts failed ranks
+    hashes = torch.zeros(len(flats), count, dtype=torch.int64)
     if error is None:
         for j, flat in enumerate(flats):
             hashes[j, rank:count:world_size] = as_message([bucket_hash(flat[k * per:(k + 1) * per])
                                                            for k in range(rank, count, world_size)])
-    else:
-        hashes[:, count] = 1
+    failed = torch.zeros(world_size, dtype=torch.int64)
+    failed[rank] = error is not None
     digest_secs = time.monotonic() - t1
-    dist.all_reduce(hashes)  # a sum in which each entry has one nonzero term: every bucket's hash everywhere
-    if error is not None:
-        raise error
+    message = torch.cat([hashes.reshape(-1), failed])
+    dist.all_reduce(message)  # a sum in which each entry has one nonzero term: every bucket's hash everywhere
+    hashes, failed = message[:hashes.numel()].view(len(flats), count), message[hashes.numel():]
+    if failed.any():  # every rank knows it: all take the same branch, and the same collectives
+        raise _write_failed(error, failed, group if rank == 0 else None, targets, count, timeout)
     if rank != 0:
         return {}
-    failed, t2 = {}, time.monotonic()
+    unsent, t2 = {}, time.monotonic()
     for j, target in enumerate(targets):
-        if hashes[j, count]:
-            failed[target] = "not sent: a trainer rank failed to write its shards"
-            continue
         try:
-            group.send([hashes[j, :count].contiguous()], target, TAG_DIGESTS).wait(timeout)
+            group.send([torch.cat([hashes[j], torch.zeros(1, dtype=torch.int64)])], target, TAG_DIGESTS).wait(timeout)
         except Exception as e:  # noqa: BLE001 - that target is dropped and reported
-            failed[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
-    return {"digest": combine(from_message(hashes[0, :count])), "failed": failed,
+            unsent[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
+    return {"digest": combine(from_message(hashes[0])), "failed": unsent,
             "bytes": total * flats[0].element_size(), "buckets": count, "secs": time.monotonic() - t0,
             "digest_secs": digest_secs, "write_secs": write_secs, "wait_secs": time.monotonic() - t2}
+
+
+def _write_failed(error: BaseException | None, failed: torch.Tensor, group, targets: Sequence[int], count: int,
+                  timeout: datetime.timedelta) -> ShardWriteError:
+    """Collective, once some rank's writes failed: the one error every rank raises. The failed ranks' errors
+    reach every rank; rank 0 (`group` given) tells each engine to give up rather than wait for hashes."""
+    texts: list = [None] * len(failed)
+    dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {str(error)[:300]}")
+    if group is not None:
+        for target in targets:
+            try:
+                group.send([torch.ones(count + 1, dtype=torch.int64)], target, TAG_DIGESTS).wait(timeout)
+            except Exception:  # noqa: BLE001 - that engine gives up on its own after `timeout`
+                pass
+    ranks = failed.nonzero().reshape(-1).tolist()
+    return ShardWriteError(f"trainer rank {ranks[0]} could not write its shards into the engines' shared weights: "
+                           f"{texts[ranks[0]]}" + (f" (and ranks {ranks[1:]})" if ranks[1:] else ""))
+
+
+def to_check(version: int, count: int, whole: bool) -> list[int]:
+    """Which of the `count` parameters a shared sync checks against the trainer's own gather: all of them
+    (`whole`), else one, a different one each version, so that `count` consecutive syncs cover them all."""
+    return list(range(count)) if whole else [version % count]
+
+
+def mismatched(full: Callable[[int], torch.Tensor], flat: torch.Tensor | None, numels: Sequence[int],
+               dtype: torch.dtype, which: Sequence[int]) -> list[int]:
+    """Collective, on every trainer rank: parameters `which` as the trainer gathers them (`full`, the stream's
+    gather, not the shards the ranks wrote), compared bitwise on rank 0 with where the ranks wrote them (`flat`:
+    an engine's shared weights, laid end to end in `dtype`; None on the other ranks). The indices that differ,
+    on rank 0: a stale or misplaced shard shows."""
+    first, bad = np.cumsum([0, *numels[:-1]]).tolist(), []
+    for i in which:
+        tensor = full(i)  # collective: every rank, each parameter
+        if flat is not None:
+            own = tensor.reshape(-1).to(dtype).contiguous().view(torch.uint8)
+            if not torch.equal(own, flat[first[i]:first[i] + numels[i]].view(torch.uint8)):
+                bad.append(i)
+    return bad
 
 
 def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int, group,
                    timeout: datetime.timedelta) -> str:
     """The engine's side of the shared-memory sync: the trainer ranks wrote its weights in place and hashed
-    them there; rank 0's hashes arrive once every rank has. The digest of what the engine holds."""
-    theirs = torch.empty(-(-sum(numels) // bucket_elements(dtype.itemsize, bucket_bytes)), dtype=torch.int64)
+    them there; rank 0's hashes arrive once every rank has (and a last word: nonzero when a rank's writes
+    failed, and the weights are not whole). The digest of what the engine holds."""
+    theirs = torch.empty(-(-sum(numels) // bucket_elements(dtype.itemsize, bucket_bytes)) + 1, dtype=torch.int64)
     try:
         group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
     except RuntimeError as e:
         raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
-    return combine(from_message(theirs))
+    if theirs[-1]:
+        raise WeightSyncError("a trainer rank could not write its shards into this engine's shared weights")
+    return combine(from_message(theirs[:-1]))
 
 
 def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int, group,

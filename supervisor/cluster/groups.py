@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from supervisor.cluster.blame import Call, Outcome, blame, group_error, outcome_of
 from supervisor.cluster.errors import CapacityError, Group, GroupError
 from supervisor.cluster.weights import WeightStream
 from supervisor.config import Config
@@ -35,7 +36,6 @@ class Member:
     name: str
     node_id: str | None = None
     pid: int | None = None
-    memory: dict | None = None  # an engine's shared weights (workers/shared_weights.py), if it offers them
 
 
 def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef], dict]:
@@ -92,36 +92,33 @@ class _Members:
 
     def gather(self, refs: list[ray.ObjectRef], timeout: float | None = None,
                members: list[Member] | None = None) -> list:
+        """Every call's result, or GroupError naming who is to blame (cluster/blame.py). A death ends the wait;
+        after a call raised, its peers get SETTLE_SECS to finish too (or to show a death: a survivor's
+        collective error often arrives before Ray's death notice); otherwise the wait lasts `timeout`."""
         members = self.members if members is None else members
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
-        index = {ref: i for i, ref in enumerate(refs)}
-        pending = list(refs)
+        deadline, pending, errors = start + timeout, list(refs), {}
         while pending:
-            left = timeout - (time.monotonic() - start)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not ready:
-                stuck = tuple(members[index[r]].name for r in pending)
-                self.orphans += refs
-                raise GroupError(self.group, GetTimeoutError(f"no answer after {timeout:.0f}s"), stuck,
-                                 members[index[pending[0]]].node_id, round(timeout, 3))
+                break
             try:
                 ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - every failure is classified by the controller
-                m, error = members[index[ready[0]]], e
-                waited = round(time.monotonic() - start, 3)
-                others, settled = [r for r in refs if r != ready[0]], False
-                if isinstance(e, RayTaskError):
-                    # The actor that raised is alive. Its peers either finish too (the group is not stuck), or
-                    # one of them died: a survivor's collective error often arrives before Ray's death notice.
-                    others, errors = drain(others, SETTLE_SECS)
-                    dead = [(r, x) for r, x in errors.items() if isinstance(x, RayActorError)]
-                    if dead:
-                        m, error = members[index[dead[0][0]]], dead[0][1]
-                    settled = not others and not dead
-                self.orphans += others
-                raise GroupError(self.group, error, (m.name,), m.node_id, waited, settled) from e
-        return ray.get(list(refs))
+                errors[ready[0]] = e
+                if outcome_of(e) is Outcome.DIED:
+                    break
+                deadline = min(deadline, time.monotonic() + SETTLE_SECS)
+        calls = [Call(outcome_of(errors[r]) if r in errors else Outcome.PENDING if r in pending else Outcome.OK,
+                      order=list(errors).index(r) if r in errors else 0) for r in refs]
+        verdict = blame(calls)
+        if verdict is None:
+            return ray.get(list(refs))
+        self.orphans += [r for r in refs if r not in errors]
+        error = group_error(verdict, self.group, {i: errors[r] for i, r in enumerate(refs) if r in errors}, members,
+                            round(time.monotonic() - start, 3))
+        raise error from error.error
 
     def call_all(self, method: str, *args, timeout: float | None = None) -> list:
         return self.gather([getattr(m.handle, method).remote(*args) for m in self.members], timeout)
@@ -169,6 +166,7 @@ class TrainGroup(_Members):
         if cluster.gpus_per_worker:
             bundle["GPU"] = cluster.gpus_per_worker
         self.timings: dict[str, float] = {}  # seconds spent in each part of the start, for the recovery breakdown
+        self.steps = 0  # optimizer steps this group took (the weight stream checks its writes whole after the first)
         started = time.monotonic()
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
@@ -207,7 +205,9 @@ class TrainGroup(_Members):
             raise
 
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
-        return self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
+        results = self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
+        self.steps += 1
+        return results
 
     def save_recover(self, staging: str, global_step: int) -> dict:
         files = {}
@@ -295,7 +295,6 @@ class RolloutGroup(_Members):
         where = self.gather(refs, self.config.recover.start_timeout_secs, [self.members[i] for i in starting])
         for i, w in zip(starting, where):
             self.members[i].node_id, self.members[i].pid = w["node_id"], w["pid"]
-            self.members[i].memory = w["memory"]
 
     def _call(self, method: str, args_of, only: list[int] | None = None) -> list:
         """Call `method` on every engine (or those in `only`), once those still starting are up."""

@@ -19,10 +19,10 @@ import time
 import uuid
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
+from supervisor.cluster.blame import Call, Outcome, blame, group_error, outcome_of
 from supervisor.cluster.errors import Group, GroupError
-from workers.errors import StaleWeights, WeightSyncError
+from workers.errors import ShardWriteError, StaleWeights, WeightSyncError
 from workers.weight_sync import op_timeout
 
 
@@ -41,7 +41,9 @@ class WeightStream:
         backend = "nccl" if gpu else "gloo"
         # CPU ranks and CPU engines only: GPU ranks would stream from the device (CUDA IPC is the GPU's version)
         cpu = backend == "gloo" and config.cluster.gpus_per_worker == 0
-        memories = [m.memory for m in engines.members] if cpu else [None] * len(engines.members)
+        # each engine's shared weights in a segment of this group's own: no writer of an earlier group reaches it
+        memories = (engines.gather([m.handle.share_weights.remote(name) for m in engines.members]) if cpu
+                    else [None] * len(engines.members))
         joined = [m.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend, memories)
                   for m in trainers.members]
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)
@@ -54,17 +56,22 @@ class WeightStream:
         self.names, self.shapes = spec["names"], spec["shapes"]
         # every rank mapped every engine's weights: the ranks write them in place (workers/shared_weights.py)
         self.shared = all(a["shared"] for a in (spec, *others))
-        self.verified = False  # the first shared sync is checked against the trainer's own digest
+        # whether a shared sync was checked whole against the trainer's own gather, before and after the
+        # TrainGroup's first optimizer step (right after a load, a stale shard cannot show); every other shared
+        # sync checks one parameter, a different one each version
+        self.checked: set[bool] = set()
 
     def sync(self, global_step: int, only: list[int] | None = None) -> dict:
         """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
         digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, wait_secs, and
-        gather_secs (the stream) or write_secs (shared weights)."""
+        gather_secs (the stream) or write_secs, checked and check_secs (shared weights). A shared sync whose
+        writes differ from the trainer's own gather stops the job (an internal error)."""
         trainers, engines = self.trainers, self.engines
         only = list(range(len(engines.members))) if only is None else only
         shared = self.shared and bool(only)
-        verify = shared and not self.verified
-        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared, verify)
+        trained = trainers.steps > 0
+        check_all = shared and trained not in self.checked
+        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared, check_all)
                  for m in trainers.members]
         targets = [engines.members[i] for i in only]
         receives = [m.handle.update_weights_from_distributed.remote(
@@ -73,12 +80,13 @@ class WeightStream:
         if sent["failed"]:
             names = tuple(engines.members[rank - 1].name for rank in sent["failed"])
             raise GroupError(Group.ROLLOUT, WeightSyncError("; ".join(sent["failed"].values())), names)
-        if verify and not sent["verified"]:  # a bug in an engine's weight_shard: stop, do not train on
-            raise GroupError(Group.TRAIN, ValueError(
-                f"the ranks' writes into the engines' shared weights (digest {sent['digest']}) differ from the "
-                f"trainer's weights ({sent['trainer_digest']}); rollout.shared_memory_weights=false streams them"),
-                (trainers.members[0].name,))
-        self.verified = self.verified or verify
+        if shared and sent["mismatch"] is not None:  # a bug in an engine's weight_shard: stop, do not train on
+            raise GroupError(Group.TRAIN, ShardWriteError(
+                f"{self.names[sent['mismatch']]} as the ranks wrote it into the engines' shared weights differs "
+                f"from the trainer's own (version {global_step + 1}); "
+                f"rollout.shared_memory_weights=false streams them instead"), (trainers.members[0].name,))
+        if check_all:
+            self.checked.add(trained)
         wrong = [m.name for m, d in zip(targets, digests) if d != sent["digest"]]
         if wrong:
             raise GroupError(Group.ROLLOUT, StaleWeights(f"digest {sent['digest']} sent, another landed"),
@@ -86,10 +94,9 @@ class WeightStream:
         return sent
 
     def _gather(self, trainer_refs: list, ranks: list, engine_refs: list, engines: list) -> tuple[list, list]:
-        """The results of the trainers' and the engines' calls, waited for together. Fails fast: the first
-        death ends the wait; once the trainers are done, an engine still receiving gets one transfer's timeout
-        more. Raises GroupError naming who died, else who hung (the TrainGroup first: engines wait on it), else
-        who raised first (those who raised later gave up waiting on it)."""
+        """The results of the trainers' and the engines' calls, waited for together, or GroupError naming who
+        is to blame (cluster/blame.py; the engines are the later tier: they wait on the trainers). A death ends
+        the wait; once the trainers are done, an engine still receiving gets one transfer's timeout more."""
         refs, timeout, start = trainer_refs + engine_refs, self.trainers.timeout, time.monotonic()
         whose = [(self.trainers, m) for m in ranks] + [(self.engines, m) for m in engines]
         deadline, pending, errors = start + timeout, list(refs), {}
@@ -104,26 +111,20 @@ class WeightStream:
                 ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - classified by the controller
                 errors[ready[0]] = e
-                if isinstance(e, RayActorError):  # a death: the others only wait on it
+                if outcome_of(e) is Outcome.DIED:  # the others only wait on it
                     break
-        waited = round(time.monotonic() - start, 3)
-        pending = [r for r in refs if r in set(pending)]  # in the order of `refs`: the trainers first
-        dead = [r for r in refs if isinstance(errors.get(r), RayActorError)]
-        if dead:
-            pending = []  # those still running wait on the dead one: not hung
-        raised = [r for r in errors if r not in dead]  # in the order they came: the first is the origin
-        for culprits, error in ((dead, None), (pending, GetTimeoutError(f"no answer after {waited:.0f}s")),
-                                (raised, None)):
-            if culprits:
-                group = whose[refs.index(culprits[0])][0]
-                mine = [r for r in culprits if whose[refs.index(r)][0] is group]
-                left = [r for r in refs if r not in errors]  # drained when their actors are removed
-                self.trainers.orphans += [r for r in left if whose[refs.index(r)][0] is self.trainers]
-                self.engines.orphans += [r for r in left if whose[refs.index(r)][0] is self.engines]
-                first = whose[refs.index(mine[0])][1]
-                raise GroupError(group.group, error or errors[mine[0]],
-                                 tuple(whose[refs.index(r)][1].name for r in mine), first.node_id, waited)
-        return ray.get(trainer_refs), ray.get(engine_refs)
+        calls = [Call(outcome_of(errors[r]) if r in errors else Outcome.PENDING if r in pending else Outcome.OK,
+                      tier=int(whose[i][0] is self.engines), order=list(errors).index(r) if r in errors else 0)
+                 for i, r in enumerate(refs)]
+        verdict = blame(calls)
+        if verdict is None:
+            return ray.get(trainer_refs), ray.get(engine_refs)
+        left = [r for r in refs if r not in errors]  # drained when their actors are removed
+        self.trainers.orphans += [r for r in left if r in trainer_refs]
+        self.engines.orphans += [r for r in left if r in engine_refs]
+        group = whose[verdict.culprits[0]][0]
+        raise group_error(verdict, group.group, {i: errors[r] for i, r in enumerate(refs) if r in errors},
+                          [m for _, m in whose], round(time.monotonic() - start, 3))
 
     def close(self) -> None:
         """The rendezvous goes; the members drop their part when they join the next group."""

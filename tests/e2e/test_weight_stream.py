@@ -1,6 +1,9 @@
-"""The weight sync on a real cluster: a 2-rank TrainGroup (FSDP, or DeepSpeed ZeRO-3) syncs 2 engines, by
+"""The weight sync on a real cluster: a 2-rank TrainGroup (FSDP, or DeepSpeed ZeRO-2/3) syncs 2 engines, by
 writes into their shared weights or by the stream, and what the engines hold afterwards is bitwise the
-trainer's full weights, with the digest of one process's computation."""
+trainer's full weights, with the digest of one process's computation. On the shared path also: the gate sees
+what an engine really holds, a writer of an earlier group cannot reach the weights an engine serves, a shard
+gone stale in training is caught after the group's first step, a failed write fails the sync at once, and
+after a step of training the shared path gives what the stream gives."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +37,7 @@ def scramble(engines, i: int) -> None:
 @pytest.mark.parametrize("shared, trainer", [
     pytest.param(True, ["actor.backend=fsdp"], id="shared-memory", marks=pytest.mark.quick),
     pytest.param(False, ["actor.backend=fsdp"], id="stream", marks=pytest.mark.quick),
+    pytest.param(True, ["actor.backend=deepspeed", "actor.zero_stage=2"], id="shared-memory-zero2"),
     pytest.param(True, ["actor.backend=deepspeed", "actor.zero_stage=3"], id="shared-memory-zero3"),
 ])
 def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared, trainer):
@@ -72,9 +76,78 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared, trai
         assert stream.sync(-1, only=[1])["digest"] == want
         assert all(torch.equal(engine_weights(engines, 1)[n], full[n]) for n in names)
         assert stream.sync(-1, only=[])["digest"] == want  # the digest alone, nothing sent
+        if shared:
+            stream = shared_path_checks(config, stream, engines, trainers, want)
         stream.close()
     finally:
         for group in (trainers, engines):
             if group is not None:
                 group.shutdown()
         ray.shutdown()
+
+
+def shared_path_checks(config, stream, engines, trainers, want: str):
+    """Past the first syncs (version 0 on both engines, `want` its digest); returns the stream in use."""
+    import ray
+
+    from supervisor.cluster.errors import GroupError
+    from supervisor.control.classify import FaultKind, classify
+    from workers.data import PromptLoader, read_prompts
+    from workers.grpo import group_advantages
+    from workers.rewards import load_reward_fn, score
+    from workers.shared_weights import attach
+
+    scramble(engines, 1)  # the gate hashes what an engine holds, not what its last sync said
+    assert [d == want for _, d in engines.weight_status()] == [True, False]
+    stream.sync(-1, only=[1])
+
+    # one step of training, with rank 1's shards frozen as they were: only a check after the step can see it
+    # (the stream's first sync was checked whole: before the step)
+    def freeze(w):
+        frozen = [(start, part.clone()) for start, part in map(w.engine.weight_shard,
+                                                                range(len(w.engine.weight_params())))]
+        w.engine.weight_shard = lambda i: frozen[i]
+
+    ray.get(trainers.members[1].handle.__ray_call__.remote(freeze))
+    loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed, config.data.shuffle)
+    rows = [r for r in loader.batch(0, 0) for _ in range(config.data.group_size)]
+    rollout = engines.generate([r["prompt"] for r in rows], 0, version=0)
+    advantages = group_advantages(torch.tensor(score(load_reward_fn(config.reward.fn), rows,
+                                                     rollout["completions"])), config.data.group_size)
+    shards = [dict({k: rollout[k].chunk(2)[r] for k in ("input_ids", "attention_mask", "response_mask")},
+                   advantages=advantages.chunk(2)[r]) for r in range(2)]
+    trainers.train(shards, 0)
+    with pytest.raises(GroupError) as caught:
+        stream.sync(0)
+    assert "differs from the trainer's own" in str(caught.value.error)
+    assert classify(caught.value).kind is FaultKind.INTERNAL_ERROR
+
+    ray.get(trainers.members[1].handle.__ray_call__.remote(lambda w: delattr(w.engine, "weight_shard")))
+    full = ray.get([m.handle.__ray_call__.remote(lambda w: w.engine.full_state_dict()) for m in trainers.members])[0]
+    trained = local_digest([full[n] for n in stream.names], torch.float32, 2**20)
+    assert trained != want
+    assert stream.sync(0)["digest"] == trained  # whole check after the step, now passing
+    assert all(torch.equal(engine_weights(engines, 0)[n], full[n]) for n in stream.names)
+    stream.shared = False
+    assert stream.sync(0)["digest"] == trained  # the stream gives the same bytes
+    stream.shared = True
+    assert stream.sync(0)["checked"] == 1  # later syncs check one parameter
+
+    # a late writer: it mapped engine 0's segment in an earlier group, and writes after the next group began
+    late = attach(ray.get(engines.members[0].handle.__ray_call__.remote(lambda w: w.shared.handle())))
+    stream.close()
+    stream = engines.connect(trainers)
+    late.view(torch.float32).fill_(7.0)
+    assert engines.weight_status() == [(1, trained), (1, trained)]
+
+    # a rank whose write fails: every rank raises that error at once, no hang, and it is not retried
+    def broken(w):
+        w.engine.weight_shard = lambda i: (_ for _ in ()).throw(ValueError("a bug in weight_shard"))
+
+    ray.get(trainers.members[1].handle.__ray_call__.remote(broken))
+    with pytest.raises(GroupError) as caught:
+        stream.sync(0)
+    fault = classify(caught.value)
+    assert fault.kind is FaultKind.INTERNAL_ERROR and "trainer rank 1" in fault.message
+    assert caught.value.waited < 30  # not a step timeout (60 s here)
+    return stream

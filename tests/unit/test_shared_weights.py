@@ -68,8 +68,28 @@ def test_a_file_that_is_not_a_weights_segment_maps_nothing(tmp_path):
     other.close()
 
 
+def test_a_writer_of_an_earlier_group_writes_into_memory_the_engine_no_longer_serves():
+    model = tied_model()
+    shared = SharedWeights(model)
+    old = shared.handle()
+    late = attach(old)  # a rank of a killed TrainGroup that outlived its kill keeps this mapping
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = shared.renew("weights-2")
+    assert [torch.equal(p, b) for p, b in zip(model.parameters(), before)] == [True, True]  # carried over
+    late.view(torch.float32).fill_(9.0)
+    assert [torch.equal(p, b) for p, b in zip(model.parameters(), before)] == [True, True]
+    assert handle["generation"] == "weights-2" and model[1].weight is model[0].weight
+    now = attach(handle)  # the new group's ranks map the new segment, and write what the engine serves
+    now.view(torch.float32)[:28].fill_(2.5)
+    assert torch.equal(model[0].weight, torch.full((7, 4), 2.5))
+    assert attach(old) is None  # nor can it map the new one through the handle it had
+
+
 # ---- write_shared: three trainer ranks (processes, one gloo group) write into an engine (this process) ----
 SHAPES = [(2, 3), (5, 4), (1, 7), (6,)]  # fewer rows than ranks, uneven shards, a vector
+# Bounds a failure only (a sync that works returns as soon as it is done): three spawned ranks importing torch
+# on a loaded 2-core machine took over 20 s to meet.
+RENDEZVOUS_SECS = 180
 
 
 def full_weights() -> list[torch.Tensor]:
@@ -77,16 +97,20 @@ def full_weights() -> list[torch.Tensor]:
     return [torch.randn(shape) for shape in SHAPES]
 
 
-def trainer_rank(rank: int, world: int, init: str, handle: dict, weights_port: int, fail_rank: int) -> None:
-    """One trainer rank: its dim-0 shards as FSDP2 cuts them (torch.chunk), written by write_shared."""
+def trainer_rank(rank: int, world: int, init: str, handle: dict, weights_port: int, fail_rank: int,
+                 out: str) -> None:
+    """One trainer rank: its dim-0 shards as FSDP2 cuts them (torch.chunk), written by write_shared, then a
+    collective of the training group as TrainWorker.send_weights's check runs next. What it returned or raised
+    goes to `out`.{rank}."""
     import datetime
+    from pathlib import Path
 
     import torch.distributed as dist
 
     from workers.shared_weights import attach
     from workers.weight_sync import join_group, write_shared
 
-    timeout = datetime.timedelta(seconds=30)
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_SECS)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
     weights = full_weights()
 
@@ -102,12 +126,16 @@ def trainer_rank(rank: int, world: int, init: str, handle: dict, weights_port: i
     try:
         write_shared(shard, [t.numel() for t in weights], torch.float32, 16, [attach(handle)], rank, world, group,
                      [1], timeout, step=0)
-    except ValueError:
-        assert rank == fail_rank
+        dist.barrier(timeout=datetime.timedelta(seconds=10))  # the next collective: every rank must be in it
+        outcome = "returned"
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        outcome = f"{type(e).__name__}: {e}"
+    Path(f"{out}.{rank}").write_text(outcome)
     dist.destroy_process_group()
 
 
-def run_trainers(tmp_path, fail_rank: int = -1) -> tuple[torch.nn.Module, str | BaseException]:
+def run_trainers(tmp_path, fail_rank: int = -1) -> tuple[torch.nn.Module, str | BaseException, list[str]]:
+    """The engine's weights and what it got (its digest or error), and what each rank's call ended with."""
     import datetime
     import threading
 
@@ -122,7 +150,7 @@ def run_trainers(tmp_path, fail_rank: int = -1) -> tuple[torch.nn.Module, str | 
     out: dict = {}
 
     def receive() -> None:
-        timeout = datetime.timedelta(seconds=20 if fail_rank < 0 else 5)
+        timeout = datetime.timedelta(seconds=RENDEZVOUS_SECS)
         group = join_group("127.0.0.1", store.port, 1, 2, "w", "gloo", timeout)
         try:
             out["digest"] = receive_shared([p.numel() for p in engine], torch.float32, 16, group, timeout)
@@ -131,22 +159,26 @@ def run_trainers(tmp_path, fail_rank: int = -1) -> tuple[torch.nn.Module, str | 
 
     thread = threading.Thread(target=receive)
     thread.start()
-    mp.start_processes(trainer_rank, args=(3, f"file://{tmp_path}/init", shared.handle(), store.port, fail_rank),
-                       nprocs=3, start_method="spawn")
-    thread.join(60)
-    return engine, out["digest"]
+    mp.start_processes(trainer_rank, args=(3, f"file://{tmp_path}/init", shared.handle(), store.port, fail_rank,
+                                           str(tmp_path / "outcome")), nprocs=3, start_method="spawn")
+    thread.join(RENDEZVOUS_SECS)
+    return engine, out["digest"], [(tmp_path / f"outcome.{r}").read_text() for r in range(3)]
 
 
 def test_three_ranks_write_an_engine_bitwise_with_the_streams_digest(tmp_path):
     from workers.weight_sync import local_digest
 
-    engine, digest = run_trainers(tmp_path)
+    engine, digest, outcomes = run_trainers(tmp_path)
     assert all(torch.equal(p, w) for p, w in zip(engine, full_weights()))
     assert digest == local_digest(full_weights(), torch.float32, 16)  # 16-byte buckets: 4 elements each
+    assert outcomes == ["returned"] * 3
 
 
-def test_a_rank_that_fails_to_write_leaves_the_engine_without_weights(tmp_path):
+def test_a_rank_that_fails_to_write_fails_every_rank_with_its_error_and_the_engine_at_once(tmp_path):
     from workers.errors import WeightSyncError
 
-    _, digest = run_trainers(tmp_path, fail_rank=1)
-    assert isinstance(digest, WeightSyncError)  # no hashes came: it takes no version
+    _, digest, outcomes = run_trainers(tmp_path, fail_rank=1)
+    want = ("ShardWriteError: trainer rank 1 could not write its shards into the engines' shared weights: "
+            "ValueError: a bug in weight_shard")
+    assert outcomes == [want] * 3  # the same error on every rank, none left in the next collective
+    assert isinstance(digest, WeightSyncError) and "could not write" in str(digest)  # told, not timed out

@@ -103,3 +103,50 @@ def test_digests_that_disagree_leave_no_version(monkeypatch):
     with pytest.raises(WeightSyncError, match="another digest"):
         result, error = stream([torch.ones(8)], [torch.zeros(8)], bucket_bytes=16)
         raise error
+
+
+def test_every_parameter_is_checked_once_in_as_many_syncs_as_there_are_parameters():
+    from workers.weight_sync import to_check
+
+    assert sorted(k for v in range(17, 17 + 5) for k in to_check(v, 5, whole=False)) == [0, 1, 2, 3, 4]
+    assert to_check(3, 5, whole=True) == [0, 1, 2, 3, 4]
+
+
+def test_a_parameter_written_stale_differs_from_the_trainers_own_gather_and_every_rank_gathers_alike():
+    from workers.weight_sync import mismatched
+
+    torch.manual_seed(0)
+    full = [torch.randn(37, 5), torch.randn(1000), torch.randn(3, 3)]
+    buffer, gathered = torch.empty(1000), []
+
+    def gather(i: int) -> torch.Tensor:  # like FSDP's: a buffer reused from parameter to parameter
+        gathered.append(i)
+        return buffer[:full[i].numel()].view(full[i].shape).copy_(full[i])
+
+    written = torch.cat([t.reshape(-1) for t in full])
+    numels = [t.numel() for t in full]
+    assert mismatched(gather, written, numels, torch.float32, [0, 1, 2]) == []
+    written[185 + 999] = torch.nextafter(written[185 + 999], torch.tensor(9.0))  # the last element of parameter 1
+    assert mismatched(gather, written, numels, torch.float32, [0, 1, 2]) == [1]
+    assert mismatched(gather, written, numels, torch.float32, [2]) == []  # another parameter's turn: not seen
+    gathered.clear()
+    assert mismatched(gather, None, numels, torch.float32, [1, 2]) == [] and gathered == [1, 2]  # rank > 0
+
+
+def test_an_engines_shared_weights_hash_in_place_as_the_stream_hashes_them():
+    from workers.weight_sync import flat_digest
+
+    torch.manual_seed(0)
+    ts = [torch.randn(37, 5), torch.randn(1000)]
+    assert flat_digest(torch.cat([t.reshape(-1) for t in ts]), torch.float32, 256) == local_digest(ts, torch.float32, 256)
+
+
+def test_a_failed_write_into_shared_weights_is_an_internal_error_not_a_retried_fault():
+    from supervisor.cluster.errors import Group, GroupError
+    from supervisor.control.classify import FaultKind, classify
+    from workers.errors import ShardWriteError
+
+    error = ShardWriteError("trainer rank 1 could not write its shards into the engines' shared weights: "
+                            "ValueError: a bug in weight_shard")
+    fault = classify(GroupError(Group.TRAIN, error, ("TrainWorker[rank 1]",), settled=True))
+    assert fault.kind is FaultKind.INTERNAL_ERROR and "rank 1" in fault.message

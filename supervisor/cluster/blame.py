@@ -1,0 +1,83 @@
+"""Who is to blame when a call made on several actors at once fails: one rule for every gather (a worker
+group's calls, cluster/groups.py, and the weight stream's, cluster/weights.py). Pure.
+
+Each actor's call ended one way (`Outcome`); actors come in tiers, where a later tier may wait on an earlier
+one but never the other way round (the engines wait on the TrainGroup's buckets and hashes; rank 0 gives up
+on an engine after a transfer's timeout). The precedence, first match wins:
+
+1. A death. Everyone else may be waiting on the dead actor. The dead of the earliest tier, first to die first.
+2. Otherwise the earliest tier in which some call failed (raised, or never answered): a later tier's errors
+   are its members giving up on it.
+3. Within that tier, those that raised, the first first: a peer still inside a collective waits on them.
+   If none raised, those that never answered: they hung.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from supervisor.cluster.errors import Group, GroupError
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    RAISED = "raised"    # the actor is alive and its call raised
+    DIED = "died"        # the actor (or its node) is gone
+    PENDING = "pending"  # no answer when the wait ended
+
+
+@dataclass(frozen=True)
+class Call:
+    outcome: Outcome
+    tier: int = 0   # 0: the group the others wait on; 1: those that wait on it
+    order: int = 0  # when it ended (raised or died), for "the first"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome             # DIED, RAISED or PENDING (a hang)
+    culprits: tuple[int, ...]    # indices into the calls, the origin first
+    settled: bool                # the culprits raised and no other call is left running or dead: nothing is stuck
+
+
+def blame(calls: Sequence[Call]) -> Optional[Verdict]:
+    """The actors at fault for `calls`, by the module's precedence; None when every call was OK."""
+    failed = [i for i, c in enumerate(calls) if c.outcome is not Outcome.OK]
+    if not failed:
+        return None
+    dead = [i for i in failed if calls[i].outcome is Outcome.DIED]
+    if dead:
+        tier = min(calls[i].tier for i in dead)
+        return Verdict(Outcome.DIED, _first_first(calls, [i for i in dead if calls[i].tier == tier]), False)
+    tier = min(calls[i].tier for i in failed)
+    raised = [i for i in failed if calls[i].tier == tier and calls[i].outcome is Outcome.RAISED]
+    if raised:
+        settled = all(c.outcome is not Outcome.PENDING for c in calls)
+        return Verdict(Outcome.RAISED, _first_first(calls, raised), settled)
+    return Verdict(Outcome.PENDING, tuple(i for i in failed if calls[i].tier == tier), False)
+
+
+def _first_first(calls: Sequence[Call], indices: list[int]) -> tuple[int, ...]:
+    return tuple(sorted(indices, key=lambda i: (calls[i].order, i)))
+
+
+def outcome_of(error: BaseException) -> Outcome:
+    """A call's error as an outcome: an actor that raised is alive; any other error of Ray's (an actor died,
+    its node or the object with it was lost) means it is gone."""
+    from ray.exceptions import RayTaskError
+
+    return Outcome.RAISED if isinstance(error, RayTaskError) else Outcome.DIED
+
+
+def group_error(verdict: Verdict, group: Group, errors: dict[int, BaseException], members: Sequence,
+                waited: float) -> GroupError:
+    """The GroupError a verdict raises: the culprits by name, the first one's node and error (for a hang, a
+    timeout of `waited` seconds)."""
+    from ray.exceptions import GetTimeoutError
+
+    first = verdict.culprits[0]
+    error = (GetTimeoutError(f"no answer after {waited:.0f}s") if verdict.outcome is Outcome.PENDING
+             else errors[first])
+    return GroupError(group, error, tuple(members[i].name for i in verdict.culprits), members[first].node_id,
+                      waited, verdict.settled)
