@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
+from supervisor.control.policy import budget
 from supervisor.control.watchdog import Watchdog
 from supervisor.exit_codes import ExitCode
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
@@ -57,7 +58,7 @@ def run_job(config: Config, address: str | None) -> int:
             pass
         # The restart policy counts the Supervisor's own restarts against recover.retries and gives up once
         # they are spent; Ray's limit is only a backstop one above it, never a second budget.
-        backstop = (config.recover.retries if config.recover.mode.enabled else 0) + 1
+        backstop = budget(config) + 1
         supervisor = Supervisor.options(
             name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),

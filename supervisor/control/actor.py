@@ -45,10 +45,7 @@ class Supervisor:
         prior = [e for e in read_jsonl(layout.events_log) if e.get("job") == job_id]
         self.attempt = sum(e["event"] == Event.START for e in prior)
         self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id)
-        self.policy = RestartPolicy.from_config(config)
-        self.policy.restarts = sum(e["event"] == Event.RESTART for e in prior)
-        self.policy.last_fault = max((e["time"] for e in prior if e["event"] == Event.FAILURE), default=None)
-        self.policy.started = any(e["event"] == Event.LOADED for e in prior)
+        self.policy = RestartPolicy.from_history(config, prior)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log)
