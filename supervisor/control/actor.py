@@ -1,9 +1,9 @@
 """The Supervisor actor: a thin Ray shell around the controller, and the only writer of the run's state.
 
 It builds the controller with the real worker groups, runs it, and answers queries (`progress`, which says how
-long ago the controller last moved, for the driver's watchdog) while it runs. When Ray restarts it after its
-own death, it counts that as a fault like any other (the policy decides, backs off or gives up) and rebuilds
-everything from disk.
+long ago the controller last moved and which bounded waits it is blocked in, for the driver's watchdog) while
+it runs. When Ray restarts it after its own death, it counts that as a fault like any other (the policy, rebuilt
+from this job's events, decides, backs off or gives up) and rebuilds everything from disk.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.control.step_info import StepInfo
+from supervisor.control.watchdog import Waits
 from supervisor.exit_codes import ExitCode
 from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
@@ -49,7 +50,8 @@ class Supervisor:
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log)
-        self.checkpoints = CheckpointCoordinator(config, layout, self.events)
+        self.waits = Waits()  # what the controller is blocked in, for the driver's watchdog
+        self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits)
         self.controller: Controller | None = None
         self.created = time.monotonic()
 
@@ -67,6 +69,7 @@ class Supervisor:
             "rollout_nodes": r.engines.nodes if r and r.engines else [],
             "supervisor_pid": os.getpid(),
             "since_transition_secs": time.monotonic() - (c.transitioned if c else self.created),
+            "waits": self.waits.report(),
             "workers": (r.trainers.describe() if r and r.trainers else []) +
                        (r.engines.describe() if r and r.engines else []),
         }
