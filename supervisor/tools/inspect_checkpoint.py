@@ -18,6 +18,7 @@ from supervisor.checkpoint.layout import (
     step_of,
 )
 from supervisor.checkpoint.store import CheckpointError, read_checkpoint
+from supervisor.config import Backend
 
 
 def _json(path: Path) -> dict | None:
@@ -88,7 +89,7 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
     if valid:
         loader = loaded.infos[DATALOADER_INFO]
         lines.append("a resume would load:")
-        if manifest.get("engine", "fsdp") == "deepspeed":  # ZeRO files are read by DeepSpeed's own unpickler
+        if manifest.get("engine", Backend.FSDP) == Backend.DEEPSPEED:  # ZeRO files are read by DeepSpeed's own unpickler
             lines.append(f"  DeepSpeed ZeRO partitions of tag global_step{loaded.global_step} "
                          f"(trusted files: DeepSpeed loads them with a full unpickler)")
         else:
