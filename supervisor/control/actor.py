@@ -45,12 +45,14 @@ class Supervisor:
         layout = TrialLayout.from_config(config)
         prior = [e for e in read_jsonl(layout.events_log) if e.get("job") == job_id]
         self.attempt = sum(e["event"] == Event.START for e in prior)
-        self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id)
+        self.waits = Waits()  # what the controller is blocked in, for the driver's watchdog
+        # the logs' appends (each fsynced) are bounded like the rest of the Supervisor's own file work
+        append = lambda: self.waits.on("an append to the run's logs", config.recover.step_timeout_secs)  # noqa: E731
+        self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id, guard=append)
         self.policy = RestartPolicy.from_history(config, prior)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
-        self.stats = StatsLog(layout.stats_log)
-        self.waits = Waits()  # what the controller is blocked in, for the driver's watchdog
+        self.stats = StatsLog(layout.stats_log, guard=append)
         self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits)
         self.controller: Controller | None = None
         self.created = time.monotonic()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 MIN_UNANSWERED_SECS = 30.0  # a loaded machine can be slow to answer a query; a frozen process never answers
-WAIT_SLACK_SECS = 30.0      # a reported wait past its bound by this much: the driver polls, a loaded machine lags
+WAIT_SLACK_SECS = 10.0      # a reported wait past its bound by this much (measured by the Supervisor: no RPC lag)
 SLACK_SECS = 120.0          # kills, probes and checkpoint validation between the bounded calls of a transition
 CALLS_PER_STEP = 8          # the most group calls one transition waits on in turn (rollout, train, weights, ...)
 WRITES_PER_STEP = 3         # background writes one transition may wait on in turn: the previous export before a

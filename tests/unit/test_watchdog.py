@@ -80,3 +80,18 @@ def test_only_open_waits_are_judged_each_by_its_own_bound():
         w = Watchdog(unanswered_secs=30, stalled_secs=10_000, start_secs=60)
         assert w.verdict(clock[0], {"since_transition_secs": 3000, "waits": waits.report()}, alive=True) is None
     assert waits.report() == []
+
+
+def test_the_supervisors_log_appends_are_reported_while_they_block(tmp_path, monkeypatch):
+    """events.jsonl and stats.jsonl are fsynced on every row: on a hung mount that is where the controller
+    blocks, and progress() must name it."""
+    import supervisor.control.events as events_module
+    from supervisor.control.events import Event, EventLog, StatsLog
+
+    waits = Waits()
+    guard = lambda: waits.on("an append to the run's logs", 5)  # noqa: E731 - as the Supervisor actor builds it
+    seen = []
+    monkeypatch.setattr(events_module.os, "fsync", lambda fd: seen.append([w["what"] for w in waits.report()]))
+    EventLog(tmp_path / "events.jsonl", guard=guard).emit(Event.START)
+    StatsLog(tmp_path / "stats.jsonl", guard=guard).append({"global_step": 0})
+    assert seen == [["an append to the run's logs"]] * 2 and waits.report() == []
