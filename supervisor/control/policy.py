@@ -8,7 +8,9 @@ strikes while a repair is applied, within `recover.incident_secs` of the fault t
 the same incident (a node that held a rank and an engine): it is repaired too, without spending a retry.
 A runtime env that cannot be set up fails the job before its first start (the user's env is broken) and is
 a start-up fault to retry after it (a replacement node's transient failure).
-The controller applies the decision; unit tests drive this object alone.
+Its memory (restarts, the burst, the last fault, the incident) is rebuilt from the job's events when the
+Supervisor restarts (`from_history`), and `budget` is the one count of retries the driver sizes Ray's own
+restart limit from. The controller applies the decision; unit tests drive this object alone.
 """
 from __future__ import annotations
 

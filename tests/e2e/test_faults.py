@@ -71,7 +71,8 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     stats = trial.stats()
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
-    assert status_json(trial)["restarts"] >= 1
+    # one node lost is one incident: its engine, if it held one, is seen dead while the group is repaired
+    assert status_json(trial)["restarts"] == 1
 
 
 def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by_the_refill(
@@ -107,7 +108,8 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
     assert [e["cause"] for e in trial.events("failure") if e["group"] == "train"] == ["worker_died"] * 2
     assert curve(trial.stats()) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
-    assert status_json(trial)["state"] == "done"
+    st = status_json(trial)
+    assert st["state"] == "done" and st["restarts"] == 2  # the two rank kills; the spare's death costs none
 
 
 @pytest.mark.quick
@@ -147,8 +149,9 @@ MATRIX = {
 }
 # Where each interruption resumes: the last commit before it (commits every 5 steps and every epoch).
 RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
-# Synchronous saves: a step is committed when its save returns, so every resume point is exact.
-MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0",
+# Synchronous saves: a step is committed when its save returns, so every resume point is exact. One retry: a
+# whole-job kill is no restart (the job is gone), and no job of these tests loses more than one rank.
+MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=1", "recover.backoff_secs=0",
               "recover.write_mode=sync"]
 
 
