@@ -108,10 +108,11 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
     # SIGSTOPs a rank or an engine at every phase boundary of a step, and the Supervisor itself once. A stopped
     # Supervisor holds every actor and answers nothing: the driver sees it unanswered while Ray has it alive,
     # has Ray restart it, and the new one rebuilds from disk. Once more the Supervisor's controller hangs inside
-    # step 19's commit (as in fsync on a hung mount) while progress() answers from another thread: the driver
-    # sees that wait past its bound (recover.step_timeout_secs) within seconds, not the hours of the stall bound.
+    # step 11's commit (as in fsync on a hung mount) while progress() answers from another thread: the driver
+    # sees that wait past its bound (recover.step_timeout_secs) within seconds, not the hours of the stall bound
+    # (the commit of an epoch's end, two steps after the previous one: little to train again).
     faults = worker_points("hang", parity=0) + phase_points(["stop_rank", "stop_engine"]) + \
-        ["step.trained:stop:step=8", "before_publish:hang:step=19"]
+        ["step.trained:stop:step=8", "before_publish:hang:step=11"]
     # the weights streamed, as to engines on another host (the SIGKILL and chaos jobs write them in place)
     r = run_job(cluster, trial, tmp_path, faults, "recover.start_timeout_secs=15", "rollout.shared_memory_weights=false")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -119,7 +120,7 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
     assert_exact(trial, reference, len(faults))
     assert "the Supervisor is hung: it has not answered" in r.stdout + r.stderr
     assert "the Supervisor is hung: its controller has waited" in r.stdout and \
-        "on the commit of step 19, bounded by 5s" in r.stdout
+        "on the commit of step 11, bounded by 5s" in r.stdout
     assert [e["cause"] for e in trial.events("failure")].count("supervisor_died") == 2
     hangs = [e for e in trial.events("failure") if e["cause"] == "hang"]
     assert {e["group"] for e in hangs} == {"train", "rollout"}
