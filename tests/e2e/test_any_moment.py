@@ -211,7 +211,10 @@ def test_failed_starts_give_every_resource_back(cluster, tmp_path):
             time.sleep(0.5)
         assert ray.available_resources().get("CPU") == before.get("CPU")
         assert not [pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
-        group = TrainGroup(config, 2, timeout=20)  # and a start that works still fits
+        # and a start that works still fits, with a start-up bound sized for a loaded 2-core machine (the
+        # failing starts keep 20 s: one of them waits it out)
+        group = TrainGroup(load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "recover.start_timeout_secs=120"]),
+                           2, timeout=20)
         group.shutdown()
     finally:
         ray.shutdown()
