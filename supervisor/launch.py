@@ -22,6 +22,7 @@ from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
+from supervisor.control.policy import budget
 from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
 from supervisor.control.watchdog import Watchdog
 from supervisor.exit_codes import ExitCode
@@ -116,7 +117,7 @@ def _run_locked(config: Config, address: str | None) -> int:
             pass
         # The restart policy counts the Supervisor's own restarts against recover.retries and gives up once
         # they are spent; Ray's limit is only a backstop one above it, never a second budget.
-        backstop = (config.recover.retries if config.recover.mode.enabled else 0) + 1
+        backstop = budget(config) + 1
         job = uuid.uuid4().hex[:12]
         supervisor = Supervisor.options(
             name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,

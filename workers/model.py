@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from supervisor.config import TokenizerKind
+
 
 def build_tokenizer(model_cfg):
     """The model directory's own tokenizer (and chat template), or the built model's word-level or BPE one."""
@@ -21,7 +23,7 @@ def build_tokenizer(model_cfg):
         if tok.pad_token is None:  # many causal LMs ship without one; rollouts are left-padded
             tok.pad_token = tok.eos_token
         return tok
-    if model_cfg.tokenizer.value == "bpe":
+    if model_cfg.tokenizer is TokenizerKind.BPE:
         from workers.tokenizer import bpe_tokenizer
 
         return bpe_tokenizer(model_cfg.vocab_size)

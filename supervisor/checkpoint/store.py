@@ -47,6 +47,7 @@ from supervisor.checkpoint.layout import (
     step_of_reference,
     step_set_aside,
 )
+from supervisor.config import Backend
 from supervisor.testing.fault_points import fault_point
 
 SCHEMA_VERSION = 1
@@ -78,7 +79,7 @@ def compatibility_error(manifest: dict, backend: str, n_train_workers: int) -> s
         return (f"written by actor.backend {engine}, but this run has actor.backend {backend}; "
                 f"set actor.backend={engine} to resume it, or `relaunch clean-restart CONFIG` to start fresh")
     world_size = int(manifest.get("world_size", n_train_workers))
-    if engine == "deepspeed" and world_size != n_train_workers:
+    if engine == Backend.DEEPSPEED and world_size != n_train_workers:
         return (f"a DeepSpeed checkpoint of {world_size} ranks cannot be loaded by cluster.n_train_workers = "
                 f"{n_train_workers}; set cluster.n_train_workers={world_size} to resume it")
     return None

@@ -1,9 +1,9 @@
 """The Supervisor actor: a thin Ray shell around the controller, and the only writer of the run's state.
 
 It builds the controller with the real worker groups, runs it, and answers queries (`progress`, which says how
-long ago the controller last moved, for the driver's watchdog) while it runs. When Ray restarts it after its
-own death, it counts that as a fault like any other (the policy decides, backs off or gives up) and rebuilds
-everything from disk.
+long ago the controller last moved and which bounded waits it is blocked in, for the driver's watchdog) while
+it runs. When Ray restarts it after its own death, it counts that as a fault like any other (the policy, rebuilt
+from this job's events, decides, backs off or gives up) and rebuilds everything from disk.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.control.step_info import StepInfo
 from supervisor.control.trackers import Trackers
+from supervisor.control.watchdog import Waits
 from supervisor.exit_codes import ExitCode
 from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
@@ -45,15 +46,15 @@ class Supervisor:
         layout = TrialLayout.from_config(config)
         prior = [e for e in read_jsonl(layout.events_log) if e.get("job") == job_id]
         self.attempt = sum(e["event"] == Event.START for e in prior)
-        self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id)
-        self.policy = RestartPolicy.from_config(config)
-        self.policy.restarts = sum(e["event"] == Event.RESTART for e in prior)
-        self.policy.last_fault = max((e["time"] for e in prior if e["event"] == Event.FAILURE), default=None)
-        self.policy.started = any(e["event"] == Event.LOADED for e in prior)
+        self.waits = Waits()  # what the controller is blocked in, for the driver's watchdog
+        # the logs' appends (each fsynced) are bounded like the rest of the Supervisor's own file work
+        append = lambda: self.waits.on("an append to the run's logs", config.recover.step_timeout_secs)  # noqa: E731
+        self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id, guard=append)
+        self.policy = RestartPolicy.from_history(config, prior)
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
-        self.stats = StatsLog(layout.stats_log)
-        self.checkpoints = CheckpointCoordinator(config, layout, self.events)
+        self.stats = StatsLog(layout.stats_log, guard=append)
+        self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits)
         self.controller: Controller | None = None
         self.trackers: Trackers | None = None
         self.created = time.monotonic()
@@ -72,6 +73,7 @@ class Supervisor:
             "rollout_nodes": r.engines.nodes if r and r.engines else [],
             "supervisor_pid": os.getpid(),
             "since_transition_secs": time.monotonic() - (c.transitioned if c else self.created),
+            "waits": self.waits.report(),
             "workers": (r.trainers.describe() if r and r.trainers else []) +
                        (r.engines.describe() if r and r.engines else []),
         }

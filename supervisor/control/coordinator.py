@@ -30,6 +30,7 @@ from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStor
 from supervisor.config import Config
 from supervisor.control.events import Event, EventLog
 from supervisor.control.step_info import StepInfo
+from supervisor.control.watchdog import Waits
 from workers.engines.reference import reference_step
 
 
@@ -89,8 +90,10 @@ T = TypeVar("T")
 
 
 class CheckpointCoordinator:
-    def __init__(self, config: Config, layout: TrialLayout, events: EventLog):
+    def __init__(self, config: Config, layout: TrialLayout, events: EventLog, waits: Waits | None = None):
         self.config, self.layout, self.events = config, layout, events
+        # the Supervisor's own file work, each bounded for the driver's watchdog (a hung mount blocks in the kernel)
+        self.waits = waits or Waits()
         self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None
         self._reference_entries: dict[int, dict] = {}  # reference step -> its manifest entry
         self.in_flight = InFlight()
@@ -104,8 +107,10 @@ class CheckpointCoordinator:
         Raises CheckpointError when checkpoints were committed but none is valid."""
         if self.store is None:
             return None
-        self.store.wait_for_pruning()
-        result = self.store.load_latest()
+        # reading back (and hashing) a checkpoint is bounded like writing one
+        with self.waits.on("the validation of the last checkpoint", self.config.recover.write_timeout_secs):
+            self.store.wait_for_pruning()
+            result = self.store.load_latest()
         for reason in result.fallbacks:
             self.events.emit(Event.FALLBACK, reason=reason)
         ckpt = result.checkpoint
@@ -227,8 +232,9 @@ class CheckpointCoordinator:
     def commit_recover(self, staged: Staged, weights_checksum: str | None) -> None:
         """Publish and commit a fully written save with the recover_info captured at its step."""
         s, started = staged.global_step, time.monotonic()
-        path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
-                                 staged.files, staged.infos, engine=self.config.actor.backend.value)
+        with self.waits.on(f"the commit of step {s}", self.config.recover.step_timeout_secs):
+            path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
+                                     staged.files, staged.infos, engine=self.config.actor.backend.value)
         secs = (started - staged.started if staged.background else staged.secs) + time.monotonic() - started
         self.events.emit(Event.COMMIT, global_step=s, path=str(path), world_size=staged.world_size,
                          weights_checksum=weights_checksum, bytes=staged.nbytes, secs=round(secs, 3),
@@ -252,7 +258,9 @@ class CheckpointCoordinator:
         self._publish_export(pending)
 
     def _publish_export(self, pending: "PendingExport") -> None:
-        outcome = publish_export(pending.path, pending.final)
+        with self.waits.on(f"the publication of step {pending.global_step}'s export",
+                           self.config.recover.step_timeout_secs):
+            outcome = publish_export(pending.path, pending.final)
         self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final),
                          outcome=outcome.value)
         if self.config.saver.keep_last:

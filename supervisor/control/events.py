@@ -10,6 +10,7 @@ import enum
 import json
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -80,27 +81,34 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+# Each append is fsynced: on a hung mount it blocks in the kernel. A guard reports it as a bounded wait
+# (control/watchdog.py) for the driver's watchdog; by default there is none.
+Guard = Callable[[], AbstractContextManager]
+
+
 class EventLog:
-    def __init__(self, path: Path, attempt: int = 0, job: str | None = None):
-        self.path, self.attempt, self.job = path, attempt, job
+    def __init__(self, path: Path, attempt: int = 0, job: str | None = None, guard: Guard = nullcontext):
+        self.path, self.attempt, self.job, self.guard = path, attempt, job, guard
         self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (auto intervals,
         #                                                    trackers)
 
     def emit(self, event: Event, **fields) -> dict:
         row = {"event": event.value, "time": time.time(), "job": self.job, "attempt": self.attempt, **fields}
-        _append(self.path, row)
+        with self.guard():
+            _append(self.path, row)
         for listener in self.listeners:
             listener(row)
         return row
 
 
 class StatsLog:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, guard: Guard = nullcontext):
+        self.path, self.guard = path, guard
         self.listeners: list[Callable[[dict], None]] = []  # see every row once it is written (trackers)
 
     def append(self, row: dict) -> None:
-        _append(self.path, row)
+        with self.guard():
+            _append(self.path, row)
         for listener in self.listeners:
             listener(row)
 

@@ -16,12 +16,14 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from supervisor.cluster.errors import Group
+from supervisor.control.classify import FaultKind
 from supervisor.control.events import Event
 
 MIN_SECS, MAX_SECS = 10.0, 3600.0
 # Llama 3's 54-day pre-training on 16k GPUs saw 466 interruptions, one every 2.8 hours: a large job's MTBF.
 PRIOR_MTBF_SECS = 3 * 3600.0
-ROLLBACK_GROUPS = ("train", "supervisor")  # failures whose repair reloads the last checkpoint
+ROLLBACK_GROUPS = (Group.TRAIN, Group.SUPERVISOR)  # failures whose repair reloads the last checkpoint
 COSTS_KEPT = 5
 CHANGE = 0.05  # a new interval is logged when it moved by more than this fraction
 
@@ -58,7 +60,7 @@ class AutoInterval:
         if row["event"] == Event.COMMIT:
             self.costs.append(float(row.get("blocked_secs", row["secs"])))
         elif row["event"] == Event.FAILURE and row.get("group") in ROLLBACK_GROUPS \
-                and row.get("cause") != "storage_error":
+                and row.get("cause") != FaultKind.STORAGE_ERROR:
             self.failures += 1
 
     @property

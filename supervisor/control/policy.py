@@ -8,7 +8,9 @@ strikes while a repair is applied, within `recover.incident_secs` of the fault t
 the same incident (a node that held a rank and an engine): it is repaired too, without spending a retry.
 A runtime env that cannot be set up fails the job before its first start (the user's env is broken) and is
 a start-up fault to retry after it (a replacement node's transient failure).
-The controller applies the decision; unit tests drive this object alone.
+Its memory (restarts, the burst, the last fault, the incident) is rebuilt from the job's events when the
+Supervisor restarts (`from_history`), and `budget` is the one count of retries the driver sizes Ray's own
+restart limit from. The controller applies the decision; unit tests drive this object alone.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import enum
 from dataclasses import dataclass
 
 from supervisor.cluster.errors import Group
-from supervisor.config import Config
+from supervisor.config import Config, SaveErrorAction
 from supervisor.control.classify import Fault, FaultKind
+from supervisor.control.events import Event
 
 
 class Action(str, enum.Enum):
@@ -34,6 +37,12 @@ class Decision:
     reason: str
     delay_secs: float = 0.0
     counted: bool = True  # False: a further fault of the incident being repaired, which spent its retry already
+
+
+def budget(config: Config) -> int:
+    """How many repairs the run may spend (the Supervisor's own restarts included): recover.retries, or none
+    when recovery is disabled. The policy gives up past it; the driver sizes Ray's backstop from it."""
+    return config.recover.retries if config.recover.mode.enabled else 0
 
 
 @dataclass
@@ -54,14 +63,33 @@ class RestartPolicy:
     @classmethod
     def from_config(cls, config: Config) -> "RestartPolicy":
         return cls(
-            retries=config.recover.retries if config.recover.mode.enabled else 0,
+            retries=budget(config),
             backoff_secs=config.recover.backoff_secs,
             max_backoff_secs=config.recover.max_backoff_secs,
             quiet_secs=config.recover.quiet_secs,
             incident_secs=config.recover.incident_secs,
             retry_user_errors=config.reward.retry_user_errors,
-            stop_on_save_error=config.recover.on_save_error.value == "stop",
+            stop_on_save_error=config.recover.on_save_error is SaveErrorAction.STOP,
         )
+
+    @classmethod
+    def from_history(cls, config: Config, rows: list[dict]) -> "RestartPolicy":
+        """The policy of a restarted Supervisor: its memory (restarts spent, the crash-loop burst, the last
+        fault, the incident, whether the groups started once) replayed from this job's event rows, as
+        events.jsonl holds them, so that a Supervisor's restart neither refunds retries nor resets the backoff."""
+        policy = cls.from_config(config)
+        quiet = True  # whether the failure being decided came after a quiet period, as `decide` saw it
+        for row in rows:
+            if row["event"] == Event.FAILURE:
+                quiet = policy.last_fault is None or row["time"] - policy.last_fault >= policy.quiet_secs
+                policy.last_fault = row["time"]
+            elif row["event"] == Event.RESTART:  # a counted repair of the failure just before it
+                policy.restarts += 1
+                policy.burst = 0 if quiet else policy.burst + 1
+                policy.incident = policy.last_fault
+            elif row["event"] == Event.LOADED:
+                policy.started = True
+        return policy
 
     def decide(self, fault: Fault, now: float = 0.0, repairing: bool = False) -> Decision:
         """What to do about `fault`, seen at `now`; `repairing`: it struck while a repair was being applied."""

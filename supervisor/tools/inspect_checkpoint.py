@@ -21,6 +21,7 @@ from supervisor.checkpoint.layout import (
 )
 from supervisor.checkpoint.safe_load import check_deepspeed
 from supervisor.checkpoint.store import CheckpointError, read_checkpoint
+from supervisor.config import Backend
 
 
 def _json(path: Path) -> dict | None:
@@ -97,7 +98,7 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
     if valid:
         loader = loaded.infos[DATALOADER_INFO]
         lines.append("a resume would load:")
-        if manifest.get("engine", "fsdp") == "deepspeed":
+        if manifest.get("engine", Backend.FSDP) == Backend.DEEPSPEED:
             lines.append(f"  DeepSpeed ZeRO partitions of tag {deepspeed_tag(loaded.global_step)}: {zero_files} "
                          f"file{'s' if zero_files != 1 else ''} read with weights_only and an allow-list of "
                          f"DeepSpeed's classes, as on resume")

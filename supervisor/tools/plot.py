@@ -24,13 +24,13 @@ def plot_trial(layout: TrialLayout, out: Path) -> None:
     if evals:
         ax_r.plot(*zip(*evals), "o-", color="tab:purple", label="eval reward (greedy)")
     ax_l.plot(steps, [r["loss"] for r in stats], color="tab:gray", label="policy loss")
-    marks = [("commit", "tab:green", ":", "recover checkpoint"), ("export", "tab:olive", "--", "HF export"),
-             ("failure", "tab:red", "-", "failure"), ("loaded", "tab:orange", "-.", "restarted from")]
+    marks = [(Event.COMMIT, "tab:green", ":", "recover checkpoint"), (Event.EXPORT, "tab:olive", "--", "HF export"),
+             (Event.FAILURE, "tab:red", "-", "failure"), (Event.LOADED, "tab:orange", "-.", "restarted from")]
     for name, color, style, label in marks:
         xs = [e["global_step"] for e in events if e["event"] == name and e.get("global_step", -1) >= 0]
         for i, x in enumerate(xs):
             for ax in (ax_r, ax_l):
-                ax.axvline(x, color=color, linestyle=style, alpha=0.7, lw=1.2 if name in ("failure", "loaded") else 0.8,
+                ax.axvline(x, color=color, linestyle=style, alpha=0.7, lw=1.2 if name in (Event.FAILURE, Event.LOADED) else 0.8,
                            label=label if ax is ax_r and i == 0 else None)
     for i, (start, end) in enumerate(_replayed(events)):
         for ax in (ax_r, ax_l):

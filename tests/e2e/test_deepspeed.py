@@ -52,8 +52,9 @@ def interrupted(cluster, stage, tmp_path_factory) -> Trial:
     env = job_env({"RELAUNCH_FAULT": f"TrainWorker.train.enter:kill:step={RANK_KILL_STEP}:rank=1,"
                                      f"TrainWorker.train.enter:hang:step={JOB_KILL_STEP}:rank=0",
                    "RELAUNCH_FAULT_DIR": str(tmp)})
-    args = ["run", str(CONFIG), *DEEPSPEED, f"actor.zero_stage={stage}", "recover.backoff_secs=0", *t.overrides,
-            "--address", cluster.address]
+    # two retries: the rank kill's, and one if the dying Supervisor sees the job kill's ranks die first
+    args = ["run", str(CONFIG), *DEEPSPEED, f"actor.zero_stage={stage}", "recover.backoff_secs=0",
+            "recover.retries=2", *t.overrides, "--address", cluster.address]
     proc = start_relaunch(*args, env=env, log=tmp / "run0.log")
     try:
         t.wait_for_step(JOB_KILL_STEP - 1, proc)  # the step before the hang: step 24's commit is behind it
@@ -87,10 +88,14 @@ def test_a_killed_rank_and_a_killed_job_end_bit_identical(interrupted, uninterru
     failures = [(e["global_step"], e["cause"]) for e in interrupted.events("failure")]
     # the rank kill; the job kill may also be seen by the dying Supervisor (Ray ends the job's ranks first)
     assert failures[0] == (RANK_KILL_STEP, "worker_died") and all(step == JOB_KILL_STEP for step, _ in failures[1:])
+    first_job = interrupted.events("start")[0]["job"]
+    restarts = [e["cause"] for e in interrupted.events("restart") if e["job"] == first_job]
+    assert restarts[0] == "worker_died" and len(restarts) <= 2, restarts  # the slack: the job kill, seen or not
     assert [e["global_step"] for e in interrupted.events("loaded")] == [-1, 14, 24]
     assert curve(interrupted.stats()) == curve(uninterrupted.stats())  # kl included: the reference came back exactly
     assert interrupted.final_weights() == uninterrupted.final_weights()
-    assert status_json(interrupted)["state"] == "done"
+    st = status_json(interrupted)
+    assert st["state"] == "done" and st["restarts"] == 0  # the rerun: every fault fired in the first job
 
 
 def test_the_reference_is_written_only_on_its_update_steps(interrupted, uninterrupted):

@@ -56,14 +56,17 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
                           env=job_env(), log=tmp_path / "job.log")
     try:
         trial.wait_for_step(6, proc)
-        train_node = trial.events("loaded")[0]["nodes"][0]
+        train_node = trial.events("loaded")[-1]["nodes"][0]
+        killed = time.time()
         cluster.kill_node(cluster.node_of(train_node))
         assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
         cluster.add_node()
-    failure = trial.events("failure")[0]
+    # what the kill caused (a start that failed before it, e.g. its rendezvous port taken on a busy machine,
+    # is not its doing)
+    failure = [e for e in trial.events("failure") if e["time"] > killed][0]
     assert failure["node"] == train_node
     assert train_node not in trial.events("loaded")[-1]["nodes"]
     # the warm spares (recover.spare_workers auto: one per rank here) were on the other node and served both
@@ -71,7 +74,8 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     stats = trial.stats()
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
-    assert status_json(trial)["restarts"] >= 1
+    # one node lost is one incident: its engine, if it held one, is seen dead while the group is repaired
+    assert len([e for e in trial.events("restart") if e["time"] > killed]) == 1
 
 
 def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by_the_refill(
@@ -107,7 +111,8 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
     assert [e["cause"] for e in trial.events("failure") if e["group"] == "train"] == ["worker_died"] * 2
     assert curve(trial.stats()) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
-    assert status_json(trial)["state"] == "done"
+    st = status_json(trial)
+    assert st["state"] == "done" and st["restarts"] == 2  # the two rank kills; the spare's death costs none
 
 
 @pytest.mark.quick
@@ -147,8 +152,9 @@ MATRIX = {
 }
 # Where each interruption resumes: the last commit before it (commits every 5 steps and every epoch).
 RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
-# Synchronous saves: a step is committed when its save returns, so every resume point is exact.
-MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=10", "recover.backoff_secs=0",
+# Synchronous saves: a step is committed when its save returns, so every resume point is exact. One retry: a
+# whole-job kill is no restart (the job is gone), and no job of these tests loses more than one rank.
+MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=1", "recover.backoff_secs=0",
               "recover.write_mode=sync"]
 
 

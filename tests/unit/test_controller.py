@@ -279,7 +279,8 @@ def make_controller(tmp_path: Path, world: World, *overrides: str):
 
     runner = StepRunner(config, loader, reward, stats, events, checkpoints, fault_point)
     engines = FakeEngines(world)
-    controller = Controller(config, runner, checkpoints, RestartPolicy.from_config(config), events, stats,
+    policy = RestartPolicy.from_history(config, read_jsonl(layout.events_log))  # as the Supervisor actor builds it
+    controller = Controller(config, runner, checkpoints, policy, events, stats,
                             make_train_group=lambda n: FakeTrainers(world, n), make_rollout_group=lambda: engines,
                             sleep=lambda s: None)
     return controller, layout, engines
@@ -490,6 +491,25 @@ def test_a_restarted_supervisor_is_a_counted_fault_that_rebuilds_from_disk(tmp_p
     assert_complete_and_exact(layout, clean[0])
     failures = [e for e in read_jsonl(layout.events_log) if e["event"] == "failure"]
     assert [(e["cause"], e["global_step"]) for e in failures] == [("supervisor_died", 4)] * 2
+
+
+def test_a_restarted_supervisor_spends_what_is_left_of_the_budget_and_keeps_the_backoff(tmp_path):
+    """Two rank deaths in a row (restarts 1 and 2, backoff 0 s then 1 s), then the Supervisor dies: its new
+    life rebuilds the policy from the events, so its own restart is the third of the crash loop (2 s), and the
+    next fault finds the budget spent."""
+    world = World()
+    world.armed[("train", 2)] = world.armed[("train", 3)] = "rank_death"
+    overrides = ["total_train_epochs=1", "recover.retries=3", "recover.backoff_secs=1"]
+    controller, layout, _ = make_controller(tmp_path, world, *overrides)
+    assert controller.run().exit_code == 0
+    world = World()
+    world.armed[("train", 5)] = "rank_death"  # in the second epoch, which the second life trains
+    controller, layout, _ = make_controller(tmp_path, world, "total_train_epochs=2", *overrides[1:])
+    controller.supervisor_restarted = True
+    result = controller.run()
+    restarts = [(e["cause"], e["n"], e["delay_secs"]) for e in read_jsonl(layout.events_log) if e["event"] == "restart"]
+    assert restarts == [("worker_died", 1, 0.0), ("worker_died", 2, 1.0), ("supervisor_died", 3, 2.0)]
+    assert result.exit_code == ExitCode.FAILED and "retries exhausted (3/3)" in result.message
 
 
 @pytest.mark.parametrize("state, outcome, expected", [

@@ -1,8 +1,12 @@
+from dataclasses import asdict
+
 import pytest
 
 from supervisor.cluster.errors import Group
+from supervisor.config import load_config
 from supervisor.control.classify import Fault, FaultKind
-from supervisor.control.policy import Action, RestartPolicy, engines_to_replace
+from supervisor.control.events import Event
+from supervisor.control.policy import Action, RestartPolicy, budget, engines_to_replace
 
 
 def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False):
@@ -132,3 +136,48 @@ def test_one_incident_with_no_retry_left_is_still_repaired_but_a_new_one_fails()
     p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=0)
     assert p.decide(fault(), now=5, repairing=True).action is Action.RESTART_TRAIN_GROUP
     assert p.decide(fault(), now=90, repairing=True).action is Action.FAIL
+
+
+def decide_and_log(policy: RestartPolicy, rows: list[dict], f: Fault, now: float, repairing: bool = False):
+    """What the controller writes around one decision: the failure row, the decision, a restart or repair row."""
+    rows.append({"event": Event.FAILURE.value, "time": now, "cause": f.kind.value})
+    d = policy.decide(f, now=now, repairing=repairing)
+    if d.action not in (Action.FAIL, Action.SKIP_SAVE):
+        rows.append({"event": (Event.RESTART if d.counted else Event.REPAIR).value, "time": now, "n": policy.restarts})
+    return d
+
+
+# a start, a crash loop of three faults (backoff 0, 1, 2 s), a second part of the last one's incident, a skipped
+# save, a quiet period, and one more fault: every field of the policy's memory moves at least once
+HISTORY = [(100.0, fault(), False), (110.0, fault(), False), (111.0, fault(), False),
+           (130.0, fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), True),
+           (140.0, fault(FaultKind.STORAGE_ERROR, settled=True, in_save=True), False),
+           (900.0, fault(), False)]
+
+
+@pytest.mark.parametrize("cut", range(len(HISTORY) + 1))
+def test_a_restarted_supervisors_policy_rebuilt_from_the_events_is_the_policy_it_lost(cut):
+    config = load_config(None, ["recover.mode=on", "recover.retries=9", "recover.backoff_secs=1",
+                                "recover.quiet_secs=300", "recover.incident_secs=60"])
+    live, rows = RestartPolicy.from_config(config), [{"event": Event.LOADED.value, "time": 50.0}]
+    live.started = True  # the controller sets it when it first runs; LOADED comes just before
+    for now, f, repairing in HISTORY[:cut]:
+        decide_and_log(live, rows, f, now, repairing)
+    assert asdict(RestartPolicy.from_history(config, rows)) == asdict(live)
+
+
+def test_a_crash_loop_keeps_its_backoff_across_the_supervisors_restart():
+    config = load_config(None, ["recover.mode=on", "recover.retries=9", "recover.backoff_secs=1"])
+    live, rows = RestartPolicy.from_config(config), []
+    for now in (100.0, 101.0, 102.0):
+        decide_and_log(live, rows, fault(), now)
+    rebuilt = RestartPolicy.from_history(config, rows)
+    # the Supervisor's own death 1 s later is the fourth fault of the loop: 4 s, not an immediate restart
+    d = rebuilt.decide(fault(FaultKind.SUPERVISOR_DIED, Group.SUPERVISOR), now=103.0)
+    assert (d.delay_secs, rebuilt.restarts, d.reason) == (4.0, 4, "restart 4/9 after supervisor_died")
+
+
+@pytest.mark.parametrize("mode, retries, spent", [("on", 7, 7), ("auto", 7, 7), ("off", 7, 0), ("disabled", 7, 0)])
+def test_one_budget_serves_the_policy_and_the_driver(mode, retries, spent):
+    config = load_config(None, [f"recover.mode={mode}", f"recover.retries={retries}"])
+    assert budget(config) == RestartPolicy.from_config(config).retries == spent
