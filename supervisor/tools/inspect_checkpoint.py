@@ -69,7 +69,7 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
     except CheckpointError as e:
         reason = str(e)
     zero_files = 0
-    if loaded is not None and loaded.manifest.get("engine", "fsdp") == "deepspeed":
+    if loaded is not None and loaded.manifest.get("engine", Backend.FSDP) == Backend.DEEPSPEED:
         try:
             zero_files = check_deepspeed(checkpoint, deepspeed_tag(loaded.global_step))
         except Exception as e:  # noqa: BLE001 - refused or unreadable: a resume would not load it either

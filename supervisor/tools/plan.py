@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from supervisor.cluster.spare_placement import rank_resources
-from supervisor.config import AUTO, Config, Frequency
+from supervisor.config import AUTO, Config, Frequency, TokenizerKind
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
@@ -111,7 +111,7 @@ def param_count(shape: dict) -> int:
 def built_shape(config: Config) -> dict:
     """The HF config fields of the model relaunch builds from model.* (path null)."""
     m = config.model
-    vocab = m.vocab_size if m.tokenizer.value == "bpe" else len(m.vocab)
+    vocab = m.vocab_size if m.tokenizer is TokenizerKind.BPE else len(m.vocab)
     return {"hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers, "vocab_size": vocab,
             "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads,
             "intermediate_size": m.intermediate_size, "tie_word_embeddings": True}
