@@ -107,8 +107,15 @@ def torchrun_loop(run_dir: Path, steps: int, kill_at: int, config_path: str | No
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    # a bounded collective timeout: a rank stuck after a peer's death fails, and torchrun restarts the group
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    # A bounded collective timeout: a rank stuck after a peer's death fails, and torchrun restarts the group.
+    # The agent's store outlives a restart, and a new process's default group reuses the prefix of the last
+    # attempt's: gloo would read the dead attempt's addresses and fail (connection refused) or hang. Each
+    # attempt gets a prefix of its own, as torchelastic's restart count tells it.
+    timeout = datetime.timedelta(seconds=60)
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"baseline/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     rank = dist.get_rank()
     log, marker, path = run_dir / "log.jsonl", run_dir / "killed", run_dir / "state.pt"
     model, optim, vocab = build(config_path)

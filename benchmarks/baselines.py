@@ -1,6 +1,7 @@
 """Recovery from a dead worker side by side in one run: relaunch, Ray Train (TorchTrainer + FailureConfig) and
 torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
-~0.5B), a checkpoint after every step, and rank 1 SIGKILLed at the start of step K.
+~0.5B), the same steps (whole epochs of 12), a checkpoint after every step, and rank 1 SIGKILLed at the start of
+step K.
 
     .venv/bin/python benchmarks/baselines.py [--size tiny|100m|0.5b] [--kill-at-step 6] [--steps 12] [--quick]
                                              [--address ADDR] [--json FILE]
@@ -53,7 +54,7 @@ def baseline_figures(log: Path) -> dict:
 
 
 def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str) -> dict:
-    epochs = -(-steps // 12)  # the shipped data gives 12 steps an epoch at every size
+    epochs = steps // 12  # the shipped data gives 12 steps an epoch at every size
     secs, layout = killed_run(address, root, "relaunch", [f"total_train_epochs={epochs}", "recover.freq_steps=1"],
                               kill_at, SIZES[size].config)
     killed = min(p.stat().st_mtime for p in (root / "faults-relaunch").iterdir())  # the fault point's marker
@@ -122,12 +123,13 @@ def torchrun(root: Path, steps: int, kill_at: int, bound: float, size: str) -> d
 
 
 def main() -> None:
-    parser = arguments(__doc__, "5 steps for the baselines, the kill at step 3 (CI)")
+    parser = arguments(__doc__, "12 steps, the kill at step 3 (CI)")
     parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model of every system")
     parser.add_argument("--kill-at-step", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="every system's steps, rounded up to whole epochs of 12")
     args = parser.parse_args()
-    steps, kill_at = (5, 3) if args.quick else (args.steps, args.kill_at_step)
+    steps, kill_at = (12, 3) if args.quick else (args.steps, args.kill_at_step)
+    steps = -(-steps // 12) * 12  # whole epochs of the shipped data (12 steps each): relaunch's job runs epochs
     root = Path(tempfile.mkdtemp(prefix="relaunch-baselines-"))
     cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
     address = args.address or cluster.address
