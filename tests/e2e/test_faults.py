@@ -108,7 +108,11 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
     spares = trial.events("spares")
     assert [(e["taken"], e["cold"]) for e in spares if e["action"] == "taken"] == [(0, 2), (0, 2), (1, 1)]
     assert [e["pool"] for e in spares if e["action"] == "refilled"] == [1, 1, 1]  # refilled after each start
-    assert [e["cause"] for e in trial.events("failure") if e["group"] == "train"] == ["worker_died"] * 2
+    train_failures = [e["cause"] for e in trial.events("failure") if e["group"] == "train"]
+    # two rank kills, two restarts; a death seen again while its own repair runs is part of that incident: a
+    # `repair` event, no retry spent (seen once in a CI run: three worker_died for two kills)
+    assert set(train_failures) == {"worker_died"} and len(trial.events("restart")) == 2
+    assert len(train_failures) == 2 + len(trial.events("repair"))
     assert curve(trial.stats()) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
     st = status_json(trial)
