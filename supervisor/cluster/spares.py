@@ -39,6 +39,7 @@ class Spare:
     name: str
     warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
     memory: dict | None = None  # its peak memory once warm (workers/memory.py)
+    node: str | None = None  # its node once warm
 
 
 def spare_prefix(config: Config) -> str:
@@ -97,15 +98,30 @@ class SparePool:
 
     def peak_memory(self) -> list[dict]:
         """The peak memory of every spare that finished warming, read once from its warm-up's answer."""
+        self._read_warm_ups()
+        return [s.memory for s in self.spares if s.memory]
+
+    def warm(self) -> dict[str, Spare]:
+        """The spares that finished warming and answered it (name -> spare, its node known), without waiting."""
+        self._read_warm_ups()
+        return {s.name: s for s in self.spares if s.node is not None}
+
+    def _read_warm_ups(self) -> None:
         waiting = [s for s in self.spares if s.memory is None]
         ready = set(ray.wait([s.warm for s in waiting], num_returns=len(waiting), timeout=0)[0]) if waiting else ()
         for s in waiting:
             if s.warm in ready:
                 try:
-                    s.memory = ray.get(s.warm)["memory"]
+                    where = ray.get(s.warm)
+                    s.memory, s.node = where["memory"], where["node_id"]
                 except Exception:  # noqa: BLE001 - a dead spare: `take` finds and drops it
                     s.memory = {}
-        return [s.memory for s in self.spares if s.memory]
+
+    def claim(self, names: list[str]) -> dict[str, ray.actor.ActorHandle]:
+        """The named spares (the buddies that hold dead ranks' state), removed from the pool to take their places."""
+        claimed = {s.name: s.handle for s in self.spares if s.name in names}
+        self.spares = [s for s in self.spares if s.name not in claimed]
+        return claimed
 
     def refill(self, avoid: list[str | None]) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the

@@ -14,6 +14,7 @@ import traceback
 import ray
 
 from supervisor.checkpoint.layout import TrialLayout
+from supervisor.cluster.memory_copies import MemoryCopies
 from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.cluster.spares import SparePool, remove_leftover_spares
@@ -96,13 +97,16 @@ class Supervisor:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
         size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster)
         pool = SparePool(cfg, size) if size else None
+        memory_off = cfg.memory_tier_off(size)
+        warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
+        memory = MemoryCopies(pool, warn) if memory_off is None else None
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point,
-                            pool)
+                            pool, memory)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
-            supervisor_restarted=self.attempt > 0, spares=pool)
+            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off)
         try:
             result = self.controller.run()
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver

@@ -225,9 +225,10 @@ class CheckpointCoordinator:
             self.in_flight.export = None
         return f"{'recover' if kind is WriteKind.SAVE else 'export'} (background)" if kind else None
 
-    def drop_in_flight(self) -> None:
-        """The ranks writing them are gone: background writes die unpublished (the run falls back)."""
-        self.in_flight = InFlight()
+    def drop_in_flight(self, keep_export: bool = False) -> None:
+        """The ranks writing them are gone: background writes die unpublished (the run falls back). With
+        `keep_export`, rank 0 lives on (a repair from memory): its export is still written and published."""
+        self.in_flight = InFlight(export=self.in_flight.export if keep_export else None)
 
     def commit_recover(self, staged: Staged, weights_checksum: str | None) -> None:
         """Publish and commit a fully written save with the recover_info captured at its step."""

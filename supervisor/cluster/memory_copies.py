@@ -1,0 +1,89 @@
+"""The memory tier on the Supervisor's side: which warm spare holds which rank's copies (buddies.py), the copy
+begun on every rank after each optimizer step, and what each buddy says it holds.
+
+A rank stages its state into one of its two slots (workers/memory_tier.py) and streams it to its buddy in the
+background, over a gloo link of their own: the next step starts at once. Nothing here waits for a copy to
+land; a repair asks the buddies what they hold, and recovery_source.py takes the newest step every lost rank's
+buddy holds whole (all ranks or none). Links are made to warm spares only (a spare still building its model
+would block the rank's side of the link) and kept while the spare stays in the pool.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+import ray
+
+from supervisor.cluster.buddies import buddy_plan
+from supervisor.cluster.errors import first_line
+from supervisor.cluster.groups import TrainGroup, drain
+from supervisor.cluster.spares import SparePool
+
+LINK_SECS = 30.0     # a link's set-up: a gloo pair and its store
+HOLDING_SECS = 2.0   # a buddy that does not say what it holds within this long counts as lost
+
+
+class MemoryCopies:
+    def __init__(self, spares: SparePool, warn: Callable[[str], None]):
+        self.spares, self.warn = spares, warn  # warn: a line for the job's events
+        self.buddies: dict[int, str] = {}  # rank -> the spare holding its copies (linked)
+        self.staged: list[int] = []        # the steps every rank holds in its own two slots
+        self.orphans: list[ray.ObjectRef] = []
+
+    def begin(self, trainers: TrainGroup, global_step: int) -> None:
+        """After `global_step`'s optimizer step on every rank: link the ranks that have no buddy to warm spares,
+        then every rank stages its state (its slot of two steps back is overwritten) and sends it on."""
+        self._link(trainers)
+        self.staged = [s for s in self.staged if s == global_step - 1]
+        trainers.call_all("begin_memory_copy", global_step)
+        self.staged.append(global_step)
+
+    def _link(self, trainers: TrainGroup) -> None:
+        """Best effort: a spare that dies or stalls while linking leaves its ranks without a buddy (recovery from
+        disk for them) and is tried again at the next step; a rank that died is the next group call's fault."""
+        warm = self.spares.warm()
+        plan = buddy_plan(trainers.nodes, {name: s.node for name, s in warm.items()}, self.buddies)
+        new = [(rank, name) for rank, name in plan.items() if self.buddies.get(rank) != name]
+        self.buddies = {rank: name for rank, name in plan.items() if self.buddies.get(rank) == name}
+        if not new:
+            return
+        try:
+            where = ray.get([warm[name].handle.where.remote() for _, name in new], timeout=LINK_SECS)
+            calls = []
+            for (rank, name), w in zip(new, where):
+                key = uuid.uuid4().hex[:8]
+                calls += [warm[name].handle.hold.remote(rank, w["port"], key),
+                          trainers.members[rank].handle.memory_link.remote(w["ip"], w["port"], key)]
+            ray.get(calls, timeout=LINK_SECS)
+        except Exception as e:  # noqa: BLE001 - see above
+            self.warn(f"linking ranks {[r for r, _ in new]} to their memory-tier buddies failed: "
+                      f"{type(e).__name__}: {first_line(e)}; tried again at the next step")
+            return
+        self.buddies.update(new)
+
+    def holding(self) -> dict[str, dict[int, list[int]]]:
+        """What each buddy holds whole, rank -> steps; a buddy that is dead or silent is absent."""
+        names = set(self.buddies.values())
+        spares = {name: s for name, s in ((s.name, s) for s in self.spares.spares) if name in names}
+        refs = {name: s.handle.holding.remote() for name, s in spares.items()}
+        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=HOLDING_SECS) if refs else ([], [])
+        self.orphans = drain(self.orphans, 0)[0] + pending
+        held = {}
+        for name, ref in refs.items():
+            if ref in ready:
+                try:
+                    held[name] = {int(rank): steps for rank, steps in ray.get(ref).items()}
+                except Exception:  # noqa: BLE001 - a dead buddy holds nothing
+                    pass
+        return held
+
+    def adopted(self, adopters: dict[int, str]) -> None:
+        """The buddies in `adopters` became ranks: the ranks they held are unlinked (linked again to other spares
+        at the next step), and no rank's own slots hold a step the new ranks hold too, until the next copy."""
+        taken = set(adopters.values())
+        self.buddies = {rank: name for rank, name in self.buddies.items() if name not in taken}
+        self.staged = []
+
+    def reset(self) -> None:
+        """A new TrainGroup: no link and no staged step survive it."""
+        self.buddies, self.staged = {}, []
