@@ -24,8 +24,8 @@ HOLDING_SECS = 2.0   # a buddy that does not say what it holds within this long 
 
 
 class MemoryCopies:
-    def __init__(self, spares: SparePool, warn: Callable[[str], None]):
-        self.spares, self.warn = spares, warn  # warn: a line for the job's events
+    def __init__(self, spares: SparePool, warn: Callable[[str], None], linked: Callable[[dict[int, str]], None]):
+        self.spares, self.warn, self.linked = spares, warn, linked  # the job's events: a warning, the new links
         self.buddies: dict[int, str] = {}  # rank -> the spare holding its copies (linked)
         self.staged: list[int] = []        # the steps every rank holds in its own two slots
         self.orphans: list[ray.ObjectRef] = []
@@ -60,6 +60,8 @@ class MemoryCopies:
                       f"{type(e).__name__}: {first_line(e)}; tried again at the next step")
             return
         self.buddies.update(new)
+        nodes = {name: s.node for name, s in warm.items()}
+        self.linked({rank: nodes[name] for rank, name in self.buddies.items()})
 
     def holding(self) -> dict[str, dict[int, list[int]]]:
         """What each buddy holds whole, rank -> steps; a buddy that is dead or silent is absent."""

@@ -7,14 +7,10 @@ from the ranks (spare_plan.py), by a soft node affinity so that it still starts 
 Supervisor refills the pool after the first step the new group completed, so warming never competes with
 the restart itself. Spares are named per trial, so a Supervisor that died leaves none behind for long.
 
-Survivors of a failed group are not reused: every rank of the new group is a spare or a cold process.
-Measured with two gloo processes (torch 2.13, CPU): a survivor whose peer is SIGKILLed gets its collective
-error in 0.02 s, destroys its process group in 0.01 s and rejoins a new one with a warm peer in 0.02 s, so
-reuse would be fast there; but a survivor whose peer is SIGSTOPped stays stuck in the collective until
-gloo's timeout (2 x step timeout + 60 s; gloo cannot abort it), an FSDP model stays bound to the old
-group's mesh and must be built again, DeepSpeed keeps global comm state (reuse would be fsdp-only), and
-NCCL needs a communicator abort this machine cannot test. Replacing every rank is safe in all these cases
-and, with as many warm spares as ranks, skips the same start-up (process_start ~0).
+A spare is also a buddy of the memory tier (memory_copies.py): it holds ranks' copies and, when one of them
+dies, takes its place with that state (`claim`). A restart from disk makes every rank new (a survivor stuck in a
+collective with a SIGSTOPped peer stays stuck until gloo's timeout, and DeepSpeed keeps global comm state);
+a repair from memory keeps the survivors (groups.py: TrainGroup.rejoin).
 """
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ class Supervisor:
         pool = SparePool(cfg, size) if size else None
         memory_off = cfg.memory_tier_off(size)
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
-        memory = MemoryCopies(pool, warn) if memory_off is None else None
+        linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
+        memory = MemoryCopies(pool, warn, linked) if memory_off is None else None
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point,
                             pool, memory)
         self.controller = Controller(
