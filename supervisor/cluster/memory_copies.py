@@ -79,12 +79,11 @@ class MemoryCopies:
                     pass
         return held
 
-    def adopted(self, adopters: dict[int, str]) -> None:
-        """The buddies in `adopters` became ranks: the ranks they held are unlinked (linked again to other spares
-        at the next step), and no rank's own slots hold a step the new ranks hold too, until the next copy."""
-        taken = set(adopters.values())
-        self.buddies = {rank: name for rank, name in self.buddies.items() if name not in taken}
-        self.staged = []
+    def adopted(self) -> None:
+        """After a repair from memory: the buddies that took dead ranks' places are ranks now, and the survivors
+        left their links; every rank is linked again at the next step. Until its copy, no rank's own slots
+        hold a step that every rank holds."""
+        self.reset()
 
     def reset(self) -> None:
         """A new TrainGroup: no link and no staged step survive it."""

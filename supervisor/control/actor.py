@@ -116,6 +116,14 @@ class Supervisor:
             self.events.emit(Event.FAILED, reason=result.message)
         return result.__dict__
 
+    def _wait_spares(self, point: str, bound: float = 300.0) -> None:
+        pool, deadline = self.controller.spares, time.monotonic() + bound
+        while pool is not None and len(pool.warm()) < pool.size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fault point {point}: the spare pool was not warm after {bound:.0f}s")
+            pool.refill(self.controller.runner.trainers.nodes)
+            time.sleep(0.2)
+
     def _attach_trackers(self) -> None:
         """logging.trackers follow the two logs from here on (once per Supervisor life)."""
         if self.config.logging.trackers and self.trackers is None:
@@ -125,13 +133,16 @@ class Supervisor:
 
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation at the step's phase boundaries: besides the usual actions, `kill_rank` and
-        `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine."""
+        `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine, and
+        `wait_spares` waits until the spare pool is full and warm (so that the memory tier links at this step)."""
         action = fault_points.armed(point, step=s.global_step)
         if action is None:
             return
         r = self.controller.runner
         verb, _, target = action.partition("_")
-        if target in ("rank", "engine"):
+        if action == "wait_spares":
+            self._wait_spares(point)
+        elif target in ("rank", "engine"):
             pid = r.trainers.members[-1].pid if target == "rank" else r.engines.members[0].pid
             if pid is None:
                 raise RuntimeError(f"fault point {point}: the {target}'s pid is not known yet")

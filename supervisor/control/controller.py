@@ -323,7 +323,7 @@ class Controller:
             self.checkpoints.drop_in_flight(keep_export=0 not in lost)
         adopters = self.spares.claim(list(choice.adopters.values()))
         r.trainers.rejoin(lost, {rank: adopters[name] for rank, name in choice.adopters.items()}, choice.step)
-        r.memory.adopted(choice.adopters)
+        r.memory.adopted()
         for part, part_secs in r.trainers.timings.items():
             self.clock.add(part, part_secs)
         self.events.emit(Event.SPARES, action="taken", taken=len(lost), cold=0, pool=len(self.spares),

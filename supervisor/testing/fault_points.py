@@ -16,7 +16,8 @@ that has written its part of a shared-memory weight sync, before its peers have.
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
 (sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole
 embedded Ray cluster), `enospc` (raise a disk-full OSError). At the Supervisor's points, `kill_rank`,
-`stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead.
+`stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead, and
+`wait_spares` waits until the spare pool is full and warm.
 Each armed fault fires once: a marker file in `RELAUNCH_FAULT_DIR` remembers it across restarts, so a
 restarted process goes on. Nothing is armed unless both variables are set; the driver forwards them.
 """
