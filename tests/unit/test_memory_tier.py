@@ -152,3 +152,31 @@ def test_a_rejoin_keeps_the_model_and_makes_the_groups_a_new_engine_makes(engine
     dist.destroy_process_group()
     other = make_engine(engine.config, 0, 1, "127.0.0.1", free_port())
     assert dist.distributed_c10d._world.group_count == fresh_groups and other.writer_group is not None
+
+
+def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step():
+    import datetime
+    import time
+
+    from workers.memory_tier import Holding, Link
+
+    timeout, port = datetime.timedelta(seconds=20), free_port()
+    holding = Holding(port, "rank1-gen0", timeout)
+    link = Link("127.0.0.1", port, "rank1-gen0", timeout)
+    mine = Slots(1000, torch.float32)
+    try:
+        for step in (3, 4, 5):
+            slot = mine.for_step(step)
+            slot.flat.copy_(torch.arange(1000.0) + step)
+            slot.meta = {"global_step": step, "rng": rng_state()}
+            link.send(slot).result(timeout=20)
+        deadline = time.monotonic() + 20
+        while holding.landed() != [4, 5] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holding.landed() == [4, 5]  # step 5 went into step 3's slot
+        held = holding.slots.holding(5)
+        assert torch.equal(held.flat, torch.arange(1000.0) + 5)
+        assert torch.equal(held.meta["rng"]["torch"], mine.for_step(5).meta["rng"]["torch"])
+        assert held.flat.data_ptr() != mine.for_step(5).flat.data_ptr()
+    finally:
+        link.close()
