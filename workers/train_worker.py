@@ -311,6 +311,9 @@ class TrainWorker:
             raise RuntimeError(f"no memory copy of step {global_step} is held here: this rank never staged one")
         slot = self.memory.holding(global_step)  # before the collective: fail fast
         self._abandon_writes()
+        # rank 0's weights-update group goes too: closing its connections frees an engine left waiting in a
+        # weight sync the fault broke (it would otherwise sit there until the group's timeout)
+        self.weights_group, self.segments = None, {}
         self.engine.rejoin(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
 

@@ -171,6 +171,7 @@ class TrainGroup(_Members):
         started = time.monotonic()
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
+        self.in_bundles = set(range(len(taken), world_size))  # the ranks whose actor holds a bundle of self.pg
         self.members = [Member(handle, "") for handle, _ in taken]
         self.pg = None
         try:
@@ -261,6 +262,10 @@ class TrainGroup(_Members):
         self._kill([self.members[r] for r in lost])
         for r in lost:
             self.members[r] = Member(adopters[r], f"TrainWorker[rank {r}]")
+        self.in_bundles -= set(lost)
+        if self.pg is not None and not self.in_bundles:  # its resources go back to the cluster (a lost rank's
+            remove_placement_group(self.pg)             # bundle stays reserved while another rank holds one)
+            self.pg = None
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs
         where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], bound)

@@ -91,3 +91,7 @@ def test_memory_on_for_a_job_it_cannot_serve_is_an_error_naming_the_key():
 
     with pytest.raises(ConfigError, match="recover.memory = on.*deepspeed"):
         load_config(None, ["recover.memory=on", "actor.backend=deepspeed"])
+
+
+def test_ranks_sharing_a_node_share_the_one_spare_off_it():
+    assert buddy_plan(["b", "b"], {"s3": "b", "s4": "a"}) == {0: "s4", 1: "s4"}
