@@ -306,8 +306,11 @@ class Controller:
     def _recovery_source(self, fault: Fault) -> Choice:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
         r = self.runner
-        if r.memory is None or r.trainers is None:
-            return Choice(Source.DISK, self.memory_off or "no TrainGroup to repair")
+        if r.memory is None:
+            return Choice(Source.DISK, self.memory_off)
+        if r.trainers is None:  # a restarted Supervisor, or a start that failed
+            return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
+                                   staged=[], snapshots=set())
         alive = r.trainers.answering(ANSWER_SECS)
         return recovery_source(enabled=None, kind=fault.kind, world_size=r.trainers.world_size,
                                lost=set(range(r.trainers.world_size)) - alive, buddies=r.memory.buddies,

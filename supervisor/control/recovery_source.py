@@ -39,6 +39,10 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
 
     if enabled is not None:
         return disk(enabled)
+    if kind is FaultKind.SUPERVISOR_DIED:
+        return disk("the Supervisor restarted: the state it kept in memory is gone")
+    if world_size == 0:
+        return disk("no TrainGroup was running: the fault struck as it started")
     if kind not in MEMORY_FAULTS:
         return disk(f"a {kind.value} fault: the ranks may not be settled")
     if not lost:

@@ -55,6 +55,8 @@ def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
 @pytest.mark.parametrize("overrides, reason", [
     (dict(enabled="recover.memory is off"), "recover.memory is off"),
     (dict(kind=FaultKind.HANG), "hang"),
+    (dict(kind=FaultKind.SUPERVISOR_DIED), "the Supervisor restarted"),
+    (dict(world_size=0, lost=set()), "no TrainGroup was running"),
     (dict(lost=set()), "every rank answered"),
     (dict(lost={0, 1}), "every rank was lost"),
     (dict(buddies={0: "s1"}), "rank 1 had no buddy"),
