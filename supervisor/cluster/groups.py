@@ -253,6 +253,18 @@ class TrainGroup(_Members):
         self.orphans += running
         return {r for r, ref in enumerate(probes) if ref not in running and ref not in errors}
 
+    def progress(self, timeout: float) -> dict[int, dict | None]:
+        """Every rank's answer to `progress` (served beside the method it runs: its phase and collective sequence
+        number), None for a rank that did not answer within `timeout` or is dead."""
+        refs = [m.handle.progress.remote() for m in self.members]
+        running, errors = drain(refs, timeout)
+        self.orphans += running
+        return {r: None if ref in running or ref in errors else ray.get(ref) for r, ref in enumerate(refs)}
+
+    def kill_ranks(self, ranks: set[int]) -> None:
+        """Kill these ranks' actors (the culprits of a hang): their peers' collectives then fail at once."""
+        self._kill([self.members[r] for r in sorted(ranks)])
+
     def rejoin(self, lost: list[int], adopters: dict[int, ray.actor.ActorHandle], global_step: int) -> None:
         """Restart only the dead: the `lost` ranks' actors are killed and their buddies (`adopters`, warm spares
         holding their state) take their places; every rank joins a new process group at a new rendezvous, the

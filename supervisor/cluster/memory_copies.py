@@ -2,8 +2,8 @@
 begun on every rank after each optimizer step, and what each buddy says it holds.
 
 A rank stages its state into one of its two slots (workers/memory_tier.py) and streams it to its buddy in the
-background, over a gloo link of their own: the next step starts at once. Nothing here waits for a copy to
-land; a repair asks the buddies what they hold, and recovery_source.py takes the newest step every lost rank's
+background, over a gloo link of their own, during the next step's rollout; the next update waits until it has
+landed. A repair asks the buddies what they hold, and recovery_source.py takes the newest step every lost rank's
 buddy holds whole (all ranks or none). Links are made to warm spares only (a spare still building its model
 would block the rank's side of the link) and kept while the spare stays in the pool.
 """
@@ -15,8 +15,9 @@ from typing import Callable
 import ray
 
 from supervisor.cluster.buddies import buddy_plan
-from supervisor.cluster.errors import first_line
-from supervisor.cluster.groups import TrainGroup, drain
+from supervisor.cluster.errors import GroupError, first_line
+from supervisor.cluster.blame import Outcome, outcome_of
+from supervisor.cluster.groups import TrainGroup, drain, wait_for_write
 from supervisor.cluster.spares import SparePool
 
 LINK_SECS = 30.0     # a link's set-up: a gloo pair and its store
@@ -62,6 +63,30 @@ class MemoryCopies:
         self.buddies.update(new)
         nodes = {name: s.node for name, s in warm.items()}
         self.linked({rank: nodes[name] for rank, name in self.buddies.items()})
+
+    def wait_landed(self, trainers: TrainGroup, global_step: int) -> None:
+        """Before the next step trains: wait until every linked rank's copy of `global_step` has landed at its
+        buddy (a send takes a fraction of the rollout that precedes this), so that a rank lost during training
+        never costs a step trained again. A send that failed (its buddy died) unlinks that rank: recovery
+        from disk for it until it is linked again."""
+        ranks = sorted(self.buddies) if global_step in self.staged else []
+        if not ranks:
+            return
+        members = [trainers.members[r] for r in ranks]
+        poll = lambda: trainers.gather([m.handle.memory_result.remote(global_step) for m in members],  # noqa: E731
+                                       members=members)
+        try:
+            wait_for_write(poll, LINK_SECS)
+        except GroupError as e:
+            if outcome_of(e.error) is Outcome.DIED:
+                raise  # a rank died: the fault it is
+            self.warn(f"the memory copy of step {global_step} did not land ({first_line(e.error)}); its ranks "
+                      f"are linked again at the next step")
+            self.buddies = {}
+        except TimeoutError:
+            self.warn(f"the memory copy of step {global_step} was still being sent after {LINK_SECS:.0f}s; its "
+                      f"ranks are linked again at the next step")
+            self.buddies = {}
 
     def holding(self) -> dict[str, dict[int, list[int]]]:
         """What each buddy holds whole, rank -> steps; a buddy that is dead or silent is absent."""

@@ -28,13 +28,14 @@ from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
-from supervisor.control.recovery_source import Choice, Source, recovery_source
+from supervisor.control.recovery_source import Choice, Source, hang_culprits, recovery_source
 from supervisor.control.repair_clock import RepairClock, steady_steps
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
 from supervisor.exit_codes import ExitCode
 
 ANSWER_SECS = 5.0  # how long a rank may take to answer after a fault before it counts as lost
+PROGRESS_SECS = 2.0  # how long a hung rank's progress probe may take (a live one answers in milliseconds)
 
 
 class State(str, enum.Enum):
@@ -311,10 +312,23 @@ class Controller:
         if r.trainers is None:  # a restarted Supervisor, or a start that failed
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
+        if fault.kind is FaultKind.HANG:
+            self._kill_hang_culprits(fault)
         alive = r.trainers.answering(ANSWER_SECS)
         return recovery_source(enabled=None, kind=fault.kind, world_size=r.trainers.world_size,
                                lost=set(range(r.trainers.world_size)) - alive, buddies=r.memory.buddies,
                                holding=r.memory.holding(), staged=r.memory.staged, snapshots=set(r.snapshots))
+
+    def _kill_hang_culprits(self, fault: Fault) -> None:
+        """Turn a hang into deaths: kill the ranks the others wait on (recovery_source.hang_culprits), so that
+        the others' collectives fail and they can roll back in place. Gloo cannot abort a collective; a killed
+        peer ends it within a tenth of a second (measured). Nothing is killed when no culprit can be named."""
+        trainers = self.runner.trainers
+        pending = {rank for rank, m in enumerate(trainers.members) if m.name in fault.actors}
+        culprits = hang_culprits(pending, trainers.progress(PROGRESS_SECS))
+        if culprits and len(culprits) < trainers.world_size:
+            self.log.info(f"killing the hung ranks {sorted(culprits)} the others wait on", extra={"phase": self.phase})
+            trainers.kill_ranks(culprits)
 
     def _rejoin_from_memory(self, choice: Choice) -> None:
         """Restart only the dead: their buddies take their places with their state, the survivors roll back in

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 from supervisor.control.classify import FaultKind
 
-# faults where the ranks still alive are settled and hold their state: a death, or its echo in a peer's collective
-MEMORY_FAULTS = (FaultKind.WORKER_DIED, FaultKind.COLLECTIVE_FAILED)
+# faults where the ranks still alive can be settled and hold their state: a death, its echo in a peer's
+# collective, and a hang once its culprits are killed (hang_culprits)
+MEMORY_FAULTS = (FaultKind.WORKER_DIED, FaultKind.COLLECTIVE_FAILED, FaultKind.HANG)
 
 
 class Source(str, enum.Enum):
@@ -66,3 +67,23 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
                     f"held {[holding[buddies[r]].get(r, []) for r in sorted(lost)]})")
     step = max(common)
     return Choice(Source.MEMORY, f"step {step} from memory", step, adopters)
+
+
+def hang_culprits(pending: set[int], progress: dict[int, dict | None]) -> set[int]:
+    """The ranks a hung group call waits on, so that killing them turns the hang into deaths the others can
+    recover from. `pending`: the ranks whose call did not return; `progress`: each rank's answer to a probe
+    served beside its running method (phase, and its process group's collective sequence number `seq`), None
+    when it did not answer (a stopped process, a lost node). When some ranks returned, those still in the call
+    are the culprits (nobody waits on the others); when every rank is still in it, the silent ones are, or else
+    the ranks behind the others' collectives (stuck in their own code while the others wait for them). Empty
+    when no culprit can be named: every rank answers from the same collective."""
+    if pending and any(r not in pending for r in progress):
+        return set(pending)
+    silent = {r for r, answer in progress.items() if answer is None}
+    if silent:
+        return silent
+    seqs = {r: answer.get("seq") for r, answer in progress.items()}
+    if None in seqs.values():
+        return set()
+    newest = max(seqs.values())
+    return {r for r, seq in seqs.items() if seq < newest}

@@ -158,6 +158,8 @@ class StepRunner:
         self.fault_point("step.scored", s)
         t_rollout = time.monotonic()
         self.phase = Phase.TRAIN
+        if self.memory is not None:
+            self.memory.wait_landed(self.trainers, s.global_step - 1)
         n = self.trainers.world_size
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])

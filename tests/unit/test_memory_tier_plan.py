@@ -4,7 +4,7 @@ import pytest
 
 from supervisor.cluster.buddies import buddy_plan
 from supervisor.control.classify import FaultKind
-from supervisor.control.recovery_source import Source, recovery_source
+from supervisor.control.recovery_source import Source, hang_culprits, recovery_source
 
 
 def test_one_spare_per_rank_on_other_nodes():
@@ -54,7 +54,7 @@ def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
 
 @pytest.mark.parametrize("overrides, reason", [
     (dict(enabled="recover.memory is off"), "recover.memory is off"),
-    (dict(kind=FaultKind.HANG), "hang"),
+    (dict(kind=FaultKind.OBJECT_LOST), "object_lost"),
     (dict(kind=FaultKind.SUPERVISOR_DIED), "the Supervisor restarted"),
     (dict(world_size=0, lost=set()), "no TrainGroup was running"),
     (dict(lost=set()), "every rank answered"),
@@ -97,3 +97,18 @@ def test_memory_on_for_a_job_it_cannot_serve_is_an_error_naming_the_key():
 
 def test_ranks_sharing_a_node_share_the_one_spare_off_it():
     assert buddy_plan(["b", "b"], {"s3": "b", "s4": "a"}) == {0: "s4", 1: "s4"}
+
+
+def waiting(seq):
+    return {"phase": "train", "secs": 9.0, "seq": seq}
+
+
+@pytest.mark.parametrize("pending, progress, culprits", [
+    ({1}, {0: {"phase": "idle", "secs": 9.0, "seq": 7}, 1: waiting(7)}, {1}),   # the others returned
+    ({0, 1}, {0: waiting(7), 1: None}, {1}),                                     # stopped, or its node lost
+    ({0, 1, 2}, {0: waiting(8), 1: waiting(7), 2: waiting(8)}, {1}),             # behind the others' collective
+    ({0, 1}, {0: waiting(7), 1: waiting(7)}, set()),                             # all in one collective
+    ({0, 1}, {0: None, 1: None}, {0, 1}),                                        # every rank silent
+])
+def test_the_culprits_of_a_hang_are_the_ranks_the_others_wait_on(pending, progress, culprits):
+    assert hang_culprits(pending, progress) == culprits
