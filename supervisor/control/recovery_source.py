@@ -48,8 +48,6 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
         return disk(f"a {kind.value} fault: the ranks may not be settled")
     if not lost:
         return disk("every rank answered: nothing to take the place of")
-    if len(lost) == world_size:
-        return disk("every rank was lost")
     no_buddy = sorted(r for r in lost if r not in buddies)
     if no_buddy:
         return disk(f"rank {no_buddy[0]} had no buddy holding its state")
@@ -59,7 +57,7 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     adopters = {r: buddies[r] for r in sorted(lost)}
     if len(set(adopters.values())) < len(adopters):
         return disk(f"ranks {sorted(lost)} share one buddy: it can take only one place")
-    common = set(staged) & snapshots
+    common = set(snapshots) if len(lost) == world_size else set(staged) & snapshots  # staged: the survivors'
     for r in lost:
         common &= set(holding[buddies[r]].get(r, []))
     if not common:

@@ -42,6 +42,11 @@ def test_the_newest_step_every_lost_rank_buddy_holds():
     assert (c.source, c.step, c.adopters) == (Source.MEMORY, 5, {1: "s2"})
 
 
+def test_a_node_with_every_rank_is_recovered_by_their_buddies_elsewhere():
+    c = choose(lost={0, 1}, staged=[])
+    assert (c.source, c.step, c.adopters) == (Source.MEMORY, 5, {0: "s1", 1: "s2"})
+
+
 def test_a_step_still_landing_at_the_buddy_is_not_used():
     c = choose(holding={"s1": {0: [4, 5]}, "s2": {1: [4]}})
     assert (c.source, c.step) == (Source.MEMORY, 4)
@@ -58,7 +63,6 @@ def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
     (dict(kind=FaultKind.SUPERVISOR_DIED), "the Supervisor restarted"),
     (dict(world_size=0, lost=set()), "no TrainGroup was running"),
     (dict(lost=set()), "every rank answered"),
-    (dict(lost={0, 1}), "every rank was lost"),
     (dict(buddies={0: "s1"}), "rank 1 had no buddy"),
     (dict(holding={"s1": {0: [5]}}), "rank 1 and its buddy were lost together"),
     (dict(world_size=3, lost={0, 1}, buddies={0: "s1", 1: "s1"}, holding={"s1": {0: [5], 1: [5]}}), "share one buddy"),
