@@ -53,7 +53,10 @@ def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
                    f"on node {str(failure['node'])[:8]}")
         later = [e for e in events if e["time"] >= failure["time"]]
         loaded = next((e for e in later if e["event"] == Event.LOADED), None)
-        if loaded:
+        if loaded and loaded.get("source") == "memory":
+            out.append(f"TrainGroup rejoined on node {loaded['nodes'][0][:8]} at step {loaded['global_step']} from "
+                       f"memory (the dead ranks' buddies took their places; nothing read from disk)")
+        elif loaded:
             out.append(f"TrainGroup restarted on node {loaded['nodes'][0][:8]} from step {loaded['global_step']} "
                        f"({loaded['path']})")
         resync = next((e for e in later if e["event"] == Event.RESYNC), None)
