@@ -9,6 +9,7 @@ would block the rank's side of the link) and kept while the spare stays in the p
 """
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Callable
 
@@ -22,6 +23,7 @@ from supervisor.cluster.spares import SparePool
 
 LINK_SECS = 30.0     # a link's set-up: a gloo pair and its store
 HOLDING_SECS = 2.0   # a buddy that does not say what it holds within this long counts as lost
+LANDED_POLL_SECS = 0.05  # how often the ranks are asked whether their copy landed, while the next update waits
 
 
 class MemoryCopies:
@@ -76,7 +78,7 @@ class MemoryCopies:
         poll = lambda: trainers.gather([m.handle.memory_result.remote(global_step) for m in members],  # noqa: E731
                                        members=members)
         try:
-            wait_for_write(poll, LINK_SECS)
+            wait_for_write(poll, LINK_SECS, sleep=lambda _: time.sleep(LANDED_POLL_SECS))
         except GroupError as e:
             if outcome_of(e.error) is Outcome.DIED:
                 raise  # a rank died: the fault it is

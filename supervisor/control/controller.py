@@ -293,7 +293,10 @@ class Controller:
     def _restart_ranks(self, fault: Fault) -> None:
         """Recover the TrainGroup from memory where the memory tier holds every lost rank's state, else (or if
         that fails on the way) from disk. Either way one repair: the retry was counted when it was decided."""
-        choice = self._recovery_source(fault)
+        try:
+            choice = self._recovery_source(fault)
+        except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
+            choice = Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: {first_line(e)}")
         self.log.info(f"recovering from {choice.source.value}: {choice.reason}", extra={"phase": self.phase})
         if choice.source is Source.MEMORY:
             try:
