@@ -1,0 +1,188 @@
+"""The memory tier on a real cluster, driving TrainWorker actors directly: two ranks on one node copy their
+state after every step to a warm spare on another node, which holds both; a rank is SIGKILLed (by its pid), the
+survivor rejoins a new process group in its own process and rolls back in place, the spare takes the dead
+rank's place from what it holds, and the run ends bitwise equal to one that never failed (params, AdamW state,
+LR scheduler, RNGs). Two kills in one run: rank 1 while rank 0 waits in the step's forward (before any optimizer
+step), then rank 0 (itself a survivor of the first) after the step's optimizer step but before its memory copy
+(the survivor rolls back one step). A background recover save after the rejoins writes through the new writer
+group."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import CONFIG, REPO
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 6
+
+
+def shards(step: int) -> list[dict]:
+    """Step `step`'s batch, split over two ranks (no rollouts: the tier does not care where a batch came from)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, 14, (8, 6), generator=g)
+    response = torch.zeros(8, 6, dtype=torch.long)
+    response[:, -1] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": response,
+             "advantages": torch.randn(8, generator=g)}
+    return [{k: v.chunk(2)[r] for k, v in batch.items()} for r in range(2)]
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """The parts of two ranks' snapshots that are not bitwise equal."""
+    checks = {
+        "params": all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])),
+        "adam": all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a["adam"], b["adam"])),
+        "lr": a["lr"] == b["lr"], "scheduler": a["scheduler"] == b["scheduler"],
+        "rng.python": a["rng"]["python"] == b["rng"]["python"],
+        "rng.numpy": torch.equal(a["rng"]["numpy"]["state"], b["rng"]["numpy"]["state"]),
+        "rng.torch": torch.equal(a["rng"]["torch"], b["rng"]["torch"]),
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
+def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster, tmp_path):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from supervisor.config import load_config
+    from workers.train_worker import TrainWorker
+
+    config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "recover.mode=on", "recover.freq_steps=1",
+                                  "recover.write_mode=async", "actor.warmup_steps=8"])
+    ray.init(address=cluster.address, namespace="relaunch-test", logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+
+    def snapshot(worker) -> dict:
+        """What a bitwise continuation depends on, on one rank; it runs in the actor (defined here: by value)."""
+        from workers.engines.rng import rng_state
+
+        e = worker.engine
+        local = [p.to_local().clone() for p in e.params]
+        adam = [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in e.optimizer.state[p].items()}
+                for p in e.params]
+        return {"params": local, "adam": adam, "lr": [g["lr"] for g in e.optimizer.param_groups],
+                "scheduler": e.scheduler.state_dict(), "rng": rng_state()}
+
+    ranks_node, spare_node = (n.node_id for n in cluster.workers[:2])
+    actors = []
+
+    def start(node: str):
+        actor = TrainWorker.options(num_cpus=1, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node, soft=False)).remote(config)
+        actors.append(actor)
+        return actor
+
+    def seed(worker, rank: int) -> None:
+        import random
+
+        import numpy as np
+
+        random.seed(rank), np.random.seed(rank), torch.manual_seed(rank)
+
+    def draw(worker) -> None:
+        """Every RNG moves on each step, as sampling would: only a restored RNG continues the reference's."""
+        import random
+
+        import numpy as np
+
+        random.random(), np.random.rand(), torch.rand(1)
+
+    def form(ranks: list) -> None:
+        """A new group of fresh ranks (setup), rank 0 hosting its rendezvous; each rank's RNGs seeded by its rank."""
+        where = ray.get(ranks[0].where.remote(0))
+        ray.get([r.setup.remote(where["ip"], where["port"], i, 2) for i, r in enumerate(ranks)])
+        ray.get([r.__ray_call__.remote(seed, i) for i, r in enumerate(ranks)])
+
+    def train(ranks: list, step: int) -> None:
+        ray.get([r.train.remote(s, step) for r, s in zip(ranks, shards(step))])
+        ray.get([r.__ray_call__.remote(draw) for r in ranks])
+
+    def copy(ranks: list, step: int) -> None:
+        """Each rank's memory copy of `step`, waited for until it landed."""
+        results = []
+        for r in ranks:
+            r.begin_memory_copy.remote(step)
+            results.append(r.memory_result.remote(step))  # submitted at once: serialized after the copy began
+        while None in ray.get(results):
+            time.sleep(0.02)
+            results = [r.memory_result.remote(step) for r in ranks]
+
+    def link(ranks: list, holder) -> None:
+        """`holder` holds every rank's copies, on a port of its own per rank."""
+        for i, r in enumerate(ranks):
+            where = ray.get(holder.where.remote())
+            key = f"rank{i}-{time.monotonic_ns()}"
+            ray.get([holder.hold.remote(i, where["port"], key), r.memory_link.remote(where["ip"], where["port"], key)])
+
+    try:
+        # ---- the reference: the same steps, uninterrupted -------------------------------------------------
+        ref = [start(ranks_node), start(ranks_node)]
+        form(ref)
+        for step in range(STEPS):
+            train(ref, step)
+        want = ray.get([r.__ray_call__.remote(snapshot) for r in ref])
+        for r in ref:
+            ray.kill(r)
+
+        # ---- the run: two ranks, a spare on the other node holding both ------------------------------------
+        ranks, spare = [start(ranks_node), start(ranks_node)], start(spare_node)
+        ray.get(spare.warm.remote())
+        form(ranks)
+        link(ranks, spare)
+        for step in range(3):
+            train(ranks, step)
+            copy(ranks, step)
+        assert ray.get(spare.holding.remote()) == {0: [1, 2], 1: [1, 2]}
+
+        # kill 1: rank 1, while rank 0 waits for it in step 3's forward
+        waiting = ranks[0].train.remote(shards(3)[0], 3)
+        time.sleep(1.0)
+        probe = ray.get(ranks[0].progress.remote(), timeout=5)  # its own concurrency group: answers now
+        assert probe["phase"] == "train" and probe["seq"] > 0
+        os.kill(ray.get(ranks[1].where.remote())["pid"], signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(waiting, timeout=60)
+        where = ray.get(ranks[0].where.remote())
+        ray.get([ranks[0].rejoin.remote(where["ip"], where["port"], 0, 2, 2),
+                 spare.adopt.remote(where["ip"], where["port"], 1, 2, 2)], timeout=120)
+        ranks = [ranks[0], spare]
+        assert ray.get(spare.progress.remote())["phase"] == "idle"
+
+        # kill 2: rank 0, after step 4's optimizer step on both ranks, before its memory copy of step 4
+        spare = start(spare_node)
+        ray.get(spare.warm.remote())
+        link(ranks, spare)
+        train(ranks, 3)
+        copy(ranks, 3)
+        train(ranks, 4)
+        ray.get(ranks[1].begin_memory_copy.remote(4))  # rank 1's copy of step 4 was begun; rank 0's never
+        os.kill(ray.get(ranks[0].where.remote())["pid"], signal.SIGKILL)
+        where = ray.get(spare.where.remote())
+        ray.get([spare.adopt.remote(where["ip"], where["port"], 0, 2, 3),
+                 ranks[1].rejoin.remote(where["ip"], where["port"], 1, 2, 3)], timeout=120)
+        ranks = [spare, ranks[1]]
+        for step in (4, 5):
+            train(ranks, step)
+
+        got = ray.get([r.__ray_call__.remote(snapshot) for r in ranks])
+        assert [differences(g, w) for g, w in zip(got, want)] == [[], []]
+
+        # a background recover save through the writer group the rejoin and the adoption made again
+        staging = tmp_path / "step5"
+        staging.mkdir()
+        ray.get([r.begin_save.remote(str(staging), 5) for r in ranks])
+        ray.get([r.start_upload.remote(5) for r in ranks])
+        deadline = time.monotonic() + 60
+        while None in (written := ray.get([r.save_result.remote(5) for r in ranks])):
+            assert time.monotonic() < deadline, "the background save did not finish"
+            time.sleep(0.1)
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {name for files in written for name in files}
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        ray.shutdown()
