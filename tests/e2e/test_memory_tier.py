@@ -4,8 +4,8 @@ survivor rejoins a new process group in its own process and rolls back in place,
 rank's place from what it holds, and the run ends bitwise equal to one that never failed (params, AdamW state,
 LR scheduler, RNGs). Two kills in one run: rank 1 while rank 0 waits in the step's forward (before any optimizer
 step), then rank 0 (itself a survivor of the first) after the step's optimizer step but before its memory copy
-(the survivor rolls back one step). A background recover save after the rejoins writes through the new writer
-group."""
+(the survivor rolls back one step), while its background save of the step before still hangs: it is abandoned.
+A background recover save after the rejoins writes through the new writer group."""
 from __future__ import annotations
 
 import os
@@ -54,8 +54,10 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
 
     config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "recover.mode=on", "recover.freq_steps=1",
                                   "recover.write_mode=async", "actor.warmup_steps=8"])
+    # the survivor of kill 2 (rank 1 then) is still writing its background save of step 3 when it rejoins
+    faults = {"RELAUNCH_FAULT": "background_write:hang:step=3:rank=1", "RELAUNCH_FAULT_DIR": str(tmp_path)}
     ray.init(address=cluster.address, namespace="relaunch-test", logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **faults}})
 
     def snapshot(worker) -> dict:
         """What a bitwise continuation depends on, on one rank; it runs in the actor (defined here: by value)."""
@@ -112,6 +114,14 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
             time.sleep(0.02)
             results = [r.memory_result.remote(step) for r in ranks]
 
+    def save(ranks: list, step: int) -> ray.ObjectRef:
+        """A background recover save of `step` begun on every rank; the ref of its results."""
+        staging = tmp_path / f"step{step}"
+        staging.mkdir()
+        ray.get([r.begin_save.remote(str(staging), step) for r in ranks])
+        ray.get([r.start_upload.remote(step) for r in ranks])
+        return [r.save_result.remote(step) for r in ranks]
+
     def link(ranks: list, holder) -> None:
         """`holder` holds every rank's copies, on a port of its own per rank."""
         for i, r in enumerate(ranks):
@@ -159,6 +169,7 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         link(ranks, spare)
         train(ranks, 3)
         copy(ranks, 3)
+        save(ranks, 3)  # rank 1's part hangs in its writer thread
         train(ranks, 4)
         ray.get(ranks[1].begin_memory_copy.remote(4))  # rank 1's copy of step 4 was begun; rank 0's never
         os.kill(ray.get(ranks[0].where.remote())["pid"], signal.SIGKILL)
@@ -172,11 +183,9 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         got = ray.get([r.__ray_call__.remote(snapshot) for r in ranks])
         assert [differences(g, w) for g, w in zip(got, want)] == [[], []]
 
-        # a background recover save through the writer group the rejoin and the adoption made again
-        staging = tmp_path / "step5"
-        staging.mkdir()
-        ray.get([r.begin_save.remote(str(staging), 5) for r in ranks])
-        ray.get([r.start_upload.remote(5) for r in ranks])
+        # a background recover save through the writer group the rejoin and the adoption made again, on rank 1
+        # a writer thread of its own (its old one still hangs in the abandoned save of step 3)
+        save(ranks, 5)
         deadline = time.monotonic() + 60
         while None in (written := ray.get([r.save_result.remote(5) for r in ranks])):
             assert time.monotonic() < deadline, "the background save did not finish"
