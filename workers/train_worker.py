@@ -379,7 +379,8 @@ class TrainWorker:
         self.holdings = {}
         self._setup(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
-        self.memory = held.slots
+        held.thread.join(timeout=ABANDON_SECS)  # the dead rank's link has ended, or is about to
+        self.memory = None if held.thread.is_alive() else held.slots  # its own copies now, once nothing writes them
 
     @ray.method(concurrency_group=PROBE)
     def progress(self) -> dict:
