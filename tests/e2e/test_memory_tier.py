@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import CONFIG, REPO
+from test_async_save import batch
+
+from supervisor.config import DEFAULT_CONFIG, load_config
+from supervisor.testing.local_cluster import free_port
+from workers.memory_tier import Slot, pack_meta, unpack_meta
 
 pytestmark = pytest.mark.e2e
 
@@ -23,13 +30,23 @@ STEPS = 6
 
 def shards(step: int) -> list[dict]:
     """Step `step`'s batch, split over two ranks (no rollouts: the tier does not care where a batch came from)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, 14, (8, 6), generator=g)
-    response = torch.zeros(8, 6, dtype=torch.long)
-    response[:, -1] = 1
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": response,
-             "advantages": torch.randn(8, generator=g)}
-    return [{k: v.chunk(2)[r] for k, v in batch.items()} for r in range(2)]
+    return [{k: v.chunk(2)[r] for k, v in batch(1000 + step).items()} for r in range(2)]
+
+
+def state(engine) -> dict:
+    """What a bitwise continuation depends on, on one rank, copied."""
+    from workers.engines.rng import rng_state
+
+    opt = engine.optimizer
+    return {"params": [p.to_local().clone() for p in engine.params],
+            "adam": [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in opt.state[p].items()}
+                     for p in engine.params],
+            "lr": [g["lr"] for g in opt.param_groups], "scheduler": engine.scheduler.state_dict(), "rng": rng_state()}
+
+
+def snapshot(worker) -> dict:
+    """`state` of a TrainWorker's engine, run in the actor (this module is pickled by value for it)."""
+    return state(worker.engine)
 
 
 def differences(a: dict, b: dict) -> list[str]:
@@ -49,7 +66,6 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from supervisor.config import load_config
     from workers.train_worker import TrainWorker
 
     config = load_config(CONFIG, [f"cluster.fileroot={tmp_path}", "recover.mode=on", "recover.freq_steps=1",
@@ -58,17 +74,7 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
     faults = {"RELAUNCH_FAULT": "background_write:hang:step=3:rank=1", "RELAUNCH_FAULT_DIR": str(tmp_path)}
     ray.init(address=cluster.address, namespace="relaunch-test", logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **faults}})
-
-    def snapshot(worker) -> dict:
-        """What a bitwise continuation depends on, on one rank; it runs in the actor (defined here: by value)."""
-        from workers.engines.rng import rng_state
-
-        e = worker.engine
-        local = [p.to_local().clone() for p in e.params]
-        adam = [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in e.optimizer.state[p].items()}
-                for p in e.params]
-        return {"params": local, "adam": adam, "lr": [g["lr"] for g in e.optimizer.param_groups],
-                "scheduler": e.scheduler.state_dict(), "rng": rng_state()}
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # `snapshot` and the helpers it calls
 
     ranks_node, spare_node = (n.node_id for n in cluster.workers[:2])
     actors = []
@@ -195,3 +201,54 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         for actor in actors:
             ray.kill(actor)
         ray.shutdown()
+
+
+# ---- the FSDP engine's half, in one process: a gloo group of one rank, no Ray ----------------------------
+@pytest.fixture
+def engine():
+    from workers.engines.base import make_engine
+
+    config = load_config(DEFAULT_CONFIG, ["actor.warmup_steps=5", "recover.mode=on", "recover.freq_steps=1",
+                                          "recover.write_mode=async"])
+    try:
+        yield make_engine(config, 0, 1, "127.0.0.1", free_port())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.quick
+def test_a_staged_slot_rolls_the_engine_back_bitwise_and_the_step_redone_is_the_same(engine):
+    slot = Slot(torch.zeros(engine.memory_layout.numel))
+    for step in range(2):
+        engine.train_step(batch(step), step)
+    engine.stage_memory(slot, 1)
+    assert slot.step == 1
+    staged = state(engine)
+    first = engine.train_step(batch(2), 2)
+    torch.rand(3)  # the RNG moved on too
+    assert staged["lr"] != [g["lr"] for g in engine.optimizer.param_groups]  # warm-up: the lr moved
+    engine.load_memory(slot.flat, unpack_meta(pack_meta(slot.meta)))
+    assert differences(state(engine), staged) == []
+    assert engine.train_step(batch(2), 2) == first
+
+
+@pytest.mark.quick
+def test_a_rejoin_keeps_the_model_and_makes_the_groups_a_new_engine_makes(engine):
+    from workers.engines.base import make_engine
+
+    fresh_groups = dist.distributed_c10d._world.group_count  # WORLD, the mesh's (none of its own), the writer's
+    engine.train_step(batch(0), 0)
+    before = state(engine)
+    engine.rejoin("127.0.0.1", free_port(), 0, 1)
+    assert dist.distributed_c10d._world.group_count == fresh_groups
+    assert differences(state(engine), before) == []
+    assert all(p.device_mesh.get_group() is dist.group.WORLD for p in engine.params)
+    assert engine.writer_group is not None and dist.get_world_size(engine.writer_group) == 1
+    metrics = engine.train_step(batch(1), 1)  # clip_grad_norm_ and the loss's all_reduce on the new group
+    assert metrics["grad_norm"] == metrics["grad_norm"] and torch.equal(engine.full_param(0), engine.params[0].full_tensor())
+    with pytest.raises(ValueError, match="cannot rejoin as rank 1 of 2"):
+        engine.rejoin("127.0.0.1", free_port(), 1, 2)
+    dist.destroy_process_group()
+    other = make_engine(engine.config, 0, 1, "127.0.0.1", free_port())
+    assert dist.distributed_c10d._world.group_count == fresh_groups and other.writer_group is not None
