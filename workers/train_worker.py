@@ -292,7 +292,8 @@ class TrainWorker:
     @fault_points
     def memory_result(self, global_step: int) -> bool | None:
         """True once the send of `global_step` to the holder finished, None while it runs; raises its error
-        (RuntimeError when no send of that step was begun here: no link, or a newer one since)."""
+        (RuntimeError when no send of that step was begun here: no link, or a newer one since). The holder's
+        `holding()` says when the copy landed there, a moment later: that is the commit's test."""
         if self.memory_send is None or self.memory_send[0] != global_step:
             raise RuntimeError(f"no memory copy of step {global_step} was sent from this rank")
         future = self.memory_send[1]
