@@ -322,11 +322,14 @@ class TrainWorker:
         return self.memory
 
     def _drop_link(self) -> None:
-        """Leave the side link; a send still running after ABANDON_SECS is abandoned with it."""
+        """Leave the side link; a send still running after ABANDON_SECS is abandoned with it (and forgotten:
+        the next copy does not wait for it, and its holder has closed that link or died)."""
         if self.link is None:
             return
-        if self.memory_send is not None:
-            wait([self.memory_send[1]], timeout=ABANDON_SECS)
+        if self.memory_send is not None and not wait([self.memory_send[1]], timeout=ABANDON_SECS).done:
+            log.warning("rank %s: the memory send of step %d was still running; abandoned", self.rank,
+                        self.memory_send[0])
+            self.memory_send = None
         self.link.close()
         self.link = None
 
