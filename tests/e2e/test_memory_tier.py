@@ -49,6 +49,11 @@ def snapshot(worker) -> dict:
     return state(worker.engine)
 
 
+def full_weights(worker) -> dict:
+    """Collective: the full weights, on rank 0 (FSDP's all-gathers over the group the rank is in now)."""
+    return worker.engine.full_state_dict()
+
+
 def differences(a: dict, b: dict) -> list[str]:
     """The parts of two ranks' snapshots that are not bitwise equal."""
     checks = {
@@ -142,6 +147,7 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         for step in range(STEPS):
             train(ref, step)
         want = ray.get([r.__ray_call__.remote(snapshot) for r in ref])
+        want_full = ray.get([r.__ray_call__.remote(full_weights) for r in ref])[0]
         for r in ref:
             ray.kill(r)
 
@@ -188,6 +194,8 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
 
         got = ray.get([r.__ray_call__.remote(snapshot) for r in ranks])
         assert [differences(g, w) for g, w in zip(got, want)] == [[], []]
+        full = ray.get([r.__ray_call__.remote(full_weights) for r in ranks])[0]  # DTensor gathers on the new group
+        assert full.keys() == want_full.keys() and all(torch.equal(full[k], want_full[k]) for k in full)
 
         # a background recover save through the writer group the rejoin and the adoption made again, on rank 1
         # a writer thread of its own (its old one still hangs in the abandoned save of step 3)
