@@ -292,7 +292,8 @@ class TrainWorker:
     @fault_points
     def memory_result(self, global_step: int) -> bool | None:
         """True once the send of `global_step` to the holder finished, None while it runs; raises its error
-        (RuntimeError when no send of that step was begun here: no link, or a newer one since)."""
+        (RuntimeError when no send of that step was begun here: no link, or a newer one since). The holder's
+        `holding()` says when the copy landed there, a moment later: that is the commit's test."""
         if self.memory_send is None or self.memory_send[0] != global_step:
             raise RuntimeError(f"no memory copy of step {global_step} was sent from this rank")
         future = self.memory_send[1]
@@ -324,11 +325,14 @@ class TrainWorker:
         return self.memory
 
     def _drop_link(self) -> None:
-        """Leave the side link; a send still running after ABANDON_SECS is abandoned with it."""
+        """Leave the side link; a send still running after ABANDON_SECS is abandoned with it (and forgotten:
+        the next copy does not wait for it, and its holder has closed that link or died)."""
         if self.link is None:
             return
-        if self.memory_send is not None:
-            wait([self.memory_send[1]], timeout=ABANDON_SECS)
+        if self.memory_send is not None and not wait([self.memory_send[1]], timeout=ABANDON_SECS).done:
+            log.warning("rank %s: the memory send of step %d was still running; abandoned", self.rank,
+                        self.memory_send[0])
+            self.memory_send = None
         self.link.close()
         self.link = None
 
@@ -382,7 +386,8 @@ class TrainWorker:
         self.holdings = {}
         self._setup(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
-        self.memory = held.slots
+        held.thread.join(timeout=ABANDON_SECS)  # the dead rank's link has ended, or is about to
+        self.memory = None if held.thread.is_alive() else held.slots  # its own copies now, once nothing writes them
 
     @ray.method(concurrency_group=PROBE)
     def progress(self) -> dict:

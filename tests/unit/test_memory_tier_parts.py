@@ -1,16 +1,14 @@
-"""The memory tier's pure parts (layout, slots, meta), and the FSDP engine's half of it in one process of a gloo
-group of one: a staged slot restores the state bitwise, and a rejoin re-forms the group around the built model."""
+"""The memory tier's pure parts (layout, slots, meta) and its side link between two threads (the FSDP engine's
+half is tested in tests/e2e/test_memory_tier.py)."""
 import random
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
-from supervisor.config import DEFAULT_CONFIG, load_config
 from supervisor.testing.local_cluster import free_port
 from workers.engines.rng import rng_state
-from workers.memory_tier import KINDS, Slot, Slots, StateLayout, pack_meta, slot_index, unpack_meta
+from workers.memory_tier import KINDS, Slots, StateLayout, pack_meta, slot_index, unpack_meta
 
 
 @pytest.mark.parametrize("step, index", [(0, 0), (1, 1), (2, 0), (7, 1), (100, 0)])
@@ -78,80 +76,6 @@ def test_meta_survives_the_byte_round_trip_rngs_and_all():
     assert back["rng"]["python"] == meta["rng"]["python"]
     assert torch.equal(back["rng"]["torch"], meta["rng"]["torch"])
     assert torch.equal(back["rng"]["numpy"]["state"], meta["rng"]["numpy"]["state"])
-
-
-# ---- the FSDP engine, one rank ---------------------------------------------------------------------------
-@pytest.fixture
-def engine():
-    from workers.engines.base import make_engine
-
-    config = load_config(DEFAULT_CONFIG, ["actor.warmup_steps=5", "recover.mode=on", "recover.freq_steps=1",
-                                          "recover.write_mode=async"])
-    try:
-        yield make_engine(config, 0, 1, "127.0.0.1", free_port())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def batch(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 14, (8, 6), generator=g)
-    response = torch.zeros(8, 6, dtype=torch.long)
-    response[:, -1] = 1
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": response,
-            "advantages": torch.randn(8, generator=g)}
-
-
-def state(engine) -> dict:
-    """Everything a continuation depends on, copied."""
-    opt = engine.optimizer
-    return {"params": [p.to_local().clone() for p in engine.params],
-            "adam": [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in opt.state[p].items()}
-                     for p in engine.params],
-            "lr": [g["lr"] for g in opt.param_groups], "scheduler": engine.scheduler.state_dict(),
-            "rng": torch.get_rng_state()}
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
-    assert all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a["adam"], b["adam"]))
-    assert a["lr"] == b["lr"] and a["scheduler"] == b["scheduler"] and torch.equal(a["rng"], b["rng"])
-
-
-def test_a_staged_slot_rolls_the_engine_back_bitwise_and_the_step_redone_is_the_same(engine):
-    slot = Slot(torch.zeros(engine.memory_layout.numel))
-    for step in range(2):
-        engine.train_step(batch(step), step)
-    engine.stage_memory(slot, 1)
-    assert slot.step == 1
-    staged = state(engine)
-    first = engine.train_step(batch(2), 2)
-    torch.rand(3)  # the RNG moved on too
-    assert staged["lr"] != [g["lr"] for g in engine.optimizer.param_groups]  # warm-up: the lr moved
-    engine.load_memory(slot.flat, unpack_meta(pack_meta(slot.meta)))
-    assert_same(state(engine), staged)
-    assert engine.train_step(batch(2), 2) == first
-
-
-def test_a_rejoin_keeps_the_model_and_makes_the_groups_a_new_engine_makes(engine):
-    from workers.engines.base import make_engine
-
-    fresh_groups = dist.distributed_c10d._world.group_count  # WORLD, the mesh's (none of its own), the writer's
-    engine.train_step(batch(0), 0)
-    before = state(engine)
-    engine.rejoin("127.0.0.1", free_port(), 0, 1)
-    assert dist.distributed_c10d._world.group_count == fresh_groups
-    assert_same(state(engine), before)
-    assert all(p.device_mesh.get_group() is dist.group.WORLD for p in engine.params)
-    assert engine.writer_group is not None and dist.get_world_size(engine.writer_group) == 1
-    metrics = engine.train_step(batch(1), 1)  # clip_grad_norm_ and the loss's all_reduce on the new group
-    assert metrics["grad_norm"] == metrics["grad_norm"] and torch.equal(engine.full_param(0), engine.params[0].full_tensor())
-    with pytest.raises(ValueError, match="cannot rejoin as rank 1 of 2"):
-        engine.rejoin("127.0.0.1", free_port(), 1, 2)
-    dist.destroy_process_group()
-    other = make_engine(engine.config, 0, 1, "127.0.0.1", free_port())
-    assert dist.distributed_c10d._world.group_count == fresh_groups and other.writer_group is not None
 
 
 def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step():
