@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -195,15 +194,17 @@ def clean_restart(args, yes, dry_run):
     Refused while a run holds the trial."""
     config = _config_and_overrides(args)
     from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.store import RecoverStore
     from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 
     layout = TrialLayout.from_config(config)
-    root = layout.checkpoint_root.resolve()
-    targets = [p for p in layout.recover_state_paths() if p.exists() or p.is_symlink()]
-    for p in targets:
-        real = p.resolve()
-        if p.is_symlink() or root not in real.parents:
-            _fail(f"{p}: refusing to delete a path outside the trial root {root}")
+    store = RecoverStore(layout, config.recover.keep_last)
+    root, targets = layout.checkpoint_root, store.recover_state()
+    if isinstance(root, Path):  # a local tree: no symlink may lead the deletion out of it
+        root = root.resolve()
+        for p in targets:
+            if p.is_symlink() or root not in p.resolve().parents:
+                _fail(f"{p}: refusing to delete a path outside the trial root {root}")
     if not targets:
         click.echo(f"nothing to remove: no recover state under {root}")
         return
@@ -225,7 +226,7 @@ def clean_restart(args, yes, dry_run):
             click.confirm("delete these?", abort=True)
         for p in targets:
             click.echo(f"removing {p}")
-            shutil.rmtree(p)
+            store.fs.remove(p)
     finally:
         lock.release()
     click.echo("done: the next run starts at step 0")

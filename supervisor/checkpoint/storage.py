@@ -45,7 +45,8 @@ class Storage(Protocol):
         """The entries directly under `path` (files and directories); [] when there is none."""
     def files(self, path: StoragePath) -> list[StoragePath]:
         """Every file under `path`, at any depth."""
-    def size(self, path: StoragePath) -> int: ...
+    def size(self, path: StoragePath) -> int:
+        """The size of a file; FileNotFoundError when there is no file (a directory is none)."""
     def digest(self, path: StoragePath) -> str:
         """sha256 of the file's bytes."""
     def read_bytes(self, path: StoragePath) -> bytes: ...
@@ -91,6 +92,8 @@ class LocalStorage:
         return [p for p in path.rglob("*") if p.is_file()]
 
     def size(self, path: Path) -> int:
+        if path.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "a directory, not a file", str(path))
         return path.stat().st_size
 
     def digest(self, path: Path) -> str:
@@ -201,7 +204,10 @@ class FsspecStorage:
         return [type(path)(name) for name in self._call("find", path, lambda: self.fs.find(path.key))]
 
     def size(self, path: ObjectPath) -> int:
-        return int(self._call("info", path, lambda: self.fs.info(path.key)["size"]))
+        info = self._call("info", path, lambda: self.fs.info(path.key))
+        if info["type"] != "file":
+            raise FileNotFoundError(errno.ENOENT, "a directory, not an object", str(path))
+        return int(info["size"])
 
     def digest(self, path: ObjectPath) -> str:
         def sha256() -> str:

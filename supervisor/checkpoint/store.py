@@ -119,9 +119,9 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
     for name, expect in sorted(files.items()):
         f = _entry_path(path, name)
-        if not fs.is_file(f):
+        if (size := _size(fs, f)) is None:
             raise CheckpointError(f"{f}: missing")
-        if (size := fs.size(f)) != expect["size"]:
+        if size != expect["size"]:
             raise CheckpointError(f"{f}: size {size}, expected {expect['size']}")
         if manifest != trusted and fs.digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
@@ -134,6 +134,14 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
         except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
             raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
     return Checkpoint(step, path, manifest, infos)
+
+
+def _size(fs: Storage, path: StoragePath) -> int | None:
+    """The size of a file, None when there is none (one request on an object store)."""
+    try:
+        return fs.size(path)
+    except FileNotFoundError:
+        return None
 
 
 def _check_dcp(fs: Storage, path: StoragePath, entries: bool) -> None:
@@ -211,7 +219,7 @@ class RecoverStore:
             data = _encode_info(name, infos[name])
             self.fs.write_bytes(staging / META / name, data)
             files[f"{META}/{name}"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        missing = [n for n, f in files.items() if not self.fs.is_file(staging / n) or self.fs.size(staging / n) != f["size"]]
+        missing = [n for n, f in files.items() if _size(self.fs, staging / n) != f["size"]]
         if missing:  # e.g. a fileroot that is not shared by every node: a failed save, not a damaged checkpoint
             raise OSError(errno.EIO, f"ranks reported files that are not there (or not whole): {missing[:3]} "
                                      f"(is cluster.fileroot on storage every node sees?)", str(staging))
@@ -368,6 +376,11 @@ class RecoverStore:
         )
 
     # ---- housekeeping --------------------------------------------------------------------------
+    def recover_state(self) -> list[StoragePath]:
+        """What `relaunch clean-restart` removes, of what is there: recover_info/ and recover_checkpoint/."""
+        return [p for p in self.layout.recover_state_paths()
+                if self.fs.exists(p) or (isinstance(p, Path) and p.is_symlink())]
+
     def temporaries(self) -> list[StoragePath]:
         """Temporary directories of interrupted saves and HF exports (and, on an object store, step directories
         an upload left without a manifest): never published, so never a checkpoint."""

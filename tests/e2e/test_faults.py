@@ -353,3 +353,40 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster,
     assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
     assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
     assert_recovered_exactly(trial, reference, restarts=1)
+
+
+class BucketTrial(Trial):
+    """A trial whose fileroot is a prefix of the S3 server's bucket; its logs and lock in a local directory."""
+
+    def __init__(self, url: str, local_root: Path):
+        super().__init__(local_root)
+        self.url = url
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"cluster.fileroot={self.url}", f"cluster.local_root={self.fileroot}"]
+
+
+def test_the_default_job_on_an_s3_bucket_survives_a_killed_rank_bit_identical(s3_server, reference, tmp_path):
+    """cluster.fileroot on moto's S3 server, over HTTP through s3fs: the ranks upload their own shards, a rank killed
+    mid-update restarts the TrainGroup from the bucket (downloaded by each rank), and the run ends as the local
+    uninterrupted one did, with nothing unpublished left in the bucket."""
+    from conftest import short_tmp
+
+    from supervisor.checkpoint.layout import TrialLayout, as_path
+    from supervisor.checkpoint.store import RecoverStore
+
+    trial = BucketTrial(s3_server.url(tmp_path.name), tmp_path / "head")
+    env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:kill:step=7:rank=1",
+                   "RELAUNCH_FAULT_DIR": str(tmp_path), "RAY_TMPDIR": str(short_tmp("rls3"))})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, env=env, log=tmp_path / "job.log")
+    try:
+        assert proc.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        kill_session(proc.pid)
+    assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]
+    assert all(e["path"].startswith(trial.url + "/checkpoints/") for e in trial.events("commit"))
+    assert_recovered_exactly(trial, reference, restarts=1)
+    store = RecoverStore(TrialLayout(as_path(trial.url), trial.root.parts[-3], "tiny-grpo", "trial0"), keep_last=2)
+    assert store.published_steps() == sorted({e["global_step"] for e in trial.events("commit")})[-2:]
+    assert store.temporaries() == []
