@@ -5,13 +5,16 @@ fileroot the rank writes straight into the step directory, as ever. On an object
 directory on its own node's disk, hashes what it wrote there, and uploads its files itself, object by object
 (retried, checkpoint/storage.py): nothing is staged through the head node, and the local copy is gone once the
 upload is over. Loading is the reverse: the rank downloads the step directory (and the reference weights beside
-it) into a private directory and loads from there; an export tool does the same.
+it) into a private directory and loads from there; the tools (`relaunch export`, `verify`, `inspect`) do the same
+with a URL they are given (`readable`).
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from supervisor.checkpoint.layout import REFERENCE_DIR, StoragePath, as_path
 from supervisor.checkpoint.storage import LocalStorage, Storage, storage_for
@@ -75,3 +78,11 @@ class RankDir:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def readable(path: str, retry_secs: float = 60.0) -> Iterator[Path]:
+    """A checkpoint or export named by a path or a URL (s3://...), as a local directory while the block runs: a
+    URL's objects are downloaded into a private temporary directory, removed afterwards."""
+    with RankDir(path, retry_secs) as directory:
+        yield directory.fetch()

@@ -213,3 +213,24 @@ def test_a_url_fileroot_is_checked_before_anything_starts(tmp_path):
 
 def test_the_local_storage_is_the_default_for_a_path(tmp_path):
     assert isinstance(storage_for(tmp_path), LocalStorage)
+
+
+def test_inspect_status_and_clean_restart_take_a_bucket(s3_server, tmp_path):
+    from click.testing import CliRunner
+
+    from supervisor.cli import main
+    from supervisor.config import load_config
+    from supervisor.tools.status import trial_status
+
+    overrides = [f"cluster.fileroot={s3_server.url(tmp_path.name)}", f"cluster.local_root={tmp_path}"]
+    config = load_config(None, overrides)
+    store = RecoverStore(TrialLayout.from_config(config), keep_last=2)
+    commit(store, 4)
+    step_dir = store.layout.step_dir(4)
+    r = CliRunner().invoke(main, ["inspect", str(step_dir)])
+    assert r.exit_code == 0 and "valid        yes" in r.output and "global step  4" in r.output, r.output
+    assert trial_status(config)["last_valid"] == {"global_step": 4, "epoch": 0, "epoch_step": 4,
+                                                  "path": str(step_dir)}
+    r = CliRunner().invoke(main, ["clean-restart", *overrides, "--yes"])
+    assert r.exit_code == 0, r.output
+    assert store.recover_state() == [] and not store.fs.exists(store.layout.recover_info)
