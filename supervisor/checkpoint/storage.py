@@ -28,6 +28,7 @@ from supervisor.config import Config
 
 T = TypeVar("T")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_WRITES = ("write", "upload", "copy")
 # errors retrying cannot cure: the object is not there, the credentials are refused, the call is wrong
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
               ValueError, TypeError)
@@ -171,6 +172,10 @@ class FsspecStorage:
             attempt += 1
             try:
                 return fn()
+            except FileNotFoundError as e:
+                if what in _WRITES:  # nothing to write into: the bucket is not there
+                    raise OSError(errno.EIO, f"{what} failed: no such bucket ({e})", str(path)) from e
+                raise
             except _PERMANENT:
                 raise
             except Exception as e:  # noqa: BLE001 - s3fs/aiohttp/botocore errors: transient until the budget is spent

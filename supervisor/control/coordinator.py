@@ -207,8 +207,13 @@ class CheckpointCoordinator:
             self.in_flight.export = None
 
     def collect(self, trainers, block: bool) -> None:
+        """Publish the background writes that are done; with `block` (after the last step), wait for them and for
+        the retention they started, so a finished run leaves `recover.keep_last` steps (on an object store,
+        where deleting takes a while, too)."""
         self.collect_export(trainers, block)
         self.collect_save(trainers, block)
+        if block and self.store is not None and self.in_flight.idle:
+            self.store.wait_for_pruning()
 
     def _watch(self, kind: WriteKind, result: Callable[[], T]) -> T:
         """A background write's result and its publication; if either raises (a rank's write, or the

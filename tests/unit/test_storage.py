@@ -17,6 +17,7 @@ from supervisor.checkpoint.layout import MANIFEST, RECOVER_INFO_FILES, ObjectPat
 from supervisor.checkpoint.storage import FsspecStorage, LocalStorage, storage_for
 from supervisor.checkpoint.store import RecoverStore
 from supervisor.checkpoint.transfer import RankDir
+from test_recovery import infos
 
 UNIT = Path(__file__).parent
 
@@ -70,15 +71,6 @@ def test_paths_on_a_store_print_as_urls_and_name_keys_relative():
     assert p.key == "bucket/prefix/checkpoints/globalstep5" and p.name == "globalstep5"
     assert str(p.relative_to(as_path("s3://bucket/prefix"))) == "checkpoints/globalstep5"
     assert str(as_path("gs://b/x").parent) == "gs://b" and as_path("/tmp/x") == Path("/tmp/x")
-
-
-def infos(step: int) -> dict:
-    return {
-        "step_info.json": {"epoch": 0, "epoch_step": step, "global_step": step, "steps_per_epoch": 100},
-        "saver_info.json": {"freq": {}}, "evaluator_info.json": {"freq": {}},
-        "stats_logger_info.json": {"commit_step": step},
-        "dataloader_info.pkl": {"epoch": 0, "epoch_step": step + 1},
-    }
 
 
 def shard_bytes(name: str, step: int) -> bytes:
@@ -234,3 +226,12 @@ def test_inspect_status_and_clean_restart_take_a_bucket(s3_server, tmp_path):
     r = CliRunner().invoke(main, ["clean-restart", *overrides, "--yes"])
     assert r.exit_code == 0, r.output
     assert store.recover_state() == [] and not store.fs.exists(store.layout.recover_info)
+
+
+def test_a_write_to_a_bucket_that_does_not_exist_is_a_storage_error(s3_server):
+    from supervisor.control.classify import FaultKind, classify
+
+    with pytest.raises(OSError) as e:
+        storage_for(as_path("s3://no-such-bucket/runs")).write_bytes(as_path("s3://no-such-bucket/runs/x"), b"x")
+    assert e.value.errno == errno.EIO and "no such bucket" in str(e.value)
+    assert classify(e.value).kind is FaultKind.STORAGE_ERROR
