@@ -28,7 +28,6 @@ from supervisor.config import Config
 
 T = TypeVar("T")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-_WRITES = ("write", "upload", "copy")
 # errors retrying cannot cure: the object is not there, the credentials are refused, the call is wrong
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
               ValueError, TypeError)
@@ -166,14 +165,16 @@ class FsspecStorage:
         self.fs = fs if fs is not None else fsspec.filesystem(protocol, use_listings_cache=False)
         self.retries = 0  # transient errors retried so far, for the tests and the benchmark
 
-    def _call(self, what: str, path: ObjectPath, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, path: ObjectPath, fn: Callable[[], T], writes: bool = False) -> T:
+        """`fn()`, retried; `what` names it in the error. A write (`writes`) that finds nothing to write into
+        fails at once as a storage error: the bucket is not there."""
         deadline, delay, attempt = time.monotonic() + self.retry_secs, 0.2, 0
         while True:
             attempt += 1
             try:
                 return fn()
             except FileNotFoundError as e:
-                if what in _WRITES:  # nothing to write into: the bucket is not there
+                if writes:
                     raise OSError(errno.EIO, f"{what} failed: no such bucket ({e})", str(path)) from e
                 raise
             except _PERMANENT:
@@ -187,14 +188,24 @@ class FsspecStorage:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    def _info(self, path: ObjectPath) -> dict | None:
+        """What the store says about `path`, None when nothing is there. (fsspec's own isfile answers False on
+        any error: during an outage a published step would look missing.)"""
+        def info() -> dict | None:
+            try:
+                return self.fs.info(path.key)
+            except FileNotFoundError:
+                return None
+        return self._call("info", path, info)
+
     def exists(self, path: ObjectPath) -> bool:
-        return self._call("exists", path, lambda: self.fs.exists(path.key))
+        return self._info(path) is not None
 
     def is_file(self, path: ObjectPath) -> bool:
-        return self._call("isfile", path, lambda: self.fs.isfile(path.key))
+        return (self._info(path) or {}).get("type") == "file"
 
     def is_dir(self, path: ObjectPath) -> bool:
-        return self._call("isdir", path, lambda: self.fs.isdir(path.key))
+        return (self._info(path) or {}).get("type") == "directory"
 
     def iterdir(self, path: ObjectPath) -> list[ObjectPath]:
         def ls() -> list[str]:
@@ -209,8 +220,8 @@ class FsspecStorage:
         return [type(path)(name) for name in self._call("find", path, lambda: self.fs.find(path.key))]
 
     def size(self, path: ObjectPath) -> int:
-        info = self._call("info", path, lambda: self.fs.info(path.key))
-        if info["type"] != "file":
+        info = self._info(path)
+        if info is None or info["type"] != "file":
             raise FileNotFoundError(errno.ENOENT, "a directory, not an object", str(path))
         return int(info["size"])
 
@@ -227,7 +238,7 @@ class FsspecStorage:
         return self._call("read", path, lambda: self.fs.cat_file(path.key))
 
     def write_bytes(self, path: ObjectPath, data: bytes) -> None:
-        self._call("write", path, lambda: self.fs.pipe_file(path.key, data))
+        self._call("write", path, lambda: self.fs.pipe_file(path.key, data), writes=True)
 
     def write_atomic(self, path: ObjectPath, data: bytes) -> None:
         self.write_bytes(path, data)  # one PUT: the object appears whole, or the old one stays
@@ -246,7 +257,7 @@ class FsspecStorage:
     def rename(self, src: ObjectPath, dst: ObjectPath) -> None:
         for f in self.files(src):  # copied object by object: a retry resumes where the last attempt stopped
             target = dst / f.relative_to(src)
-            self._call("copy", f, lambda: self.fs.copy(f.key, target.key))
+            self._call("copy", f, lambda: self.fs.copy(f.key, target.key), writes=True)
         self.remove(src)
 
     def publish_dir(self, tmp: ObjectPath, final: ObjectPath) -> None:
@@ -263,7 +274,7 @@ class FsspecStorage:
     def upload(self, local: Path, names: list[str], remote: ObjectPath) -> None:
         for name in names:  # one object at a time, each retried alone
             target = remote / name
-            self._call("upload", target, lambda: self.fs.put_file(str(local / name), target.key))
+            self._call("upload", target, lambda: self.fs.put_file(str(local / name), target.key), writes=True)
 
     def download(self, remote: ObjectPath, local: Path) -> None:
         for f in self.files(remote):

@@ -145,12 +145,16 @@ def test_an_upload_killed_at_any_object_leaves_the_previous_checkpoint_loading(s
     assert store.load_latest().checkpoint.global_step == 9
 
 
-def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
+def unretried_s3(retry_secs: float) -> FsspecStorage:
+    """The S3 storage with boto's own retries off, so that an outage reaches ours."""
     import s3fs
 
-    # boto's own retries off, so that the outage reaches ours
-    fs = FsspecStorage("s3", retry_secs=20, fs=s3fs.S3FileSystem(
+    return FsspecStorage("s3", retry_secs=retry_secs, fs=s3fs.S3FileSystem(
         use_listings_cache=False, skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}}))
+
+
+def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
+    fs = unretried_s3(retry_secs=20)
     path = as_path(s3_server.url(tmp_path.name)) / "x.bin"
     fs.write_bytes(path, b"before")
     s3_server.down()
@@ -165,10 +169,7 @@ def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
 
 
 def test_a_server_that_stays_down_fails_the_write_as_a_storage_error_within_the_budget(s3_server, tmp_path):
-    import s3fs
-
-    fs = FsspecStorage("s3", retry_secs=3, fs=s3fs.S3FileSystem(
-        use_listings_cache=False, skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}}))
+    fs = unretried_s3(retry_secs=3)
     s3_server.down()
     try:
         started = time.monotonic()
@@ -235,3 +236,19 @@ def test_a_write_to_a_bucket_that_does_not_exist_is_a_storage_error(s3_server):
         storage_for(as_path("s3://no-such-bucket/runs")).write_bytes(as_path("s3://no-such-bucket/runs/x"), b"x")
     assert e.value.errno == errno.EIO and "no such bucket" in str(e.value)
     assert classify(e.value).kind is FaultKind.STORAGE_ERROR
+
+
+def test_a_lookup_during_an_outage_waits_it_out_rather_than_answering_nothing_is_there(s3_server, tmp_path):
+    """fsspec's own isfile answers False on any error: a published step would look missing, and a resume would
+    fall back past it."""
+    import threading
+
+    fs = unretried_s3(retry_secs=20)
+    manifest = as_path(s3_server.url(tmp_path.name)) / MANIFEST
+    fs.write_bytes(manifest, b"{}")
+    s3_server.down()
+    threading.Timer(2.0, s3_server.up).start()
+    try:
+        assert fs.is_file(manifest) and fs.exists(manifest) and not fs.is_dir(manifest)
+    finally:
+        s3_server.up()
