@@ -33,6 +33,10 @@ _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryE
               ValueError, TypeError)
 
 
+class StoreUnavailable(OSError):
+    """A store call still failing when its retries ran out: a storage error, never a sign of a damaged checkpoint."""
+
+
 class Storage(Protocol):
     """What checkpoint/ does with files. Paths are those of this storage (see `storage_for`)."""
 
@@ -181,7 +185,7 @@ class FsspecStorage:
                 raise
             except Exception as e:  # noqa: BLE001 - s3fs/aiohttp/botocore errors: transient until the budget is spent
                 if time.monotonic() + delay > deadline:
-                    raise OSError(errno.EIO, f"{what} failed after {attempt} attempts in {self.retry_secs:g} s "
+                    raise StoreUnavailable(errno.EIO, f"{what} failed after {attempt} attempts in {self.retry_secs:g} s "
                                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
                                   str(path)) from e
                 self.retries += 1
@@ -228,8 +232,9 @@ class FsspecStorage:
     def digest(self, path: ObjectPath) -> str:
         def sha256() -> str:
             h = hashlib.sha256()
-            with self.fs.open(path.key, "rb", block_size=8 << 20) as f:
-                for block in iter(lambda: f.read(8 << 20), b""):
+            # ranges of 64 MiB, no read-ahead: few requests per object, each read once
+            with self.fs.open(path.key, "rb", block_size=64 << 20, cache_type="none") as f:
+                for block in iter(lambda: f.read(64 << 20), b""):
                     h.update(block)
             return h.hexdigest()
         return self._call("read", path, sha256)

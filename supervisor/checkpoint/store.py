@@ -47,7 +47,7 @@ from supervisor.checkpoint.layout import (
     step_of_reference,
     step_set_aside,
 )
-from supervisor.checkpoint.storage import LocalStorage, Storage, storage_for
+from supervisor.checkpoint.storage import LocalStorage, Storage, StoreUnavailable, storage_for
 from supervisor.config import Backend
 from supervisor.testing.fault_points import fault_point
 
@@ -115,6 +115,8 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
         files = manifest["files"]
         if int(manifest["global_step"]) != step:
             raise ValueError(f"says step {manifest['global_step']}")
+    except StoreUnavailable:
+        raise  # the store is down: nothing is known about the checkpoint
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
     for name, expect in sorted(files.items()):
@@ -131,6 +133,8 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
     for name in RECOVER_INFO_FILES:
         try:
             infos[name] = _decode_info(name, fs.read_bytes(path / META / name))
+        except StoreUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001 - any decoding failure means "damaged", reported with its file
             raise CheckpointError(f"{path / META / name}: cannot load ({e})") from e
     return Checkpoint(step, path, manifest, infos)
@@ -157,6 +161,8 @@ def _check_dcp(fs: Storage, path: StoragePath, entries: bool) -> None:
         with tempfile.TemporaryDirectory(prefix="relaunch-meta-") as tmp:
             fs.download_file(path / DCP_METADATA, Path(tmp) / DCP_METADATA)
             check_dcp(Path(tmp), entries=False)
+    except StoreUnavailable:
+        raise
     except Exception as e:  # noqa: BLE001 - refused or unreadable metadata or entry: the checkpoint is damaged
         raise CheckpointError(f"{path / DCP_METADATA}: cannot load ({e})") from e
 

@@ -367,23 +367,16 @@ class BucketTrial(Trial):
         return [f"cluster.fileroot={self.url}", f"cluster.local_root={self.fileroot}"]
 
 
-def test_the_default_job_on_an_s3_bucket_survives_a_killed_rank_bit_identical(s3_server, reference, tmp_path):
+def test_the_default_job_on_an_s3_bucket_survives_a_killed_rank_bit_identical(cluster, s3_server, reference, tmp_path):
     """cluster.fileroot on moto's S3 server, over HTTP through s3fs: the ranks upload their own shards, a rank killed
     mid-update restarts the TrainGroup from the bucket (downloaded by each rank), and the run ends as the local
     uninterrupted one did, with nothing unpublished left in the bucket."""
-    from conftest import short_tmp
-
     from supervisor.checkpoint.layout import TrialLayout, as_path
     from supervisor.checkpoint.store import RecoverStore
 
     trial = BucketTrial(s3_server.url(tmp_path.name), tmp_path / "head")
-    env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:kill:step=16:rank=1",
-                   "RELAUNCH_FAULT_DIR": str(tmp_path), "RAY_TMPDIR": str(short_tmp("rls3"))})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, env=env, log=tmp_path / "job.log")
-    try:
-        assert proc.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        kill_session(proc.pid)
+    r = run_with_fault(cluster, trial, tmp_path, "TrainWorker.train.enter:kill:step=16:rank=1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # the restart loads the last step committed before the kill (a background upload still in flight then is
     # never loaded: its partial directory is cleaned up); 12 steps after the first save, there is one
     failed = trial.events("failure")[0]["time"]

@@ -252,3 +252,18 @@ def test_a_lookup_during_an_outage_waits_it_out_rather_than_answering_nothing_is
         assert fs.is_file(manifest) and fs.exists(manifest) and not fs.is_dir(manifest)
     finally:
         s3_server.up()
+
+
+def test_a_store_that_stays_down_at_load_is_a_storage_error_not_a_damaged_checkpoint(s3_server, tmp_path):
+    from supervisor.checkpoint.storage import StoreUnavailable
+
+    layout = trial(as_path(s3_server.url(tmp_path.name)))
+    commit(RecoverStore(layout, keep_last=2), 4)
+    store = RecoverStore(layout, keep_last=2, storage=unretried_s3(retry_secs=1))
+    s3_server.down()
+    try:
+        with pytest.raises(StoreUnavailable):
+            store.validate(4)
+    finally:
+        s3_server.up()
+    assert RecoverStore(layout, keep_last=2).load_latest().checkpoint.global_step == 4
