@@ -178,6 +178,7 @@ class TrainWorker:
             shards = self.engine.save_async(save.target.local, global_step)
         except BaseException as e:
             save.future.set_exception(e)
+            save.target.close()
             raise
 
         def finish() -> None:

@@ -47,7 +47,9 @@ def test_save_benchmark(tmp_path):
 def test_store_benchmark(tmp_path):
     figures = bench("store", tmp_path=tmp_path)
     local, s3 = figures["local disk"], figures["S3 (moto, HTTP)"]
-    assert local["bytes"] == s3["bytes"] > 0 and 0 < s3["blocked_secs"] <= s3["total_secs"]
+    # the same state; DCP's .metadata records the directory it was written into, whose name's length differs
+    assert local["bytes"] > 0 and abs(local["bytes"] - s3["bytes"]) < 256
+    assert 0 < s3["blocked_secs"] <= s3["total_secs"]
     assert s3["load_secs"] > 0 and "step while it is written" in figures["stdout"]
 
 
