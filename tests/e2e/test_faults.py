@@ -367,6 +367,7 @@ class BucketTrial(Trial):
         return [f"cluster.fileroot={self.url}", f"cluster.local_root={self.fileroot}"]
 
 
+@pytest.mark.quick
 def test_the_default_job_on_an_s3_bucket_survives_a_killed_rank_bit_identical(cluster, s3_server, reference, tmp_path):
     """cluster.fileroot on moto's S3 server, over HTTP through s3fs: the ranks upload their own shards, a rank killed
     mid-update restarts the TrainGroup from the bucket (downloaded by each rank), and the run ends as the local
