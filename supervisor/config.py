@@ -99,7 +99,11 @@ class Frequency(_Strict):
 
 
 class ClusterConfig(_Strict):
-    fileroot: Path = Field(Path("./runs"), description="root of checkpoints/ and logs/")
+    fileroot: Union[Path, str] = Field(
+        Path("./runs"), description="root of checkpoints/ and logs/: a path every node sees, or an fsspec URL "
+                                    "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)")
+    local_root: Path = Field(Path("./runs"), description="when cluster.fileroot is a URL: the head node's own "
+                                                         "directory for logs/ and the run lock (run.lock)")
     user: str = Field(default_factory=getpass.getuser, description="the {user} part of every path")
     n_train_workers: int = Field(2, ge=1, description="TrainWorker actors (ranks) in the TrainGroup")
     n_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (inference engines)")
@@ -384,6 +388,23 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {first['msg']}{more}"
 
 
+def _fileroot(value: str) -> Path | str:
+    """A local fileroot resolved; a URL checked for a bucket and a filesystem that fsspec can load."""
+    if "://" not in value:
+        return Path(value).expanduser().resolve()
+    protocol, _, rest = value.partition("://")
+    if not rest.strip("/"):
+        raise ConfigError(f"cluster.fileroot: {value} names no bucket (such as s3://bucket/prefix)")
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"cluster.fileroot: {protocol}:// cannot be used here ({str(e).splitlines()[0]}; "
+                          f"for s3:// pip install 'relaunch[s3]')") from e
+    return value.rstrip("/")
+
+
 def load_config(path: Path | str | None = None, overrides: list[str] = (), model_here: bool = True) -> Config:
     """The validated config; with `model_here` (all but `relaunch plan`) model.path must exist on this machine."""
     path = Path(path) if path else DEFAULT_CONFIG
@@ -401,7 +422,8 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
         config = Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{path}: {_one_line(e)}") from e
-    config.cluster.fileroot = config.cluster.fileroot.expanduser().resolve()
+    config.cluster.fileroot = _fileroot(str(config.cluster.fileroot))
+    config.cluster.local_root = config.cluster.local_root.expanduser().resolve()
     config.data.path = resolve_path(config.data.path)
     if not config.data.path.is_file():
         raise ConfigError(f"data.path: no such file {config.data.path}")

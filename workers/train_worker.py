@@ -4,7 +4,8 @@ It joins the group's torch.distributed process group (gloo on CPU, nccl on GPU) 
 Supervisor's collective calls; every rank is called together. The engine (`actor.backend`) sits behind
 workers/engines/base.py: this file imports no FSDP or DeepSpeed code and knows none of their file names.
 Fault points at the entry and exit of every method (and between writing the shards and reporting them) let
-tests kill or hang a rank at exact moments.
+tests kill or hang a rank at exact moments. On an object store, a rank writes its files on its own node's disk
+and uploads them itself (checkpoint/transfer.py), and downloads a step to load it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import torch.distributed as dist
 
 from supervisor.checkpoint.durable import file_digest
 from supervisor.checkpoint.layout import step_of
+from supervisor.checkpoint.storage import retry_budget
+from supervisor.checkpoint.transfer import RankDir
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
@@ -180,11 +183,17 @@ class TrainWorker:
 
     @fault_points
     def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
-        """Collective; returns {file: {size, sha256}} for the files this rank wrote."""
-        directory = Path(staging)
-        mine = self.engine.save(directory, global_step)
-        fault_point("after_shards", step=global_step, rank=self.rank)
-        return _digests(directory, mine)
+        """Collective; returns {file: {size, sha256}} for the files this rank wrote (and, on an object store,
+        uploaded)."""
+        with self._rank_dir(staging) as target:
+            mine = self.engine.save(target.local, global_step)
+            fault_point("after_shards", step=global_step, rank=self.rank)
+            digests = _digests(target.local, mine)
+            target.upload(mine, global_step, self.rank)
+        return digests
+
+    def _rank_dir(self, url: str) -> RankDir:
+        return RankDir(url, retry_budget(self.config))
 
     @fault_points
     def begin_save(self, staging: str, global_step: int) -> None:
@@ -193,8 +202,10 @@ class TrainWorker:
         Supervisor call `start_upload` on all of them."""
         if self.saving is not None and self.saving.future is not None:
             wait([self.saving.future])  # the Supervisor waits for the previous one first; this is a backstop
-        directory = Path(staging)
-        self.saving = Write(global_step, directory, self.engine.save_local(directory, global_step))
+        elif self.saving is not None:
+            self.saving.target.close()  # begun, never started: given up
+        target = self._rank_dir(staging)
+        self.saving = Write(global_step, target, self.engine.save_local(target.local, global_step))
 
     @fault_points
     def start_upload(self, global_step: int) -> None:
@@ -205,9 +216,10 @@ class TrainWorker:
             raise RuntimeError(f"start_upload of step {global_step}, but this rank has not begun that save")
         save.future = Future()  # tracked before anything can raise: save_result reports whatever happens
         try:
-            shards = self.engine.save_async(save.directory, global_step)
+            shards = self.engine.save_async(save.target.local, global_step)
         except BaseException as e:
             save.future.set_exception(e)
+            save.target.close()
             raise
 
         def finish() -> None:
@@ -216,9 +228,13 @@ class TrainWorker:
                     fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
                 finally:
                     written = shards.result()  # the write is over before the tracked future is, whatever happened
-                save.future.set_result(_digests(save.directory, save.files + written))
+                digests = _digests(save.target.local, save.files + written)
+                save.target.upload(save.files + written, global_step, self.rank)
+                save.future.set_result(digests)
             except BaseException as e:  # noqa: BLE001 - the write's error is reported by save_result
                 save.future.set_exception(e)
+            finally:
+                save.target.close()
 
         self._writer.submit(finish)
 
@@ -233,8 +249,9 @@ class TrainWorker:
 
     @fault_points
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
-        path = Path(step_dir)
-        return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
+        with self._rank_dir(step_dir) as source:
+            path = source.fetch()
+            return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
 
     @fault_points
     def begin_export(self, directory: str, global_step: int) -> None:
@@ -244,8 +261,8 @@ class TrainWorker:
         if self.rank == 0:
             if self.world_size == 1:  # nothing was gathered: the tensors are the parameters the next step updates
                 full = {name: t.clone() for name, t in full.items()}
-            path = Path(directory)
-            self.exporting = Write(global_step, path, future=self._writer.submit(self.engine.export_hf, path, full))
+            target = self._rank_dir(directory)
+            self.exporting = Write(global_step, target, future=self._writer.submit(self._export, target, full))
 
     @fault_points
     def export_result(self, global_step: int) -> bool:
@@ -264,7 +281,15 @@ class TrainWorker:
         """Collective; rank 0 writes the HuggingFace files into `directory`."""
         full = self.engine.full_state_dict()
         if self.rank == 0:
-            self.engine.export_hf(Path(directory), full)
+            self._export(self._rank_dir(directory), full)
+
+    def _export(self, target: RankDir, full: dict) -> None:
+        """Rank 0: the HuggingFace files written into `target` (and uploaded from there)."""
+        try:
+            self.engine.export_hf(target.local, full)
+            target.upload_all()
+        finally:
+            target.close()
 
     # ---- the memory tier: a rank's side ------------------------------------------------------------
     @fault_points
@@ -403,10 +428,10 @@ class TrainWorker:
 class Write:
     """One background write of a step on this rank (TorchTitan keeps a future per save): begun, then running
     on the writer thread once its `future` is set. `files` were written before it started (the part of a
-    recover save that needs no peer)."""
+    recover save that needs no peer), into `target`'s local directory."""
 
     global_step: int
-    directory: Path
+    target: RankDir
     files: list[str] = field(default_factory=list)
     future: Future | None = None
 

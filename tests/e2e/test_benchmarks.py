@@ -44,6 +44,15 @@ def test_save_benchmark(tmp_path):
     assert "sync save bandwidth / raw" in figures["stdout"]
 
 
+def test_store_benchmark(tmp_path):
+    figures = bench("store", tmp_path=tmp_path)
+    local, s3 = figures["local disk"], figures["S3 (moto, HTTP)"]
+    # the same state; DCP's .metadata records the directory it was written into, whose name's length differs
+    assert local["bytes"] > 0 and abs(local["bytes"] - s3["bytes"]) < 256
+    assert 0 < s3["blocked_secs"] <= s3["total_secs"]
+    assert s3["load_secs"] > 0 and "step while it is written" in figures["stdout"]
+
+
 def test_baselines_benchmark(cluster, tmp_path):
     """relaunch from memory and from disk, Ray Train and torchrun each recover from the same kill, timed to the
     killed step (quick: step 3), each with the step it loaded; a system that does not recover fails the benchmark
