@@ -353,12 +353,7 @@ class Controller:
         self.clock.loaded(choice.step, Source.MEMORY)
         self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
                          nodes=r.trainers.nodes, missing_state=[], secs=round(sum(r.trainers.timings.values()), 3))
-        with self.clock.part("resync"):
-            replaced = r.engines.replace(())
-            if replaced:
-                self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
-            r.sync_engines(gate=True)
-        self.clock.resumed()
+        self._resync()
 
     def _restart_train_group(self) -> None:
         """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
@@ -392,11 +387,16 @@ class Controller:
         if missing:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
+        self._resync()
+
+    def _resync(self) -> None:
+        """After the TrainGroup's repair: replace the engines found dead, and bring every engine to the trainer's
+        weights (those that hold them already are not pushed to); the repair is over."""
         with self.clock.part("resync"):
-            replaced = r.engines.replace(())
+            replaced = self.runner.engines.replace(())
             if replaced:
                 self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
-            r.sync_engines(gate=True)
+            self.runner.sync_engines(gate=True)
         self.clock.resumed()
 
     def _validate(self) -> tuple[Checkpoint | None, float]:
