@@ -9,6 +9,7 @@ and uploads them itself (checkpoint/transfer.py), and downloads a step to load i
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import math
@@ -36,6 +37,9 @@ from workers.weight_sync import join_group, mismatched, op_timeout, send, to_che
 
 
 PROBE = "probe"  # the concurrency group of `progress`: it answers while the default group's method waits
+# a rank's end of its side link, to connect and for each send: short, because its memory_link blocks its next
+# step until the holder connects (the holder, always receiving, waits as long as a step may last)
+LINK_TIMEOUT = datetime.timedelta(seconds=120)
 ABANDON_SECS = 5.0  # how long a rejoining rank waits for its background writes before it leaves them behind
 log = logging.getLogger(__name__)
 
@@ -296,11 +300,9 @@ class TrainWorker:
     def memory_link(self, holder_ip: str, port: int, key: str) -> None:
         """Connect this rank's side link to its holder (whose `hold` hosts the store on `port`), replacing any
         earlier link; the rank's two slots are allocated now if they are not yet, off any step."""
-        from workers.engines.base import collective_timeout
-
         self._drop_link()
         self._own_slots()
-        self.link = Link(holder_ip, port, key, collective_timeout(self.config))
+        self.link = Link(holder_ip, port, key, LINK_TIMEOUT)
 
     @fault_points
     def begin_memory_copy(self, global_step: int) -> None:
@@ -385,11 +387,12 @@ class TrainWorker:
         """Hold `rank`'s copies: host the side link's store on `port` (a port of this process's `where()`) and,
         on a thread, accept the rank's link and receive its slots for as long as the link lives. Returns at once;
         holding a rank again replaces its old link."""
-        from workers.engines.base import collective_timeout
-
         old = self.holdings.pop(rank, None)
         if old is not None:
             old.close()
+        from workers.engines.base import collective_timeout
+
+        # the holder waits between a rank's copies for as long as a step may last (its thread blocks nothing)
         self.holdings[rank] = Holding(port, key, collective_timeout(self.config))
 
     @fault_points
