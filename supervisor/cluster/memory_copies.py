@@ -16,8 +16,8 @@ from typing import Callable
 import ray
 
 from supervisor.cluster.buddies import buddy_plan
-from supervisor.cluster.errors import GroupError, first_line
 from supervisor.cluster.blame import Outcome, outcome_of
+from supervisor.cluster.errors import GroupError, first_line
 from supervisor.cluster.groups import TrainGroup, drain, wait_for_write
 from supervisor.cluster.spares import SparePool
 
@@ -69,8 +69,8 @@ class MemoryCopies:
     def wait_landed(self, trainers: TrainGroup, global_step: int) -> None:
         """Before the next step trains: wait until every linked rank's copy of `global_step` has landed at its
         buddy (a send takes a fraction of the rollout that precedes this), so that a rank lost during training
-        never costs a step trained again. A send that failed (its buddy died) unlinks that rank: recovery
-        from disk for it until it is linked again."""
+        never costs a step trained again. A send that failed or is still running after LINK_SECS (a buddy
+        died or stalled) unlinks every rank: recovery from disk until they are linked again at the next step."""
         ranks = sorted(self.buddies) if global_step in self.staged else []
         if not ranks:
             return
