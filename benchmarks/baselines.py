@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery import killed_run
+from recovery import kill_time, killed_run
 from report import arguments
 from sizes import SIZES
 
@@ -60,7 +60,7 @@ def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str, memo
     secs, layout = killed_run(address, root, trial, [f"total_train_epochs={epochs}", "recover.freq_steps=1",
                                                      f"recover.memory={'auto' if memory else 'off'}"],
                               kill_at, SIZES[size].config, warm_spares=memory)
-    killed = min(p.stat().st_mtime for p in (root / f"faults-{trial}").iterdir())  # the fault point's marker
+    killed = kill_time(root, trial)
     recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == Event.RECOVERY)
     assert recovery["global_step"] == kill_at, recovery  # its clock stops at the killed step, as the baselines'
     assert recovery["source"] == ("memory" if memory else "disk"), recovery

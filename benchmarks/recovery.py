@@ -52,6 +52,9 @@ def final_weights(layout: TrialLayout) -> bytes:
     return (exports[-1] / "model.safetensors").read_bytes()
 
 
+KILL_POINT = "TrainWorker.train.enter"
+
+
 def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int,
                config_path: Path | None = None, warm_spares: bool = False) -> tuple[float, TrialLayout]:
     """The job (the default config, or `config_path`) with rank 1 SIGKILLed as it enters the update of step
@@ -60,13 +63,18 @@ def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], k
     race the spares' start-up)."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
-    faults = [f"TrainWorker.train.enter:kill:step={kill_at}:rank=1"]
+    faults = [f"{KILL_POINT}:kill:step={kill_at}:rank=1"]
     os.environ.update(RELAUNCH_FAULT=",".join(faults + ["step.begin:wait_spares:step=1"] * warm_spares),
                       RELAUNCH_FAULT_DIR=str(fault_dir))
     try:
         return run(address, fileroot, trial, overrides, config_path)
     finally:
         del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
+
+
+def kill_time(fileroot: Path, trial: str) -> float:
+    """When killed_run's kill fired: its fault point's marker file (not the warm-spares wait's, at step 1)."""
+    return next(p.stat().st_mtime for p in (fileroot / f"faults-{trial}").iterdir() if p.name.endswith(KILL_POINT))
 
 
 def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_secs: float) -> dict:

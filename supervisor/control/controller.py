@@ -297,7 +297,8 @@ class Controller:
             choice = self._recovery_source(fault)
         except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
             choice = Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: {first_line(e)}")
-        self.log.info(f"recovering from {choice.source.value}: {choice.reason}", extra={"phase": self.phase})
+        self.log.info(f"recovering from {choice.source.value}: {choice.reason}",
+                      extra={"step": self.runner.state.step.global_step, "phase": self.phase})
         if choice.source is Source.MEMORY:
             try:
                 self._rejoin_from_memory(choice)
@@ -330,7 +331,8 @@ class Controller:
         pending = {rank for rank, m in enumerate(trainers.members) if m.name in fault.actors}
         culprits = hang_culprits(pending, trainers.progress(PROGRESS_SECS))
         if culprits and len(culprits) < trainers.world_size:
-            self.log.info(f"killing the hung ranks {sorted(culprits)} the others wait on", extra={"phase": self.phase})
+            self.log.info(f"killing the hung ranks {sorted(culprits)} the others wait on",
+                          extra={"step": self.runner.state.step.global_step, "phase": self.phase})
             trainers.kill_ranks(culprits)
 
     def _rejoin_from_memory(self, choice: Choice) -> None:

@@ -160,6 +160,7 @@ class StepRunner:
         self.phase = Phase.TRAIN
         if self.memory is not None:
             self.memory.wait_landed(self.trainers, s.global_step - 1)
+        t_landed = time.monotonic()
         n = self.trainers.world_size
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
@@ -178,7 +179,8 @@ class StepRunner:
             row={"global_step": s.global_step, "epoch": s.epoch, "epoch_step": s.epoch_step,
                  "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                  "lr": metrics["lr"], "weights_version": s.global_step + 1,
-                 "time/rollout": t_rollout - t0, "time/train": t_train - t_rollout,
+                 "time/rollout": t_rollout - t0, "time/train": t_train - t_landed,
+                 **({"time/memory_wait": t_landed - t_rollout} if self.memory is not None else {}),
                  **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
                  **memory_fields([r["memory"] for r in results], rollout["memory"],
                                  self.spares.peak_memory() if self.spares else [])},
@@ -190,6 +192,7 @@ class StepRunner:
             self.snapshots = {g: st for g, st in self.snapshots.items() if g >= s.global_step - 1}
             self.snapshots[s.global_step] = copy.deepcopy(self.state)
             self.memory.begin(self.trainers, s.global_step)
+            self.owed.row["time/memory_stage"] = time.monotonic() - t_train
         self.fault_point("step.trained", s)
 
     def _set_recover_interval(self) -> None:
