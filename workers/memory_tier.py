@@ -3,8 +3,10 @@
 After each optimizer step a rank copies its state (its local shard of every parameter and of AdamW's two
 moments) into one of two preallocated flat slots, the slot of step G being G % 2, with a small meta dict
 beside it (the step, AdamW's per-parameter step, the param groups with their lr, the LR scheduler, the RNGs).
-A background thread then sends the slot over a side link, a gloo group of two processes of its own, to the
-rank's holder (a warm spare on another node), which receives it into two slots of its own for that rank.
+A background thread then copies the slot to the rank's holder (a warm spare on another node), which keeps two
+slots of its own for that rank in a memfd segment: a holder on the same host (Ray nodes sharing a machine) is
+written straight into, one memcpy; one on another host receives it over a side link, a gloo group of two
+processes of its own.
 Two slots, so that a failure during a copy or a send leaves the previous step whole: a slot is landed only
 once its whole buffer and its meta arrived. The rank's own slots are what a surviving rank rolls back from;
 the holder's are what a spare taking a dead rank's place loads. Which step is committed (every rank's copy
@@ -14,14 +16,23 @@ from __future__ import annotations
 
 import datetime
 import io
+import mmap
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
+from workers.shared_weights import create_segment, map_segment
+
 SLOTS = 2
+PAGE = 4096
+# Of a node's memory, the share the tier leaves free beside its copies: the job's own peaks (the gathered model of
+# a push or an export, a background save's staging copy) come after the copies are allocated.
+HEADROOM = 0.15
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # the order of the parts in a slot, each over every parameter
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a slot's dtype, sent as its index here
 RANK, HOLDER = 0, 1  # the two ends of a side link
@@ -74,12 +85,31 @@ class Slot:
         return None if self.meta is None else self.meta["global_step"]
 
 
+class NoRoom(RuntimeError):
+    """A node without the memory for the tier's copies: the Supervisor turns the tier off for the run, before
+    anything is allocated that the job's own peaks would then miss."""
+
+
+def check_room(what: str, nbytes: int, available: int, total: int) -> None:
+    """NoRoom unless `nbytes` fit in `available` with HEADROOM of `total` left free."""
+    if nbytes > available - HEADROOM * total:
+        raise NoRoom(f"{what} need {nbytes / 2**30:.2f} GiB; the node has {available / 2**30:.2f} GiB available "
+                     f"and keeps {HEADROOM:.0%} of its {total / 2**30:.1f} GiB free")
+
+
 class Slots:
     """Two flat buffers, allocated and touched at once: the first copy into untouched pages costs seconds of
     page faults at ~100M (0.3 to 3.6 s measured), and it must not fall on a step."""
 
     def __init__(self, numel: int, dtype: torch.dtype):
         self.slots = [Slot(torch.empty(numel, dtype=dtype).zero_()) for _ in range(SLOTS)]
+
+    @classmethod
+    def with_room(cls, what: str, numel: int, dtype: torch.dtype) -> "Slots":
+        """Two slots, after checking this node has the room for them (NoRoom otherwise)."""
+        memory = psutil.virtual_memory()
+        check_room(what, SLOTS * numel * dtype.itemsize, memory.available, memory.total)
+        return cls(numel, dtype)
 
     @property
     def numel(self) -> int:
@@ -102,6 +132,79 @@ class Slots:
 
     def landed(self) -> list[int]:
         return sorted(s.step for s in self.slots if s.step is not None)
+
+
+class SharedSlot:
+    """A slot in a segment two processes map: its flat buffer, and its step and meta in the segment's header,
+    so that the process that wrote it and the one that holds it see the same slot. Setting `meta` writes the
+    meta bytes and then the step (None: the step to -1 first), so a slot is whole once its step is set."""
+
+    def __init__(self, flat: torch.Tensor, control: torch.Tensor, meta_area: torch.Tensor):
+        self.flat, self.control, self.meta_area = flat, control, meta_area  # control: [step, meta bytes]
+
+    @property
+    def step(self) -> int | None:
+        step = int(self.control[0])
+        return None if step < 0 else step
+
+    @property
+    def meta(self) -> dict | None:
+        return None if self.step is None else unpack_meta(self.meta_area[:int(self.control[1])])
+
+    @meta.setter
+    def meta(self, meta: dict | None) -> None:
+        self.control[0] = -1
+        if meta is None:
+            return
+        packed = pack_meta(meta)
+        if packed.numel() > self.meta_area.numel():
+            raise ValueError(f"a slot's meta of {packed.numel()} bytes exceeds its {self.meta_area.numel()}")
+        self.meta_area[:packed.numel()].copy_(packed)
+        self.control[1] = packed.numel()
+        self.control[0] = meta["global_step"]
+
+
+class SharedSlots(Slots):
+    """A holder's two slots for one rank in a memfd segment (workers/shared_weights.py's), which the rank maps
+    when it runs on the same host: it then copies each step straight into the holder's slot, one memcpy on its
+    sender thread, no socket and no receiving thread (the side link is for ranks on other hosts). The header
+    page holds the nonce and each slot's step and meta length, then each slot's meta area, then the slots."""
+
+    NAME = "relaunch-memory-tier"
+    META_BYTES = 256 * 1024  # a slot's meta (RNG states, param groups, scheduler): a few KiB at any size
+
+    def __init__(self, numel: int, dtype: torch.dtype, mapped: tuple[mmap.mmap, dict] | None = None):
+        size = self.size(numel, dtype)
+        if mapped is None:
+            fd, segment, nonce = create_segment(self.NAME, size)
+            self.handle = {"path": f"/proc/{os.getpid()}/fd/{fd}", "nonce": nonce.hex(), "numel": numel,
+                           "dtype": DTYPES.index(dtype)}
+        else:
+            segment, self.handle = mapped
+        self.segment = segment  # the tensors below are views of it: it lives as long as they do
+        data = torch.frombuffer(segment, dtype=torch.uint8)
+        control = data[:PAGE].view(torch.int64)
+        if mapped is None:
+            control[8:8 + 2 * SLOTS:2] = -1  # no slot holds a step
+        flats = data[self.header_bytes():].view(dtype)
+        self.slots = [SharedSlot(flats[i * numel:(i + 1) * numel], control[8 + 2 * i:10 + 2 * i],
+                                 data[PAGE + i * self.META_BYTES:PAGE + (i + 1) * self.META_BYTES])
+                      for i in range(SLOTS)]
+
+    @classmethod
+    def header_bytes(cls) -> int:
+        return PAGE + SLOTS * cls.META_BYTES
+
+    @classmethod
+    def size(cls, numel: int, dtype: torch.dtype) -> int:
+        return cls.header_bytes() + SLOTS * numel * dtype.itemsize
+
+    @classmethod
+    def attach(cls, handle: dict) -> "SharedSlots | None":
+        """The holder's slots mapped into this process, or None where they cannot be (another host)."""
+        numel, dtype = handle["numel"], DTYPES[handle["dtype"]]
+        segment = map_segment(handle["path"], cls.NAME, cls.size(numel, dtype), handle["nonce"])
+        return None if segment is None else cls(numel, dtype, (segment, handle))
 
 
 def pack_meta(meta: dict) -> torch.Tensor:
@@ -134,24 +237,35 @@ def send_slot(group: dist.ProcessGroup, slot: Slot) -> None:
 
 
 class Holding:
-    """The holder's end for one rank: the store it hosts, and a thread that accepts the rank's link and then
-    receives its slots for as long as the link lives (an error, the rank's death included, ends it)."""
+    """The holder's end for one rank: its two slots, which a rank on this host maps and writes itself
+    (SharedSlots), and for a rank on another host (`listen`) the store it hosts and a thread that accepts the
+    rank's link and then receives its slots for as long as the link lives (an error, the rank's death
+    included, ends it)."""
 
-    def __init__(self, port: int, key: str, timeout: datetime.timedelta):
-        self.store = dist.TCPStore("0.0.0.0", port, 2, is_master=True, timeout=timeout, wait_for_workers=False)
-        self.slots: Slots | None = None  # allocated when the first header says how large the rank's state is
+    def __init__(self, slots: SharedSlots):
+        self.slots = slots
         self.closed = False
         self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def listen(self, port: int, key: str, timeout: datetime.timedelta) -> None:
+        self.store = dist.TCPStore("0.0.0.0", port, 2, is_master=True, timeout=timeout, wait_for_workers=False)
         self.thread = threading.Thread(target=self._receive, args=(key, timeout), daemon=True,
                                        name=f"memory-holder-{key}")
         self.thread.start()
 
     def landed(self) -> list[int]:
-        return [] if self.slots is None else self.slots.landed()
+        return self.slots.landed()
 
     def close(self) -> None:
         """Take no more steps from this link (its thread ends when the link does)."""
         self.closed = True
+
+    def ended(self, timeout: float) -> bool:
+        """Whether nothing receives into the slots any more, waiting up to `timeout` for the thread."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.thread is None or not self.thread.is_alive()
 
     def _receive(self, key: str, timeout: datetime.timedelta) -> None:
         try:
@@ -162,8 +276,9 @@ class Holding:
                 step, meta_bytes, numel, dtype = header.tolist()
                 meta = torch.empty(meta_bytes, dtype=torch.uint8)
                 group.recv([meta], RANK, 1).wait()
-                if self.slots is None or (self.slots.numel, self.slots.dtype) != (numel, DTYPES[dtype]):
-                    self.slots = Slots(numel, DTYPES[dtype])
+                if (self.slots.numel, self.slots.dtype) != (numel, DTYPES[dtype]):
+                    raise ValueError(f"a copy of {numel} {DTYPES[dtype]} does not fit the slots held for it "
+                                     f"({self.slots.numel} {self.slots.dtype})")
                 slot = self.slots.for_step(step)
                 slot.meta = None  # no longer the step it held; landed again only when the whole buffer is here
                 group.recv([slot.flat], RANK, 2).wait()
@@ -173,8 +288,16 @@ class Holding:
             self.error = e
 
 
+def copy_slot(target: SharedSlot, slot: Slot) -> None:
+    """The rank's end on the holder's host: its slot copied straight into the holder's, then the meta."""
+    target.meta = None
+    target.flat.copy_(slot.flat)
+    target.meta = slot.meta
+
+
 class Link:
-    """The rank's end of its side link to its holder; sends run one at a time on a thread of its own."""
+    """The rank's end of its side link to a holder on another host; sends run one at a time on a thread of
+    its own."""
 
     def __init__(self, holder_ip: str, port: int, key: str, timeout: datetime.timedelta):
         self.store = dist.TCPStore(holder_ip, port, 2, is_master=False, timeout=timeout)
@@ -187,3 +310,15 @@ class Link:
     def close(self) -> None:
         """Stop using the link: a send still running is abandoned (its thread ends with the link's error)."""
         self.sender.shutdown(wait=False, cancel_futures=True)
+
+
+class SharedLink(Link):
+    """The rank's end when its holder runs on the same host: each send copies into the holder's slots, which
+    this process maps (SharedSlots.attach)."""
+
+    def __init__(self, shared: SharedSlots):
+        self.shared = shared
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-sender")
+
+    def send(self, slot: Slot) -> Future:
+        return self.sender.submit(copy_slot, self.shared.for_step(slot.step), slot)

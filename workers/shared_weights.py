@@ -43,12 +43,7 @@ class SharedWeights:
 
     def renew(self, generation: str | None) -> dict:
         """A new segment for the group `generation`, holding the parameters as they are; returns its handle."""
-        fd = os.memfd_create(NAME, os.MFD_ALLOW_SEALING)  # kept open: the ranks reopen it through /proc
-        os.ftruncate(fd, HEADER + self.nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # no SIGBUS by truncation
-        segment = mmap.mmap(fd, HEADER + self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        nonce = os.urandom(NONCE)
-        segment[:NONCE] = nonce
+        fd, segment, nonce = create_segment(NAME, HEADER + self.nbytes)
         data, offset = torch.frombuffer(segment, dtype=torch.uint8), HEADER
         with torch.no_grad():
             for p in self.params:
@@ -72,25 +67,47 @@ class SharedWeights:
                 "layout": self.layout, "generation": self.generation}
 
 
+def create_segment(name: str, size: int) -> tuple[int, mmap.mmap, bytes]:
+    """A memfd segment of `size` bytes, sealed against resizing (no SIGBUS by truncation), mapped and touched,
+    with a random nonce in its first bytes; its fd is kept open: other processes reopen it through /proc."""
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    nonce = os.urandom(NONCE)
+    segment[:NONCE] = nonce
+    return fd, segment, nonce
+
+
+def map_segment(path: str, name: str, size: int, nonce: str) -> mmap.mmap | None:
+    """Another process's segment (`create_segment`) mapped into this one through `path` (/proc/<pid>/fd/<fd>),
+    or None when this process cannot reach it (another host or pid namespace, a pid reused): its name, size and
+    nonce are checked before it is mapped whole."""
+    try:
+        if not os.readlink(path).startswith(f"/memfd:{name}"):
+            return None
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            with mmap.mmap(fd, NONCE, prot=mmap.PROT_READ) as header:
+                if header[:NONCE] != bytes.fromhex(nonce):
+                    return None
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+
+
 def attach(handle: dict) -> torch.Tensor | None:
     """Trainer side: the engine's parameters as one flat uint8 tensor mapped into this process, or None when
     this process cannot reach that memory (another host or pid namespace, a pid reused, a malformed handle).
     The segment is checked (its name, size and nonce) before it is mapped whole; the mapping lives as long as
     the tensor."""
     try:
-        path, size = handle["path"], HEADER + handle["bytes"]
-        if not os.readlink(path).startswith(f"/memfd:{NAME}"):
-            return None
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size != size:
-                return None
-            with mmap.mmap(fd, HEADER, prot=mmap.PROT_READ) as header:
-                if header[:NONCE] != bytes.fromhex(handle["nonce"]):
-                    return None
-            segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        return torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER, count=handle["bytes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        segment = map_segment(handle["path"], NAME, HEADER + handle["bytes"], handle["nonce"])
+    except (KeyError, TypeError):
         return None
+    return None if segment is None else torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER,
+                                                         count=handle["bytes"])

@@ -31,7 +31,7 @@ from supervisor.checkpoint.transfer import RankDir
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
-from workers.memory_tier import Holding, Link, Slots
+from workers.memory_tier import DTYPES, Holding, Link, SharedLink, SharedSlots, Slots
 from workers.shared_weights import attach
 from workers.weight_sync import join_group, mismatched, op_timeout, send, to_check, write_shared
 
@@ -297,24 +297,52 @@ class TrainWorker:
 
     # ---- the memory tier: a rank's side ------------------------------------------------------------
     @fault_points
-    def memory_link(self, holder_ip: str, port: int, key: str) -> None:
-        """Connect this rank's side link to its holder (whose `hold` hosts the store on `port`), replacing any
-        earlier link; the rank's two slots are allocated now if they are not yet, off any step."""
+    def memory_slots(self) -> dict:
+        """This rank's two slots, allocated (and touched) now if they are not yet, off any step, once the node
+        has the room for them (NoRoom otherwise); what one holds: {"numel", "dtype"} (an index of DTYPES)."""
+        if self.memory is None:
+            layout = self.engine.memory_layout
+            self.memory = Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype)
+        return {"numel": self.memory.numel, "dtype": DTYPES.index(self.memory.dtype)}
+
+    @fault_points
+    def memory_attach(self, held: dict) -> bool:
+        """Link this rank to the holder whose `hold` returned `held`, replacing any earlier link, when it runs on
+        this host: its slots mapped here, each copy written straight into them. False where they cannot be
+        mapped (another host): then `memory_link`."""
         self._drop_link()
-        self._own_slots()
+        shared = SharedSlots.attach(held)
+        if shared is not None:
+            self.link = SharedLink(shared)
+        return shared is not None
+
+    @fault_points
+    def memory_link(self, holder_ip: str, port: int, key: str) -> None:
+        """Connect this rank's side link to a holder on another host (whose `listen` hosts the store on
+        `port`)."""
         self.link = Link(holder_ip, port, key, LINK_TIMEOUT)
 
     @fault_points
-    def begin_memory_copy(self, global_step: int) -> None:
+    def drop_memory(self) -> None:
+        """The tier is off for the run: give its slots back."""
+        self._drop_link()
+        self.memory = self.memory_send = None
+
+    @fault_points
+    def begin_memory_copy(self, global_step: int) -> bool:
         """Right after `train(global_step)` returned on every rank: stage this rank's state into the slot of
         `global_step` (on this thread: the copy is the only part on the step's critical path), then send it to
-        the holder on the link's thread, if linked. Unlinked, it still stages: a survivor rolls back from it."""
+        the holder on the link's thread, if linked. Unlinked, it still stages: a survivor rolls back from it.
+        False (nothing staged) while the rank has no slots (`memory_slots`)."""
+        if self.memory is None:
+            return False
         if self.memory_send is not None:
             wait([self.memory_send[1]])  # the Supervisor waits for the previous commit first; this is a backstop
-        slot = self._own_slots().for_step(global_step)
+        slot = self.memory.for_step(global_step)
         self.engine.stage_memory(slot, global_step)
         if self.link is not None:
             self.memory_send = (global_step, self.link.send(slot))
+        return True
 
     @fault_points
     def memory_result(self, global_step: int) -> bool | None:
@@ -344,12 +372,6 @@ class TrainWorker:
         self.weights_group, self.segments = None, {}
         self.engine.rejoin(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
-
-    def _own_slots(self) -> Slots:
-        if self.memory is None:
-            layout = self.engine.memory_layout
-            self.memory = Slots(layout.numel, layout.dtype)
-        return self.memory
 
     def _drop_link(self) -> None:
         """Leave the side link; a send still running after ABANDON_SECS is abandoned with it (and forgotten:
@@ -383,17 +405,33 @@ class TrainWorker:
 
     # ---- the memory tier: a holder's side ----------------------------------------------------------
     @fault_points
-    def hold(self, rank: int, port: int, key: str) -> None:
-        """Hold `rank`'s copies: host the side link's store on `port` (a port of this process's `where()`) and,
-        on a thread, accept the rank's link and receive its slots for as long as the link lives. Returns at once;
-        holding a rank again replaces its old link."""
+    def hold(self, rank: int, slots: dict) -> dict:
+        """Hold `rank`'s copies: two slots of `slots` (the rank's `memory_slots()`), allocated in a segment the
+        rank maps if it runs on this host, once this node has the room (NoRoom otherwise); returns the segment's
+        handle (`memory_attach`). Holding a rank again replaces its old holding."""
         old = self.holdings.pop(rank, None)
         if old is not None:
             old.close()
+        held = SharedSlots.with_room(f"the two copies held for rank {rank}", slots["numel"],
+                                     DTYPES[slots["dtype"]])
+        self.holdings[rank] = Holding(held)
+        return held.handle
+
+    @fault_points
+    def listen(self, rank: int, port: int, key: str) -> None:
+        """For `rank` on another host: host its side link's store on `port` (a port of this process's `where()`)
+        and, on a thread, accept the link and receive its copies into the held slots while the link lives."""
         from workers.engines.base import collective_timeout
 
         # the holder waits between a rank's copies for as long as a step may last (its thread blocks nothing)
-        self.holdings[rank] = Holding(port, key, collective_timeout(self.config))
+        self.holdings[rank].listen(port, key, collective_timeout(self.config))
+
+    @fault_points
+    def release(self) -> None:
+        """The tier is off for the run: give back every rank's copies and close their links."""
+        for h in self.holdings.values():
+            h.close()
+        self.holdings = {}
 
     @fault_points
     def holding(self) -> dict[int, list[int]]:
@@ -406,7 +444,7 @@ class TrainWorker:
         `global_step` it holds for `rank`, which becomes this rank's own; what it held for other ranks and its
         links are dropped (it is a rank now)."""
         held = self.holdings.get(rank)
-        if held is None or held.slots is None:
+        if held is None:
             raise RuntimeError(f"no memory copy of rank {rank} is held here (held: {sorted(self.holdings)})")
         slot = held.slots.holding(global_step)  # before the collective: fail fast
         for h in self.holdings.values():
@@ -414,8 +452,8 @@ class TrainWorker:
         self.holdings = {}
         self._setup(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
-        held.thread.join(timeout=ABANDON_SECS)  # the dead rank's link has ended, or is about to
-        self.memory = None if held.thread.is_alive() else held.slots  # its own copies now, once nothing writes them
+        # its own copies now, once nothing writes them (the dead rank's link has ended, or is about to)
+        self.memory = held.slots if held.ended(ABANDON_SECS) else None
 
     @ray.method(concurrency_group=PROBE)
     def progress(self) -> dict:

@@ -20,6 +20,7 @@ from supervisor.cluster.blame import Outcome, outcome_of
 from supervisor.cluster.errors import GroupError, first_line
 from supervisor.cluster.groups import TrainGroup, drain, wait_for_write
 from supervisor.cluster.spares import SparePool
+from workers.memory_tier import NoRoom
 
 LINK_SECS = 30.0     # a link's set-up: a gloo pair and its store
 HOLDING_SECS = 2.0   # a buddy that does not say what it holds within this long counts as lost
@@ -31,40 +32,61 @@ class MemoryCopies:
         self.spares, self.warn, self.linked = spares, warn, linked  # the job's events: a warning, the new links
         self.buddies: dict[int, str] = {}  # rank -> the spare holding its copies (linked)
         self.staged: list[int] = []        # the steps every rank holds in its own two slots
+        self.slots: dict | None = None     # what one slot of a rank holds, once every rank has its two
+        self.off: str | None = None        # why the tier was turned off for the run (a node without room)
         self.orphans: list[ray.ObjectRef] = []
 
     def begin(self, trainers: TrainGroup, global_step: int) -> None:
         """After `global_step`'s optimizer step on every rank: link the ranks that have no buddy to warm spares,
         then every rank stages its state (its slot of two steps back is overwritten) and sends it on."""
         self._link(trainers)
+        if self.off is not None:
+            return
         self.staged = [s for s in self.staged if s == global_step - 1]
-        trainers.call_all("begin_memory_copy", global_step)
-        self.staged.append(global_step)
+        if all(trainers.call_all("begin_memory_copy", global_step)):
+            self.staged.append(global_step)
 
     def _link(self, trainers: TrainGroup) -> None:
         """Best effort: a spare that dies or stalls while linking leaves its ranks without a buddy (recovery from
-        disk for them) and is tried again at the next step; a rank that died is the next group call's fault."""
+        disk for them) and is tried again at the next step; a rank that died is the next group call's fault.
+        Every rank gets its own slots first, one rank after another, and a buddy its slots before the link, each
+        once its node has the room (NoRoom): a node without it turns the tier off for the run."""
         warm = self.spares.warm()
         plan = buddy_plan(trainers.nodes, {name: s.node for name, s in warm.items()}, self.buddies)
         new = [(rank, name) for rank, name in plan.items() if self.buddies.get(rank) != name]
         self.buddies = {rank: name for rank, name in plan.items() if self.buddies.get(rank) == name}
-        if not new:
+        if not new and self.slots is not None:
             return
         try:
-            where = ray.get([warm[name].handle.where.remote() for _, name in new], timeout=LINK_SECS)
-            calls = []
-            for (rank, name), w in zip(new, where):
-                key = uuid.uuid4().hex[:8]
-                calls += [warm[name].handle.hold.remote(rank, w["port"], key),
-                          trainers.members[rank].handle.memory_link.remote(w["ip"], w["port"], key)]
-            ray.get(calls, timeout=LINK_SECS)
+            for m in trainers.members if self.slots is None else []:
+                self.slots = ray.get(m.handle.memory_slots.remote(), timeout=LINK_SECS)
+            for rank, name in new:
+                holder, member = warm[name].handle, trainers.members[rank].handle
+                held = ray.get(holder.hold.remote(rank, self.slots), timeout=LINK_SECS)
+                if not ray.get(member.memory_attach.remote(held), timeout=LINK_SECS):  # another host
+                    where, key = ray.get(holder.where.remote(), timeout=LINK_SECS), uuid.uuid4().hex[:8]
+                    ray.get(holder.listen.remote(rank, where["port"], key), timeout=LINK_SECS)
+                    ray.get(member.memory_link.remote(where["ip"], where["port"], key), timeout=LINK_SECS)
         except Exception as e:  # noqa: BLE001 - see above
+            if isinstance(e, NoRoom):  # Ray's error is an instance of the worker's error class too
+                self._turn_off(trainers, warm, str(getattr(e, "cause", e)))
+                return
             self.warn(f"linking ranks {[r for r, _ in new]} to their memory-tier buddies failed: "
                       f"{type(e).__name__}: {first_line(e)}; tried again at the next step")
             return
         self.buddies.update(new)
         nodes = {name: s.node for name, s in warm.items()}
         self.linked({rank: nodes[name] for rank, name in self.buddies.items()})
+
+    def _turn_off(self, trainers: TrainGroup, warm: dict, reason: str) -> None:
+        """No room for the copies: every rank and buddy gives its slots back, recovery from disk from now on."""
+        self.off = f"a node has no room for the memory tier's copies: {reason}"
+        self.warn(f"{self.off}; recovery from disk for the rest of the run")
+        refs = [m.handle.drop_memory.remote() for m in trainers.members] + \
+               [s.handle.release.remote() for s in warm.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=LINK_SECS)
+        self.buddies, self.staged = {}, []
+        self.linked({})
 
     def wait_landed(self, trainers: TrainGroup, global_step: int) -> None:
         """Before the next step trains: wait until every linked rank's copy of `global_step` has landed at its
@@ -113,5 +135,5 @@ class MemoryCopies:
         self.reset()
 
     def reset(self) -> None:
-        """A new TrainGroup: no link and no staged step survive it."""
-        self.buddies, self.staged = {}, []
+        """A new TrainGroup: no link and no staged step survive it; its ranks get their slots again."""
+        self.buddies, self.staged, self.slots = {}, [], None

@@ -311,8 +311,8 @@ class Controller:
     def _recovery_source(self, fault: Fault) -> Choice:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
         r = self.runner
-        if r.memory is None:
-            return Choice(Source.DISK, self.memory_off)
+        if r.memory is None or r.memory.off is not None:
+            return Choice(Source.DISK, self.memory_off or r.memory.off)
         if r.trainers is None:  # a restarted Supervisor, or a start that failed
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())

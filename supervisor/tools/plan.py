@@ -154,7 +154,8 @@ def _memory_tier(config: Config, shape: dict | None) -> str:
              f"moments, fp32)" if shape else "its shards of the weights and of AdamW's two moments")
     return (f"{config.recover.memory.value}: each rank's state, {state}, is kept twice in its own memory and twice "
             f"in its buddy's, a warm spare on another node, after every step; a dead rank's buddy takes its place "
-            f"and the others roll back in place, nothing read from disk")
+            f"and the others roll back in place, nothing read from disk; a node without the room for its copies "
+            f"(15% of its memory left free) turns it off for the run")
 
 
 def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None) -> Plan:

@@ -5,7 +5,9 @@ rank's place from what it holds, and the run ends bitwise equal to one that neve
 LR scheduler, RNGs). Two kills in one run: rank 1 while rank 0 waits in the step's forward (before any optimizer
 step), then rank 0 (itself a survivor of the first) after the step's optimizer step but before its memory copy
 (the survivor rolls back one step), while its background save of the step before still hangs: it is abandoned.
-A background recover save after the rejoins writes through the new writer group."""
+A background recover save after the rejoins writes through the new writer group. The first spare receives the
+copies over side links (as a holder on another host does), the second is written into (this machine is one
+host)."""
 from __future__ import annotations
 
 import os
@@ -134,12 +136,18 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         ray.get([r.start_upload.remote(step) for r in ranks])
         return [r.save_result.remote(step) for r in ranks]
 
-    def link(ranks: list, holder) -> None:
-        """`holder` holds every rank's copies, on a port of its own per rank."""
+    def link(ranks: list, holder, shared: bool) -> None:
+        """`holder` holds every rank's copies: `shared`, written into by the ranks (this machine is one host),
+        else received over a side link per rank, each on a port of its own (as from another host)."""
         for i, r in enumerate(ranks):
+            held = ray.get(holder.hold.remote(i, ray.get(r.memory_slots.remote())))
+            if shared:
+                assert ray.get(r.memory_attach.remote(held))
+                continue
             where = ray.get(holder.where.remote())
             key = f"rank{i}-{time.monotonic_ns()}"
-            ray.get([holder.hold.remote(i, where["port"], key), r.memory_link.remote(where["ip"], where["port"], key)])
+            ray.get(holder.listen.remote(i, where["port"], key))
+            ray.get(r.memory_link.remote(where["ip"], where["port"], key))
 
     try:
         # ---- the reference: the same steps, uninterrupted -------------------------------------------------
@@ -156,7 +164,7 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         ranks, spare = [start(ranks_node), start(ranks_node)], start(spare_node)
         ray.get(spare.warm.remote())
         form(ranks)
-        link(ranks, spare)
+        link(ranks, spare, shared=False)
         for step in range(3):
             train(ranks, step)
             copy(ranks, step)
@@ -179,7 +187,7 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         # kill 2: rank 0, after step 4's optimizer step on both ranks, before its memory copy of step 4
         spare = start(spare_node)
         ray.get(spare.warm.remote())
-        link(ranks, spare)
+        link(ranks, spare, shared=True)
         train(ranks, 3)
         copy(ranks, 3)
         save(ranks, 3)  # rank 1's part hangs in its writer thread

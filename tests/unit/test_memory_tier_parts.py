@@ -8,7 +8,7 @@ import torch
 
 from supervisor.testing.local_cluster import free_port
 from workers.engines.rng import rng_state
-from workers.memory_tier import KINDS, Slots, StateLayout, pack_meta, slot_index, unpack_meta
+from workers.memory_tier import KINDS, NoRoom, Slots, StateLayout, check_room, pack_meta, slot_index, unpack_meta
 
 
 @pytest.mark.parametrize("step, index", [(0, 0), (1, 1), (2, 0), (7, 1), (100, 0)])
@@ -29,11 +29,42 @@ def test_a_slot_holds_a_step_only_once_its_meta_is_set_and_until_the_step_two_la
         slots.holding(4)
 
 
+def test_a_segment_that_is_not_the_holders_is_not_mapped():
+    from workers.memory_tier import SharedSlots
+
+    held = SharedSlots(10, torch.float32)
+    assert SharedSlots.attach({**held.handle, "nonce": "00" * 16}) is None  # a pid and fd reused by another
+    assert SharedSlots.attach({**held.handle, "path": "/proc/1/fd/999999"}) is None  # another host's path
+    assert SharedSlots.attach({**held.handle, "numel": 11}) is None
+    assert SharedSlots.attach(held.handle).landed() == []
+
+
 def test_slots_are_allocated_zeroed_and_separate():
     slots = Slots(1000, torch.bfloat16)
     a, b = (s.flat for s in slots.slots)
     assert a.dtype == torch.bfloat16 and a.numel() == 1000 and not a.any()
     assert a.data_ptr() != b.data_ptr()
+
+
+GIB = 2**30
+
+
+def test_the_copies_fit_only_with_the_headroom_left_free():
+    check_room("rank 0's two copies", 6 * GIB, available=10 * GIB, total=24 * GIB)  # 10 - 3.6 = 6.4 free
+    with pytest.raises(NoRoom, match=r"rank 0's two copies need 7\.00 GiB; the node has 10\.00 GiB available "
+                                     r"and keeps 15% of its 24\.0 GiB free"):
+        check_room("rank 0's two copies", 7 * GIB, available=10 * GIB, total=24 * GIB)
+
+
+def test_slots_are_refused_before_anything_is_allocated_on_a_node_without_room(monkeypatch):
+    from types import SimpleNamespace
+
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=8 * GIB, available=2 * GIB))
+    with pytest.raises(NoRoom, match="need 2.00 GiB"):
+        Slots.with_room("the copies", 2**28, torch.float32)  # two slots of 1 GiB
+    assert Slots.with_room("the copies", 2**20, torch.float32).numel == 2**20  # 8 MiB fit
 
 
 def test_the_layout_lays_params_then_each_moment_end_to_end():
@@ -78,15 +109,20 @@ def test_meta_survives_the_byte_round_trip_rngs_and_all():
     assert torch.equal(back["rng"]["numpy"]["state"], meta["rng"]["numpy"]["state"])
 
 
-def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step():
+@pytest.mark.parametrize("host", ["same host: the holder's slots mapped", "another host: the gloo pair"])
+def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step(host):
     import datetime
     import time
 
-    from workers.memory_tier import Holding, Link
+    from workers.memory_tier import Holding, Link, SharedLink, SharedSlots
 
     timeout, port = datetime.timedelta(seconds=20), free_port()
-    holding = Holding(port, "rank1-gen0", timeout)
-    link = Link("127.0.0.1", port, "rank1-gen0", timeout)
+    holding = Holding(SharedSlots(1000, torch.float32))
+    if host.startswith("same"):
+        link = SharedLink(SharedSlots.attach(holding.slots.handle))
+    else:
+        holding.listen(port, "rank1-gen0", timeout)
+        link = Link("127.0.0.1", port, "rank1-gen0", timeout)
     mine = Slots(1000, torch.float32)
     try:
         for step in (3, 4, 5):
@@ -102,5 +138,6 @@ def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step():
         assert torch.equal(held.flat, torch.arange(1000.0) + 5)
         assert torch.equal(held.meta["rng"]["torch"], mine.for_step(5).meta["rng"]["torch"])
         assert held.flat.data_ptr() != mine.for_step(5).flat.data_ptr()
+        assert holding.slots.for_step(4).meta["global_step"] == 4
     finally:
         link.close()
