@@ -120,7 +120,9 @@ class TrainWorker:
 
     @fault_points
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
-        """Join the group as `rank` of `world_size` and build the engine (warming first if not yet warm)."""
+        """Join the group as `rank` of `world_size` and build the engine (warming first if not yet warm). A spare
+        that held ranks' copies gives them back: it is a rank of a group restarted from disk now."""
+        self.release()
         self._setup(master_addr, master_port, rank, world_size)
 
     def _setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -428,7 +430,8 @@ class TrainWorker:
 
     @fault_points
     def release(self) -> None:
-        """The tier is off for the run: give back every rank's copies and close their links."""
+        """Give back every rank's copies and close their links: the tier is off for the run, or this spare
+        becomes a rank."""
         for h in self.holdings.values():
             h.close()
         self.holdings = {}
@@ -447,9 +450,7 @@ class TrainWorker:
         if held is None:
             raise RuntimeError(f"no memory copy of rank {rank} is held here (held: {sorted(self.holdings)})")
         slot = held.slots.holding(global_step)  # before the collective: fail fast
-        for h in self.holdings.values():
-            h.close()
-        self.holdings = {}
+        self.release()
         self._setup(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
         # its own copies now, once nothing writes them (the dead rank's link has ended, or is about to)
