@@ -1,0 +1,69 @@
+"""The vLLM engine itself, in this process (no Ray): weights in place and read back, seeded sampling.
+
+One engine serves every test here (vLLM's import and start cost ~20 s)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from supervisor.config import load_config
+from workers.generate import encode_prompt, generate, sample_seed
+from workers.model import build_model, build_tokenizer
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed (./dev.sh installs it on CPU)")]
+
+VLLM_TINY = ["rollout.engine=vllm", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"]
+PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1 1 ="] * 2
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from workers.vllm_engine import VllmEngine
+
+    config = load_config(None, VLLM_TINY + ["data.max_new_tokens=6"])
+    tokenizer = build_tokenizer(config.model)
+    model = build_model(config.model, tokenizer, config.seed).eval()
+    return config, tokenizer, model, VllmEngine(config, tokenizer, 0)
+
+
+def shapes(model):
+    return [list(p.shape) for _, p in model.named_parameters()]
+
+
+def test_weights_reach_vllm_in_place_and_read_back_bitwise(parts):
+    config, tokenizer, model, engine = parts
+    names = [n for n, _ in model.named_parameters()]
+    engine.load(model.named_parameters())
+    for name, mine, served in zip(names, model.parameters(), engine.loaded(names, shapes(model))):
+        assert torch.equal(mine, served), name
+    encoded = [encode_prompt(tokenizer, p) for p in PROMPTS[:8]]
+    before = engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True)
+    # the greedy completions of the built-in engine on the same weights
+    reference = generate(model, tokenizer, PROMPTS[:8], list(range(8)), seed=1, step=0, max_new_tokens=6, greedy=True)
+    width = reference["input_ids"].shape[1] - reference["response_mask"].sum(1).max()
+    assert before == [row[width:][m[width:].bool()].tolist()
+                      for row, m in zip(reference["input_ids"], reference["response_mask"])]
+    # new weights: what vLLM serves and computes with changes with them (its prefix cache emptied)
+    changed = {n: p.detach() * 1.5 for n, p in model.named_parameters()}
+    engine.load(changed.items())
+    for name, served in zip(names, engine.loaded(names, shapes(model))):
+        assert torch.equal(changed[name], served), name
+    assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) != before
+    engine.load(model.named_parameters())
+    assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) == before
+
+
+def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(parts):
+    config, tokenizer, model, engine = parts
+    engine.load(model.named_parameters())
+    encoded = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    seeds = [sample_seed(config.seed, 3, s) for s in range(len(PROMPTS))]
+    whole = engine.generate(encoded, seeds, 6, 1.0, greedy=False)
+    assert len(set(map(tuple, whole))) > 4  # sampled, not all alike
+    reversed_half = engine.generate(encoded[:5][::-1], seeds[:5][::-1], 6, 1.0, greedy=False)
+    alone = engine.generate(encoded[7:8], seeds[7:8], 6, 1.0, greedy=False)
+    assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
