@@ -81,6 +81,7 @@ def _engine_model_dir(model_cfg, tokenizer) -> str:
 class VllmEngine:
     def __init__(self, config, tokenizer, index: int):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, not a child
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines would fill the job log
         cluster = config.cluster
         if cluster.gpus_per_engine == 0:
             bind_threads(engine_cores(os.sched_getaffinity(0), index, max(1, int(cluster.cpus_per_worker))))

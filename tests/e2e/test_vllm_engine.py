@@ -1,12 +1,15 @@
-"""The vLLM engine itself, in this process (no Ray): weights in place and read back, seeded sampling.
-
-One engine serves every test here (vLLM's import and start cost ~20 s)."""
+"""vLLM as the rollout engine: in this process (no Ray), its weights in place and read back and its seeded
+sampling (one engine serves those tests: vLLM's import and start cost ~20 s); then a job on the shared cluster
+whose vLLM engine is killed and hung, and ends bit-identical to an uninterrupted vLLM run."""
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
 import torch
+
+from conftest import CONFIG, SHORT, Trial, relaunch, status_json
+from test_faults import assert_recovered_exactly, run_with_fault
 
 from supervisor.config import load_config
 from workers.generate import encode_prompt, generate, sample_seed
@@ -70,3 +73,23 @@ def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(parts):
     reversed_half = engine.generate(encoded[:5][::-1], seeds[:5][::-1], 6, 1.0, greedy=False)
     alone = engine.generate(encoded[7:8], seeds[7:8], 6, 1.0, greedy=False)
     assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(900)
+def test_a_killed_and_a_hung_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial, tmp_path):
+    job = [*VLLM_TINY, "recover.step_timeout_secs=20"]  # a hang is seen 20 s after it begins
+    reference = Trial(tmp_path / "reference")
+    r = relaunch("run", str(CONFIG), *SHORT, *job, "recover.spare_workers=0", *reference.overrides,
+                 "--address", cluster.address)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    faults = "RolloutWorker.generate.enter:kill:step=3,RolloutWorker.generate.enter:hang:step=14"
+    r = run_with_fault(cluster, trial, tmp_path, faults, *job)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_recovered_exactly(trial, reference, restarts=2)
+    assert [(e["cause"], e["group"]) for e in trial.events("failure")] == [("engine_died", "rollout"),
+                                                                           ("hang", "rollout")]
+    assert [e["what"] for e in trial.events("restart")] == ["restart_engines"] * 2
+    # every rollout came from an engine that held the trainer's weights, digest included
+    assert not [e for e in trial.events("failure") if e["cause"] in ("stale_weights", "internal_error")]
+    assert status_json(trial)["state"] == "done"
