@@ -75,6 +75,23 @@ def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(parts):
     assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
 
 
+def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from workers.vllm_engine import _or_exit
+
+    exits = []
+
+    def dead():
+        raise EngineDeadError()
+
+    _or_exit(dead, exit=exits.append)
+    assert exits == [1]
+    with pytest.raises(ValueError):  # any other error is the caller's to classify
+        _or_exit(lambda: int("x"), exit=exits.append)
+    assert exits == [1] and _or_exit(lambda: 7, exit=exits.append) == 7
+
+
 @pytest.mark.quick
 @pytest.mark.timeout(900)
 def test_a_killed_and_a_hung_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial, tmp_path):

@@ -1,6 +1,4 @@
-"""The vLLM engine's pure parts: which cores an engine binds its threads to, and what a dead engine core does."""
-import importlib.util
-
+"""The vLLM engine's pure part: which cores an engine binds its threads to."""
 import pytest
 
 from workers.vllm_engine import engine_cores
@@ -16,20 +14,3 @@ from workers.vllm_engine import engine_cores
 def test_engines_on_one_node_bind_to_different_cores(allowed, index, threads, cores):
     assert engine_cores(allowed, index, threads) == cores
 
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (./dev.sh installs it)")
-def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    from workers.vllm_engine import _or_exit
-
-    exits = []
-
-    def dead():
-        raise EngineDeadError()
-
-    _or_exit(dead, exit=exits.append)
-    assert exits == [1]
-    with pytest.raises(ValueError):  # any other error is the caller's to classify
-        _or_exit(lambda: int("x"), exit=exits.append)
-    assert exits == [1] and _or_exit(lambda: 7, exit=exits.append) == 7
