@@ -14,6 +14,7 @@ from test_faults import assert_recovered_exactly, run_with_fault
 from supervisor.config import load_config
 from workers.generate import encode_prompt, generate, sample_seed
 from workers.model import build_model, build_tokenizer
+from workers.vllm_engine import _LOADED, _the_model
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -61,6 +62,11 @@ def test_weights_reach_vllm_in_place_and_read_back_bitwise(parts):
     assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) != before
     engine.load(model.state_dict().items())
     assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) == before
+    # what is read back is vLLM's own memory, not what was fed to it: a change there shows
+    qkv = engine.llm.collective_rpc(_the_model)[0].get_submodule("model.layers.0.self_attn.qkv_proj")
+    getattr(qkv, _LOADED if hasattr(qkv, _LOADED) else "weight")[0, 0] += 1.0
+    k = names.index("model.layers.0.self_attn.q_proj.weight")
+    assert not torch.equal(engine.loaded(names, shapes(model))[k], model.get_parameter(names[k]))
 
 
 def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(parts):
