@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import Iterable, Sequence
 
 import torch
@@ -86,6 +87,7 @@ class VllmEngine:
         if cluster.gpus_per_engine == 0:
             bind_threads(engine_cores(os.sched_getaffinity(0), index, max(1, int(cluster.cpus_per_worker))))
             _keep_loaded()
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # its own deprecations, per start
         from vllm import LLM
 
         self.config, self.tokenizer = config, tokenizer
