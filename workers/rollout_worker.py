@@ -127,9 +127,9 @@ class RolloutWorker:
         that whatever changed them since their sync (a late writer, a bug) shows."""
         if self.version is None:
             return None, ""
-        bucket_bytes = self.config.rollout.weight_bucket_mb * 2**20
         if self.vllm:
             return self.version, self._served(self.names)
+        bucket_bytes = self.config.rollout.weight_bucket_mb * 2**20
         if self.shared and [n for n, _ in self.shared.layout] == self.names:  # in the stream's order: hashed in place
             return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes)
         own = dict(self.model.named_parameters())
