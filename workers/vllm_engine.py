@@ -22,9 +22,12 @@ the Supervisor sees what it is, an engine death, and replaces the engine and ref
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -71,12 +74,20 @@ def _keep_loaded() -> None:
 
 def _engine_model_dir(model_cfg, tokenizer) -> str:
     """The model directory vLLM starts from: model.path, or a config.json of the built model (no weights:
-    vLLM starts on dummy ones)."""
+    vLLM starts on dummy ones), one per model shape in the temp dir, which every engine start reuses."""
     if model_cfg.path is not None:
         return str(model_cfg.path)
-    directory = tempfile.mkdtemp(prefix="relaunch-vllm-")
-    model_config(model_cfg, tokenizer).save_pretrained(directory)
-    return directory
+    hf = model_config(model_cfg, tokenizer)
+    shape = hashlib.sha256(hf.to_json_string().encode()).hexdigest()[:16]
+    directory = Path(tempfile.gettempdir()) / f"relaunch-vllm-{shape}"
+    if not (directory / "config.json").is_file():
+        written = tempfile.mkdtemp(prefix="relaunch-vllm-")
+        hf.save_pretrained(written)
+        try:
+            os.rename(written, directory)
+        except OSError:  # another engine made it first
+            shutil.rmtree(written)
+    return str(directory)
 
 
 class VllmEngine:
