@@ -1,5 +1,5 @@
-"""Recovery from a dead worker side by side in one run: relaunch, Ray Train (TorchTrainer + FailureConfig) and
-torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
+"""Recovery from a dead worker side by side in one run: relaunch with its memory tier, relaunch from disk
+(recover.memory=off), Ray Train (TorchTrainer + FailureConfig) and torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
 ~0.5B), the same steps (whole epochs of 12), a checkpoint after every step, and rank 1 SIGKILLed at the start of
 step K.
 
@@ -9,7 +9,8 @@ step K.
 Every system is timed to one finish line: from the kill (the time the dying rank took just before SIGKILLing
 itself) to the completion of the killed step, step K, however many earlier steps a restart trains again first.
 relaunch runs the size's job (recover.freq_steps=1, background saves, its default warm spares; its kill is a fault
-point whose marker file's time is the kill's, and the killed step's completion is its `recovery` event). The
+point whose marker file's time is the kill's, and the killed step's completion is its `recovery` event); with the
+memory tier, step 1 waits until the spares are warm, so that the buddies are linked before the kill. The
 baselines run benchmarks/baseline_loop.py (the same model, AdamW, a DDP update of 64 samples a step, a synchronous
 checkpoint every step); the dying rank logs the kill, rank 0 each completed step and the step a restart loaded.
 Each system's cost is that time minus its own median steady step (one completed step to the next, the kill's
@@ -53,14 +54,17 @@ def baseline_figures(log: Path) -> dict:
             "replayed_steps": kill["step"] - loaded - 1}
 
 
-def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str) -> dict:
-    epochs = steps // 12  # the shipped data gives 12 steps an epoch at every size
-    secs, layout = killed_run(address, root, "relaunch", [f"total_train_epochs={epochs}", "recover.freq_steps=1"],
-                              kill_at, SIZES[size].config)
-    killed = min(p.stat().st_mtime for p in (root / "faults-relaunch").iterdir())  # the fault point's marker
+def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str, memory: bool) -> dict:
+    """relaunch with the memory tier (the default: buddies linked before the kill) or from disk."""
+    epochs, trial = steps // 12, f"relaunch-{'memory' if memory else 'disk'}"  # 12 steps an epoch at every size
+    secs, layout = killed_run(address, root, trial, [f"total_train_epochs={epochs}", "recover.freq_steps=1",
+                                                     f"recover.memory={'auto' if memory else 'off'}"],
+                              kill_at, SIZES[size].config, warm_spares=memory)
+    killed = min(p.stat().st_mtime for p in (root / f"faults-{trial}").iterdir())  # the fault point's marker
     recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == Event.RECOVERY)
     assert recovery["global_step"] == kill_at, recovery  # its clock stops at the killed step, as the baselines'
-    return {"system": "relaunch", "recovery_secs": recovery["time"] - killed,
+    assert recovery["source"] == ("memory" if memory else "disk"), recovery
+    return {"system": f"relaunch ({recovery['source']})", "recovery_secs": recovery["time"] - killed,
             "median_step_secs": statistics.median(steady_steps(read_jsonl(layout.stats_log), steps)),
             "loaded_step": recovery["loaded_step"], "replayed_steps": recovery["replayed_steps"], "wall_secs": secs,
             "steps": epochs * 12, "breakdown": recovery}
@@ -135,7 +139,9 @@ def main() -> None:
     address = args.address or cluster.address
     try:
         # torchrun's bound: its two process starts (imports, the model) on a loaded 2-core machine, and the steps
-        rows = [relaunch(address, root, steps, kill_at, args.size), ray_train(address, root, steps, kill_at, args.size),
+        rows = [relaunch(address, root, steps, kill_at, args.size, memory=True),
+                relaunch(address, root, steps, kill_at, args.size, memory=False),
+                ray_train(address, root, steps, kill_at, args.size),
                 torchrun(root, steps, kill_at, 180 if args.quick else 300 * (1 + 4 * (args.size != "tiny")), args.size)]
     finally:
         if cluster:
@@ -157,7 +163,11 @@ def main() -> None:
               f"{row['cost_secs']:>17.2f} s {row['ratio_to_relaunch']:>5.2f}x /{row['cost_ratio_to_relaunch']:>5.1f}x "
               f"{'step ' + str(row['loaded_step']) + ' / ' + str(row['replayed_steps']):>23} "
               f"{row['wall_secs']:>8.1f} s ({row['steps']})")
-    print(f"(vs relaunch: kill -> killed step done / lost beyond a step; runs under {root})")
+    print(f"(vs relaunch: kill -> killed step done / lost beyond a step, against relaunch with the memory tier; "
+          f"runs under {root})")
+    disk = rows[1]
+    print(f"the memory tier's cost: median step {ours['median_step_secs']:.3f} s with it, "
+          f"{disk['median_step_secs']:.3f} s without ({ours['median_step_secs'] / disk['median_step_secs'] - 1:+.1%})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "baselines", "size": args.size, "kill_at_step": kill_at, "rows": rows}, f,

@@ -1,6 +1,7 @@
 """What a failure costs: the default job run side by side on one local 3-node Ray cluster, once
 uninterrupted and then with a TrainWorker SIGKILLed mid-update, once per warm spare pool size
-(`recover.spare_workers`, default 0, 1 and 2), and the figures from their events.
+(`recover.spare_workers`, default 0, 1 and 2), and the figures from their events. It measures the restart
+from disk (`recover.memory=off`): what spares buy there; benchmarks/baselines.py sets the memory tier beside it.
 
     .venv/bin/python benchmarks/recovery.py [--size tiny|100m|0.5b] [--kill-at-step 30] [--spares 0,1,2]
                                             [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
@@ -52,12 +53,15 @@ def final_weights(layout: TrialLayout) -> bytes:
 
 
 def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int,
-               config_path: Path | None = None) -> tuple[float, TrialLayout]:
+               config_path: Path | None = None, warm_spares: bool = False) -> tuple[float, TrialLayout]:
     """The job (the default config, or `config_path`) with rank 1 SIGKILLed as it enters the update of step
-    `kill_at` (once)."""
+    `kill_at` (once). With `warm_spares`, step 1 starts only once the spare pool is warm, so that the memory
+    tier's buddies are linked before the kill, as they are a minute into any job (a short run would otherwise
+    race the spares' start-up)."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
-    os.environ.update(RELAUNCH_FAULT=f"TrainWorker.train.enter:kill:step={kill_at}:rank=1",
+    faults = [f"TrainWorker.train.enter:kill:step={kill_at}:rank=1"]
+    os.environ.update(RELAUNCH_FAULT=",".join(faults + ["step.begin:wait_spares:step=1"] * warm_spares),
                       RELAUNCH_FAULT_DIR=str(fault_dir))
     try:
         return run(address, fileroot, trial, overrides, config_path)
@@ -135,7 +139,8 @@ def main() -> None:
         clean_secs, clean = run(address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"], config)
         for n in spares:
             faulty_secs, faulty = killed_run(address, fileroot, f"killed-spares{n}",
-                                             [*overrides, f"recover.spare_workers={n}"], kill_at, config)
+                                             [*overrides, f"recover.spare_workers={n}", "recover.memory=off"],
+                                             kill_at, config)
             runs[n] = figures(clean, faulty, faulty_secs, clean_secs)
     finally:
         if cluster:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -195,15 +194,17 @@ def clean_restart(args, yes, dry_run):
     Refused while a run holds the trial."""
     config = _config_and_overrides(args)
     from supervisor.checkpoint.layout import TrialLayout
+    from supervisor.checkpoint.store import RecoverStore
     from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 
     layout = TrialLayout.from_config(config)
-    root = layout.checkpoint_root.resolve()
-    targets = [p for p in layout.recover_state_paths() if p.exists() or p.is_symlink()]
-    for p in targets:
-        real = p.resolve()
-        if p.is_symlink() or root not in real.parents:
-            _fail(f"{p}: refusing to delete a path outside the trial root {root}")
+    store = RecoverStore(layout, config.recover.keep_last)
+    root, targets = layout.checkpoint_root, store.recover_state()
+    if isinstance(root, Path):  # a local tree: no symlink may lead the deletion out of it
+        root = root.resolve()
+        for p in targets:
+            if p.is_symlink() or root not in p.resolve().parents:
+                _fail(f"{p}: refusing to delete a path outside the trial root {root}")
     if not targets:
         click.echo(f"nothing to remove: no recover state under {root}")
         return
@@ -225,14 +226,14 @@ def clean_restart(args, yes, dry_run):
             click.confirm("delete these?", abort=True)
         for p in targets:
             click.echo(f"removing {p}")
-            shutil.rmtree(p)
+            store.fs.remove(p)
     finally:
         lock.release()
     click.echo("done: the next run starts at step 0")
 
 
 @main.command()
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint")
 @click.option("--out", type=click.Path(path_type=Path), help="output directory (default ./hf-<checkpoint name>)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="cast the weights (default: as saved)")
@@ -241,30 +242,36 @@ def clean_restart(args, yes, dry_run):
 @click.option("--model", "model_dir", type=click.Path(path_type=Path),
               help="the run's HuggingFace model directory, when model.path of the run is not on this machine")
 def export(checkpoint, out, dtype, max_shard_size, model_dir):
-    """Turn a recover checkpoint (any world size) into a HuggingFace model directory. No cluster needed."""
+    """Turn a recover checkpoint (any world size; a path or a URL such as s3://...) into a HuggingFace model
+    directory. No cluster needed."""
+    from supervisor.checkpoint.layout import as_path
+    from supervisor.checkpoint.transfer import readable
     from supervisor.tools.export import ExportError, export_recover_checkpoint
 
-    out = out or Path.cwd() / f"hf-{checkpoint.name}"
+    out = out or Path.cwd() / f"hf-{as_path(checkpoint).name}"
     try:
-        export_recover_checkpoint(checkpoint, out, dtype, max_shard_size, model_dir)
-    except ExportError as e:
+        with readable(checkpoint) as local:
+            export_recover_checkpoint(local, out, dtype, max_shard_size, model_dir)
+    except (ExportError, OSError) as e:
         _fail(str(e))
     click.echo(f"exported {checkpoint} -> {out}")
 
 
 @main.command()
-@click.argument("export_dir", metavar="EXPORT", type=click.Path(path_type=Path))
-@click.option("--against", type=click.Path(path_type=Path), required=True,
-              help="a HuggingFace directory or a recover checkpoint (globalstep<N>)")
+@click.argument("export_dir", metavar="EXPORT")
+@click.option("--against", required=True,
+              help="a HuggingFace directory or a recover checkpoint (globalstep<N>); a path or a URL")
 @click.option("--atol", type=float, default=0.0, show_default=True, help="largest absolute difference accepted")
 def verify(export_dir, against, atol):
-    """Compare EXPORT's weights with another model tensor by tensor; exit 1 naming what differs."""
+    """Compare EXPORT's weights (a path or a URL) with another model tensor by tensor; exit 1 naming what differs."""
+    from supervisor.checkpoint.transfer import readable
     from supervisor.tools.verify import VerifyError
     from supervisor.tools.verify import verify as compare_weights
 
     try:
-        result = compare_weights(export_dir, against, atol)
-    except VerifyError as e:
+        with readable(export_dir) as mine, readable(against) as theirs:
+            result = compare_weights(mine, theirs, atol)
+    except (VerifyError, OSError) as e:
         _fail(str(e))
     for line in result.problems:
         click.echo(f"DIFFERS {line}")
@@ -275,15 +282,17 @@ def verify(export_dir, against, atol):
 
 
 @main.command()
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint")
 def inspect(checkpoint):
-    """Step, world size, files and validity of a recover checkpoint, and what a resume would load.
-    Exit 2 when it is damaged."""
+    """Step, world size, files and validity of a recover checkpoint (a path or a URL), and what a resume would
+    load. Exit 2 when it is damaged."""
+    from supervisor.checkpoint.transfer import readable
     from supervisor.tools.inspect_checkpoint import inspect as describe
 
     try:
-        valid, report = describe(checkpoint)
-    except FileNotFoundError as e:
+        with readable(checkpoint) as local:
+            valid, report = describe(local)
+    except OSError as e:
         _fail(str(e))
     click.echo(report)
     if not valid:

@@ -47,6 +47,13 @@ class SaveMode(str, enum.Enum):
 
 
 ASYNC_SAVE_BACKENDS = (Backend.FSDP,)  # engines whose recover saves can be written in the background
+MEMORY_TIER_BACKENDS = (Backend.FSDP,)  # engines whose ranks can re-form their process group in place
+
+
+class MemoryTier(str, enum.Enum):
+    AUTO = "auto"  # on where it can serve: fsdp, no KL reference policy, at least one warm spare
+    ON = "on"      # the same, but a config it cannot serve is an error before the job starts
+    OFF = "off"
 
 
 class RecoverMode(str, enum.Enum):
@@ -92,7 +99,11 @@ class Frequency(_Strict):
 
 
 class ClusterConfig(_Strict):
-    fileroot: Path = Field(Path("./runs"), description="root of checkpoints/ and logs/")
+    fileroot: Union[Path, str] = Field(
+        Path("./runs"), description="root of checkpoints/ and logs/: a path every node sees, or an fsspec URL "
+                                    "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)")
+    local_root: Path = Field(Path("./runs"), description="when cluster.fileroot is a URL: the head node's own "
+                                                         "directory for logs/ and the run lock (run.lock)")
     user: str = Field(default_factory=getpass.getuser, description="the {user} part of every path")
     n_train_workers: int = Field(2, ge=1, description="TrainWorker actors (ranks) in the TrainGroup")
     n_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (inference engines)")
@@ -242,11 +253,16 @@ class RecoverConfig(Frequency):
                             "group) to replace ranks at a restart; auto: on CPU one per rank as far as the cluster "
                             "has room for them beside the TrainGroup and the engines, on GPU none (a spare idles "
                             "its GPUs all job long; set a number to keep some)")
+    memory: MemoryTier = Field(
+        MemoryTier.AUTO, description="auto | on | off: after every optimizer step, copy each rank's state into a "
+                                     "warm spare on another node; a rank that dies is then replaced by its buddy, "
+                                     "the other ranks roll back in place, and nothing is read from disk "
+                                     "(docs/recovery.md); auto: where it can (fsdp, actor.kl_coef 0, spares)")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
 
-    _bool_mode = field_validator("mode", mode="before")(_yaml_bool_to_mode)
+    _bool_mode = field_validator("mode", "memory", mode="before")(_yaml_bool_to_mode)
 
     @field_validator("freq_secs", mode="before")
     @classmethod
@@ -305,6 +321,22 @@ class Config(_Strict):
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
 
+    def memory_tier_off(self, spares: int | None = None) -> str | None:
+        """Why the memory tier cannot serve this job (`spares`: the pool's size, once known), or None."""
+        if self.recover.memory is MemoryTier.OFF:
+            return "recover.memory is off"
+        if self.actor.backend not in MEMORY_TIER_BACKENDS:
+            return (f"the memory tier needs actor.backend fsdp (DeepSpeed keeps its process groups in global comm "
+                    f"state that cannot be re-formed in place); actor.backend {self.actor.backend.value} recovers "
+                    f"from disk")
+        if self.actor.kl_coef:
+            return "the memory tier does not hold the KL reference policy yet (actor.kl_coef > 0)"
+        if not self.recover.mode.enabled:
+            return "recover.mode is off: no repair at all"
+        if spares == 0 or self.recover.spare_workers == 0:
+            return "no warm spare to hold the copies (recover.spare_workers)"
+        return None
+
     @property
     def async_export(self) -> bool:
         """HF exports are written in the background (saver.mode async, or auto: every engine can)."""
@@ -327,6 +359,8 @@ class Config(_Strict):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
+        if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
+            raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must
         # also be a recover step, or a resume could not restore them exactly.
         if actor.kl_coef and actor.ref_update_steps and recover.mode.enabled and (
@@ -380,6 +414,23 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {first['msg']}{more}"
 
 
+def _fileroot(value: str) -> Path | str:
+    """A local fileroot resolved; a URL checked for a bucket and a filesystem that fsspec can load."""
+    if "://" not in value:
+        return Path(value).expanduser().resolve()
+    protocol, _, rest = value.partition("://")
+    if not rest.strip("/"):
+        raise ConfigError(f"cluster.fileroot: {value} names no bucket (such as s3://bucket/prefix)")
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"cluster.fileroot: {protocol}:// cannot be used here ({str(e).splitlines()[0]}; "
+                          f"for s3:// pip install 'relaunch[s3]')") from e
+    return value.rstrip("/")
+
+
 def load_config(path: Path | str | None = None, overrides: list[str] = (), model_here: bool = True) -> Config:
     """The validated config; with `model_here` (all but `relaunch plan`) model.path must exist on this machine."""
     path = Path(path) if path else DEFAULT_CONFIG
@@ -397,7 +448,8 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
         config = Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{path}: {_one_line(e)}") from e
-    config.cluster.fileroot = config.cluster.fileroot.expanduser().resolve()
+    config.cluster.fileroot = _fileroot(str(config.cluster.fileroot))
+    config.cluster.local_root = config.cluster.local_root.expanduser().resolve()
     config.data.path = resolve_path(config.data.path)
     if not config.data.path.is_file():
         raise ConfigError(f"data.path: no such file {config.data.path}")

@@ -14,6 +14,7 @@ import time
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import Config
+from supervisor.control.recovery_source import Source
 from supervisor.control.events import ENDED, Event, read_jsonl
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster, short_tmp
@@ -53,7 +54,10 @@ def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
                    f"on node {str(failure['node'])[:8]}")
         later = [e for e in events if e["time"] >= failure["time"]]
         loaded = next((e for e in later if e["event"] == Event.LOADED), None)
-        if loaded:
+        if loaded and loaded.get("source") == Source.MEMORY:
+            out.append(f"TrainGroup rejoined on node {loaded['nodes'][0][:8]} at step {loaded['global_step']} from "
+                       f"memory (the dead ranks' buddies took their places; nothing read from disk)")
+        elif loaded:
             out.append(f"TrainGroup restarted on node {loaded['nodes'][0][:8]} from step {loaded['global_step']} "
                        f"({loaded['path']})")
         resync = next((e for e in later if e["event"] == Event.RESYNC), None)

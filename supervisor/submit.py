@@ -2,7 +2,7 @@
 
 The entrypoint is `python -m supervisor run CONFIG KEY=VALUE ...` on the cluster's head node, with the
 current directory uploaded as the job's working dir (files ignored by git are left out). A relative
-`cluster.fileroot` is made absolute here, so checkpoints land where the user expects, not inside Ray's
+`cluster.fileroot` (and `cluster.local_root`) is made absolute here, so checkpoints land where the user expects, not inside Ray's
 copy of the working dir.
 """
 from __future__ import annotations
@@ -27,8 +27,9 @@ def entrypoint(config_path: Path, overrides: list[str], config: Config) -> str:
     path = config_path.resolve()
     if cwd not in path.parents:
         raise SubmitError(f"{config_path}: the config must be inside the working directory {cwd}")
-    args = [str(path.relative_to(cwd)), *[o for o in overrides if not o.startswith("cluster.fileroot=")],
-            f"cluster.fileroot={config.cluster.fileroot}"]
+    roots = ("cluster.fileroot=", "cluster.local_root=")
+    args = [str(path.relative_to(cwd)), *[o for o in overrides if not o.startswith(roots)],
+            f"cluster.fileroot={config.cluster.fileroot}", f"cluster.local_root={config.cluster.local_root}"]
     return "python -m supervisor run " + " ".join(shlex.quote(a) for a in args)
 
 

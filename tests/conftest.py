@@ -38,3 +38,24 @@ def pytest_xdist_make_scheduler(config, log):
             return module if _has_module_fixture(config.rootpath / module) else nodeid
 
     return ModuleFixtureScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server, started for this pytest worker, with this process (and what it starts) pointed at it."""
+    import os
+
+    from supervisor.testing.object_store import S3Server
+
+    server = S3Server()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -4,10 +4,14 @@ It joins the group's torch.distributed process group (gloo on CPU, nccl on GPU) 
 Supervisor's collective calls; every rank is called together. The engine (`actor.backend`) sits behind
 workers/engines/base.py: this file imports no FSDP or DeepSpeed code and knows none of their file names.
 Fault points at the entry and exit of every method (and between writing the shards and reporting them) let
-tests kill or hang a rank at exact moments.
+tests kill or hang a rank at exact moments. On an object store, a rank writes its files on its own node's disk
+and uploads them itself (checkpoint/transfer.py), and downloads a step to load it.
 """
 from __future__ import annotations
 
+import datetime
+import functools
+import logging
 import math
 import os
 import socket
@@ -18,20 +22,56 @@ from pathlib import Path
 
 import ray
 import torch
+import torch.distributed as dist
 
 from supervisor.checkpoint.durable import file_digest
 from supervisor.checkpoint.layout import step_of
+from supervisor.checkpoint.storage import retry_budget
+from supervisor.checkpoint.transfer import RankDir
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
 from workers.memory import peak_memory
+from workers.memory_tier import Holding, Link, Slots
 from workers.shared_weights import attach
 from workers.weight_sync import join_group, mismatched, op_timeout, send, to_check, write_shared
 
 
-@ray.remote
+PROBE = "probe"  # the concurrency group of `progress`: it answers while the default group's method waits
+# a rank's end of its side link, to connect and for each send: short, because its memory_link blocks its next
+# step until the holder connects (the holder, always receiving, waits as long as a step may last)
+LINK_TIMEOUT = datetime.timedelta(seconds=120)
+ABANDON_SECS = 5.0  # how long a rejoining rank waits for its background writes before it leaves them behind
+log = logging.getLogger(__name__)
+
+
+def tracks_phase(cls):
+    """Every public method of `cls` records itself as the worker's phase while it runs, for `progress`."""
+    def tracked(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            self.phase = (method.__name__, time.monotonic())
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.phase = ("idle", time.monotonic())
+        return wrapper
+
+    for name, method in list(vars(cls).items()):
+        if callable(method) and not name.startswith("_") and name != "progress":
+            setattr(cls, name, tracked(method))
+    return cls
+
+
+# Methods of the default concurrency group still run one at a time, in the order a caller submitted them: a
+# synchronous actor whose max_concurrency is 1 keeps its order (Ray reorders only asyncio actors and those of
+# max_concurrency > 1), and every actor already has Ray's own groups beside the default one.
+@ray.remote(concurrency_groups={PROBE: 1})
+@tracks_phase
 class TrainWorker:
     """Started cold as a rank of a new TrainGroup, or ahead of need as a warm spare (supervisor/cluster/spares.py):
-    it learns its rank and world size only when it joins a group (`setup`)."""
+    it learns its rank and world size only when it joins a group (`setup`). Beside its rank's work it keeps the
+    memory tier (workers/memory_tier.py): a rank stages its state after every step and sends it to its holder;
+    a warm spare holds the copies of ranks and takes a dead one's place from them (`adopt`)."""
 
     def __init__(self, config: Config):
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
@@ -46,6 +86,11 @@ class TrainWorker:
         self.weights_group = None  # rank 0: its member of the weights-update group (workers/weight_sync.py)
         self.weights_backend = "gloo"  # nccl: the buckets live on the GPU
         self.segments: dict[int, torch.Tensor] = {}  # weights rank -> that engine's shared weights, mapped here
+        self.memory: Slots | None = None  # a rank's own two copies of its state, allocated when first needed
+        self.link: Link | None = None  # a rank's side link to its holder
+        self.memory_send: tuple[int, Future] | None = None  # the last send begun: (global step, its future)
+        self.holdings: dict[int, Holding] = {}  # a holder's: rank -> the copies it receives from that rank
+        self.phase = ("idle", time.monotonic())  # (method running, since when): what `progress` answers
 
     @fault_points
     def warm(self) -> dict:
@@ -76,6 +121,9 @@ class TrainWorker:
     @fault_points
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
         """Join the group as `rank` of `world_size` and build the engine (warming first if not yet warm)."""
+        self._setup(master_addr, master_port, rank, world_size)
+
+    def _setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
         from workers.engines.base import make_engine  # torch.distributed and the chosen engine
 
         self._warm()
@@ -139,11 +187,17 @@ class TrainWorker:
 
     @fault_points
     def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
-        """Collective; returns {file: {size, sha256}} for the files this rank wrote."""
-        directory = Path(staging)
-        mine = self.engine.save(directory, global_step)
-        fault_point("after_shards", step=global_step, rank=self.rank)
-        return _digests(directory, mine)
+        """Collective; returns {file: {size, sha256}} for the files this rank wrote (and, on an object store,
+        uploaded)."""
+        with self._rank_dir(staging) as target:
+            mine = self.engine.save(target.local, global_step)
+            fault_point("after_shards", step=global_step, rank=self.rank)
+            digests = _digests(target.local, mine)
+            target.upload(mine, global_step, self.rank)
+        return digests
+
+    def _rank_dir(self, url: str) -> RankDir:
+        return RankDir(url, retry_budget(self.config))
 
     @fault_points
     def begin_save(self, staging: str, global_step: int) -> None:
@@ -152,8 +206,10 @@ class TrainWorker:
         Supervisor call `start_upload` on all of them."""
         if self.saving is not None and self.saving.future is not None:
             wait([self.saving.future])  # the Supervisor waits for the previous one first; this is a backstop
-        directory = Path(staging)
-        self.saving = Write(global_step, directory, self.engine.save_local(directory, global_step))
+        elif self.saving is not None:
+            self.saving.target.close()  # begun, never started: given up
+        target = self._rank_dir(staging)
+        self.saving = Write(global_step, target, self.engine.save_local(target.local, global_step))
 
     @fault_points
     def start_upload(self, global_step: int) -> None:
@@ -164,9 +220,10 @@ class TrainWorker:
             raise RuntimeError(f"start_upload of step {global_step}, but this rank has not begun that save")
         save.future = Future()  # tracked before anything can raise: save_result reports whatever happens
         try:
-            shards = self.engine.save_async(save.directory, global_step)
+            shards = self.engine.save_async(save.target.local, global_step)
         except BaseException as e:
             save.future.set_exception(e)
+            save.target.close()
             raise
 
         def finish() -> None:
@@ -175,9 +232,13 @@ class TrainWorker:
                     fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
                 finally:
                     written = shards.result()  # the write is over before the tracked future is, whatever happened
-                save.future.set_result(_digests(save.directory, save.files + written))
+                digests = _digests(save.target.local, save.files + written)
+                save.target.upload(save.files + written, global_step, self.rank)
+                save.future.set_result(digests)
             except BaseException as e:  # noqa: BLE001 - the write's error is reported by save_result
                 save.future.set_exception(e)
+            finally:
+                save.target.close()
 
         self._writer.submit(finish)
 
@@ -192,8 +253,9 @@ class TrainWorker:
 
     @fault_points
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
-        path = Path(step_dir)
-        return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
+        with self._rank_dir(step_dir) as source:
+            path = source.fetch()
+            return self.engine.load(path, step_of(path), same_world_size=saved_world_size == self.world_size)
 
     @fault_points
     def begin_export(self, directory: str, global_step: int) -> None:
@@ -203,8 +265,8 @@ class TrainWorker:
         if self.rank == 0:
             if self.world_size == 1:  # nothing was gathered: the tensors are the parameters the next step updates
                 full = {name: t.clone() for name, t in full.items()}
-            path = Path(directory)
-            self.exporting = Write(global_step, path, future=self._writer.submit(self.engine.export_hf, path, full))
+            target = self._rank_dir(directory)
+            self.exporting = Write(global_step, target, future=self._writer.submit(self._export, target, full))
 
     @fault_points
     def export_result(self, global_step: int) -> bool:
@@ -223,17 +285,156 @@ class TrainWorker:
         """Collective; rank 0 writes the HuggingFace files into `directory`."""
         full = self.engine.full_state_dict()
         if self.rank == 0:
-            self.engine.export_hf(Path(directory), full)
+            self._export(self._rank_dir(directory), full)
+
+    def _export(self, target: RankDir, full: dict) -> None:
+        """Rank 0: the HuggingFace files written into `target` (and uploaded from there)."""
+        try:
+            self.engine.export_hf(target.local, full)
+            target.upload_all()
+        finally:
+            target.close()
+
+    # ---- the memory tier: a rank's side ------------------------------------------------------------
+    @fault_points
+    def memory_link(self, holder_ip: str, port: int, key: str) -> None:
+        """Connect this rank's side link to its holder (whose `hold` hosts the store on `port`), replacing any
+        earlier link; the rank's two slots are allocated now if they are not yet, off any step."""
+        self._drop_link()
+        self._own_slots()
+        self.link = Link(holder_ip, port, key, LINK_TIMEOUT)
+
+    @fault_points
+    def begin_memory_copy(self, global_step: int) -> None:
+        """Right after `train(global_step)` returned on every rank: stage this rank's state into the slot of
+        `global_step` (on this thread: the copy is the only part on the step's critical path), then send it to
+        the holder on the link's thread, if linked. Unlinked, it still stages: a survivor rolls back from it."""
+        if self.memory_send is not None:
+            wait([self.memory_send[1]])  # the Supervisor waits for the previous commit first; this is a backstop
+        slot = self._own_slots().for_step(global_step)
+        self.engine.stage_memory(slot, global_step)
+        if self.link is not None:
+            self.memory_send = (global_step, self.link.send(slot))
+
+    @fault_points
+    def memory_result(self, global_step: int) -> bool | None:
+        """True once the send of `global_step` to the holder finished, None while it runs; raises its error
+        (RuntimeError when no send of that step was begun here: no link, or a newer one since). The holder's
+        `holding()` says when the copy landed there, a moment later: that is the commit's test."""
+        if self.memory_send is None or self.memory_send[0] != global_step:
+            raise RuntimeError(f"no memory copy of step {global_step} was sent from this rank")
+        future = self.memory_send[1]
+        if not future.done():
+            return None
+        future.result()
+        return True
+
+    @fault_points
+    def rejoin(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int) -> None:
+        """A survivor of a dead rank: leave its background writes behind (the send, an unfinished recover save,
+        whose directory the Supervisor discards), join the new group as the same rank with the built model, and
+        restore its own copy of `global_step` in place, always: RNGs and gradients may have moved mid-step. The
+        side link is dropped: the Supervisor links the rank again."""
+        if self.memory is None:
+            raise RuntimeError(f"no memory copy of step {global_step} is held here: this rank never staged one")
+        slot = self.memory.holding(global_step)  # before the collective: fail fast
+        self._abandon_writes()
+        # rank 0's weights-update group goes too: closing its connections frees an engine left waiting in a
+        # weight sync the fault broke (it would otherwise sit there until the group's timeout)
+        self.weights_group, self.segments = None, {}
+        self.engine.rejoin(master_addr, master_port, rank, world_size)
+        self.engine.load_memory(slot.flat, slot.meta)
+
+    def _own_slots(self) -> Slots:
+        if self.memory is None:
+            layout = self.engine.memory_layout
+            self.memory = Slots(layout.numel, layout.dtype)
+        return self.memory
+
+    def _drop_link(self) -> None:
+        """Leave the side link; a send still running after ABANDON_SECS is abandoned with it (and forgotten:
+        the next copy does not wait for it, and its holder has closed that link or died)."""
+        if self.link is None:
+            return
+        if self.memory_send is not None and not wait([self.memory_send[1]], timeout=ABANDON_SECS).done:
+            log.warning("rank %s: the memory send of step %d was still running; abandoned", self.rank,
+                        self.memory_send[0])
+            self.memory_send = None
+        self.link.close()
+        self.link = None
+
+    def _abandon_writes(self) -> None:
+        """Stop waiting for this rank's background writes: the memory send, and a recover save whose peers
+        may be dead. Each gets ABANDON_SECS to end; a save still running keeps its thread, and later saves get
+        a writer thread of their own. What they ended with is one log line, never an error."""
+        self._drop_link()
+        save, self.saving = self.saving, None
+        if save is None or save.future is None:
+            return
+        wait([save.future], timeout=ABANDON_SECS)
+        if not save.future.done():
+            self._writer.shutdown(wait=False)
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
+            log.warning("rank %s: the background recover save of step %d was still running at the rejoin; "
+                        "abandoned", self.rank, save.global_step)
+        elif save.future.exception() is not None:
+            log.warning("rank %s: the background recover save of step %d failed before the rejoin: %s",
+                        self.rank, save.global_step, save.future.exception())
+
+    # ---- the memory tier: a holder's side ----------------------------------------------------------
+    @fault_points
+    def hold(self, rank: int, port: int, key: str) -> None:
+        """Hold `rank`'s copies: host the side link's store on `port` (a port of this process's `where()`) and,
+        on a thread, accept the rank's link and receive its slots for as long as the link lives. Returns at once;
+        holding a rank again replaces its old link."""
+        old = self.holdings.pop(rank, None)
+        if old is not None:
+            old.close()
+        from workers.engines.base import collective_timeout
+
+        # the holder waits between a rank's copies for as long as a step may last (its thread blocks nothing)
+        self.holdings[rank] = Holding(port, key, collective_timeout(self.config))
+
+    @fault_points
+    def holding(self) -> dict[int, list[int]]:
+        """{rank: the steps held whole for it} (at most two per rank)."""
+        return {rank: h.landed() for rank, h in self.holdings.items()}
+
+    @fault_points
+    def adopt(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int) -> None:
+        """A holder taking dead `rank`'s place: join the group as a spare does, then load the copy of
+        `global_step` it holds for `rank`, which becomes this rank's own; what it held for other ranks and its
+        links are dropped (it is a rank now)."""
+        held = self.holdings.get(rank)
+        if held is None or held.slots is None:
+            raise RuntimeError(f"no memory copy of rank {rank} is held here (held: {sorted(self.holdings)})")
+        slot = held.slots.holding(global_step)  # before the collective: fail fast
+        for h in self.holdings.values():
+            h.close()
+        self.holdings = {}
+        self._setup(master_addr, master_port, rank, world_size)
+        self.engine.load_memory(slot.flat, slot.meta)
+        held.thread.join(timeout=ABANDON_SECS)  # the dead rank's link has ended, or is about to
+        self.memory = None if held.thread.is_alive() else held.slots  # its own copies now, once nothing writes them
+
+    @ray.method(concurrency_group=PROBE)
+    def progress(self) -> dict:
+        """Answered while the default group's method runs (a rank waiting in a collective): what it is doing,
+        for how long, and its default group's collective sequence number (None outside a group)."""
+        name, since = self.phase
+        seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group() \
+            if dist.is_initialized() else None
+        return {"phase": name, "secs": time.monotonic() - since, "seq": seq}
 
 
 @dataclass
 class Write:
     """One background write of a step on this rank (TorchTitan keeps a future per save): begun, then running
     on the writer thread once its `future` is set. `files` were written before it started (the part of a
-    recover save that needs no peer)."""
+    recover save that needs no peer), into `target`'s local directory."""
 
     global_step: int
-    directory: Path
+    target: RankDir
     files: list[str] = field(default_factory=list)
     future: Future | None = None
 

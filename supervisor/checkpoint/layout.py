@@ -2,14 +2,19 @@
 
 Pure: nothing here creates or touches a file (`inside` only follows symlinks). Names come from the validated
 config, and every derived path is checked to stay inside the trial's root, so no name can walk out of it. The
+checkpoints live under `cluster.fileroot`, a local path or an object store's URL (checkpoint/storage.py); the logs
+and the run lock need appends and an exclusive create, so with a URL they live under `cluster.local_root`. The
 engines' own shard files (DCP's `__{rank}_*.distcp`, DeepSpeed's `global_step{G}/`) are named by their
 libraries; the names relaunch needs to find them are here too.
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Union
 
 from supervisor.config import Config
 
@@ -40,30 +45,81 @@ EXPORT_DIR = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 TMP_PREFIX = ".tmp."
 
 
+class ObjectPath(PurePosixPath):
+    """A key on an object store (`bucket/prefix/...`), shown as a URL (`s3://bucket/prefix/...`). Its class
+    carries the protocol (`object_path(url)` makes one class per protocol): derived paths keep it."""
+
+    protocol = "s3"
+
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self.key}"
+
+    @property
+    def key(self) -> str:
+        """The path as the filesystem names it, without the protocol."""
+        return PurePosixPath.__str__(self)
+
+    def relative_to(self, *other) -> PurePosixPath:
+        """A relative path is a plain one: it names no store."""
+        return PurePosixPath(PurePosixPath(self.key).relative_to(*(PurePosixPath(o.key) for o in other)))
+
+
+StoragePath = Union[Path, ObjectPath]
+
+
+def is_url(text: str) -> bool:
+    return "://" in str(text)
+
+
+@functools.cache
+def _path_class(protocol: str) -> type:
+    return type(f"{protocol.capitalize()}Path", (ObjectPath,), {"protocol": protocol})
+
+
+def object_path(url: str) -> ObjectPath:
+    """`s3://bucket/prefix` -> an ObjectPath of protocol s3."""
+    protocol, key = url.split("://", 1)
+    if not protocol or not key.strip("/"):
+        raise ValueError(f"{url!r} is not a URL with a bucket (such as s3://bucket/prefix)")
+    return _path_class(protocol)(key.strip("/"))
+
+
+def as_path(text: str | os.PathLike) -> StoragePath:
+    """A path as given by a user or sent to a worker: a URL on an object store, or a local path."""
+    return object_path(str(text)) if is_url(str(text)) else Path(text)
+
+
 @dataclass(frozen=True)
 class TrialLayout:
-    fileroot: Path
+    fileroot: StoragePath
     user: str
     experiment_name: str
     trial_name: str
+    local_root: Path | None = None  # logs/ and run.lock when fileroot is on an object store
 
     @classmethod
     def from_config(cls, config: Config) -> "TrialLayout":
-        return cls(config.cluster.fileroot, config.cluster.user, config.experiment_name, config.trial_name)
+        return cls(as_path(config.cluster.fileroot), config.cluster.user, config.experiment_name, config.trial_name,
+                   config.cluster.local_root)
 
-    def _inside(self, root: Path, *parts: str) -> Path:
+    @property
+    def head_root(self) -> Path:
+        """Where the logs and the run lock live: the fileroot, unless it is an object store's URL."""
+        return self.local_root if isinstance(self.fileroot, ObjectPath) else self.fileroot
+
+    def _inside(self, root: StoragePath, *parts: str) -> StoragePath:
         path = root.joinpath(*parts)
         if ".." in path.relative_to(root).parts:
             raise ValueError(f"path {path} leaves {root}")
         return path
 
     @property
-    def checkpoint_root(self) -> Path:
+    def checkpoint_root(self) -> StoragePath:
         return self._inside(self.fileroot, "checkpoints", self.user, self.experiment_name, self.trial_name)
 
     @property
     def log_root(self) -> Path:
-        return self._inside(self.fileroot, "logs", self.user, self.experiment_name, self.trial_name)
+        return self._inside(self.head_root, "logs", self.user, self.experiment_name, self.trial_name)
 
     @property
     def export_root(self) -> Path:
@@ -92,8 +148,10 @@ class TrialLayout:
 
     @property
     def lock(self) -> Path:
-        """The trial's run lock (checkpoint/trial_lock.py): one run of a trial at a time, whatever its cluster."""
-        return self.checkpoint_root / "run.lock"
+        """The trial's run lock (checkpoint/trial_lock.py): one run of a trial at a time, whatever its cluster
+        (with a URL fileroot, only among the drivers that share `cluster.local_root`)."""
+        return self._inside(self.head_root, "checkpoints", self.user, self.experiment_name, self.trial_name,
+                            "run.lock")
 
     def step_dir(self, global_step: int) -> Path:
         return self.recover_checkpoint / f"globalstep{global_step}"
@@ -150,6 +208,6 @@ def inside(root: Path, relative: str) -> Path:
     if not rel.parts or rel.is_absolute() or ".." in rel.parts:
         raise ValueError(f"path {relative!r} is not inside the checkpoint directory")
     path = root / rel
-    if not path.resolve().is_relative_to(root.resolve()):
+    if isinstance(root, Path) and not path.resolve().is_relative_to(root.resolve()):  # an object store has none
         raise ValueError(f"path {relative!r} leads out of the checkpoint directory through a symlink")
     return path

@@ -153,8 +153,9 @@ class TrainGroup(_Members):
     """A placement group plus N TrainWorker ranks sharing one torch.distributed process group.
 
     Ranks come first from `spares` (a SparePool: warm processes, already placed, so they need no bundle),
-    the rest start cold in a placement group of one bundle each. Every rank is new: survivors of the group
-    this one replaces are not reused (supervisor/cluster/spares.py says why)."""
+    the rest start cold in a placement group of one bundle each. A group started this way is all new; after a
+    rank's death, `rejoin` keeps the survivors' actors and puts the dead ranks' buddies in their places (the
+    memory tier: supervisor/cluster/memory_copies.py)."""
 
     group = Group.TRAIN
 
@@ -170,6 +171,7 @@ class TrainGroup(_Members):
         started = time.monotonic()
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
+        self.in_bundles = set(range(len(taken), world_size))  # the ranks whose actor holds a bundle of self.pg
         self.members = [Member(handle, "") for handle, _ in taken]
         self.pg = None
         try:
@@ -242,6 +244,51 @@ class TrainGroup(_Members):
             raise GroupError(self.group, GetTimeoutError(f"{what} still not written after {bound:.0f}s "
                                                          f"(recover.write_timeout_secs)"),
                              tuple(m.name for m in stuck), stuck[0].node_id, bound) from None
+
+    def answering(self, timeout: float) -> set[int]:
+        """The ranks that answer a probe within `timeout`: alive, and back from the call a fault interrupted
+        (a rank still stuck in a collective, or on a lost node, does not answer)."""
+        probes = [m.handle.where.remote(r) for r, m in enumerate(self.members)]
+        running, errors = drain(probes, timeout)
+        self.orphans += running
+        return {r for r, ref in enumerate(probes) if ref not in running and ref not in errors}
+
+    def progress(self, timeout: float) -> dict[int, dict | None]:
+        """Every rank's answer to `progress` (served beside the method it runs: its phase and collective sequence
+        number), None for a rank that did not answer within `timeout` or is dead."""
+        refs = [m.handle.progress.remote() for m in self.members]
+        running, errors = drain(refs, timeout)
+        self.orphans += running
+        return {r: None if ref in running or ref in errors else ray.get(ref) for r, ref in enumerate(refs)}
+
+    def kill_ranks(self, ranks: set[int]) -> None:
+        """Kill these ranks' actors (the culprits of a hang): their peers' collectives then fail at once."""
+        self._kill([self.members[r] for r in sorted(ranks)])
+
+    def rejoin(self, lost: list[int], adopters: dict[int, ray.actor.ActorHandle], global_step: int) -> None:
+        """Restart only the dead: the `lost` ranks' actors are killed and their buddies (`adopters`, warm spares
+        holding their state) take their places; every rank joins a new process group at a new rendezvous, the
+        survivors rolling back in place to `global_step` and the adopters loading it from their own memory.
+        The actors of the survivors stay: no new placement group, no new process, no model built again."""
+        started = time.monotonic()
+        self._kill([self.members[r] for r in lost])
+        for r in lost:
+            self.members[r] = Member(adopters[r], f"TrainWorker[rank {r}]")
+        self.in_bundles -= set(lost)
+        if self.pg is not None and not self.in_bundles:  # its resources go back to the cluster (a lost rank's
+            remove_placement_group(self.pg)             # bundle stays reserved while another rank holds one)
+            self.pg = None
+        self.timings = {"teardown": time.monotonic() - started}
+        bound = self.config.recover.start_timeout_secs
+        where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], bound)
+        for m, w in zip(self.members, where):
+            m.node_id, m.pid = w["node_id"], w["pid"]
+        ip, port = where[0]["ip"], where[0]["port"]
+        self.gather([m.handle.adopt.remote(ip, port, r, self.world_size, global_step) if r in adopters else
+                     m.handle.rejoin.remote(ip, port, r, self.world_size, global_step)
+                     for r, m in enumerate(self.members)], bound)
+        self.timings["rendezvous"] = time.monotonic() - started - self.timings["teardown"]
+        self.from_spares = len(adopters)
 
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
         return self.call_all("load_recover", step_dir, saved_world_size)[0]

@@ -7,14 +7,10 @@ from the ranks (spare_plan.py), by a soft node affinity so that it still starts 
 Supervisor refills the pool after the first step the new group completed, so warming never competes with
 the restart itself. Spares are named per trial, so a Supervisor that died leaves none behind for long.
 
-Survivors of a failed group are not reused: every rank of the new group is a spare or a cold process.
-Measured with two gloo processes (torch 2.13, CPU): a survivor whose peer is SIGKILLed gets its collective
-error in 0.02 s, destroys its process group in 0.01 s and rejoins a new one with a warm peer in 0.02 s, so
-reuse would be fast there; but a survivor whose peer is SIGSTOPped stays stuck in the collective until
-gloo's timeout (2 x step timeout + 60 s; gloo cannot abort it), an FSDP model stays bound to the old
-group's mesh and must be built again, DeepSpeed keeps global comm state (reuse would be fsdp-only), and
-NCCL needs a communicator abort this machine cannot test. Replacing every rank is safe in all these cases
-and, with as many warm spares as ranks, skips the same start-up (process_start ~0).
+A spare is also a buddy of the memory tier (memory_copies.py): it holds ranks' copies and, when one of them
+dies, takes its place with that state (`claim`). A restart from disk makes every rank new (a survivor stuck in a
+collective with a SIGSTOPped peer stays stuck until gloo's timeout, and DeepSpeed keeps global comm state);
+a repair from memory keeps the survivors (groups.py: TrainGroup.rejoin).
 """
 from __future__ import annotations
 
@@ -39,6 +35,7 @@ class Spare:
     name: str
     warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
     memory: dict | None = None  # its peak memory once warm (workers/memory.py)
+    node: str | None = None  # its node once warm
 
 
 def spare_prefix(config: Config) -> str:
@@ -97,15 +94,30 @@ class SparePool:
 
     def peak_memory(self) -> list[dict]:
         """The peak memory of every spare that finished warming, read once from its warm-up's answer."""
+        self._read_warm_ups()
+        return [s.memory for s in self.spares if s.memory]
+
+    def warm(self) -> dict[str, Spare]:
+        """The spares that finished warming and answered it (name -> spare, its node known), without waiting."""
+        self._read_warm_ups()
+        return {s.name: s for s in self.spares if s.node is not None}
+
+    def _read_warm_ups(self) -> None:
         waiting = [s for s in self.spares if s.memory is None]
         ready = set(ray.wait([s.warm for s in waiting], num_returns=len(waiting), timeout=0)[0]) if waiting else ()
         for s in waiting:
             if s.warm in ready:
                 try:
-                    s.memory = ray.get(s.warm)["memory"]
+                    where = ray.get(s.warm)
+                    s.memory, s.node = where["memory"], where["node_id"]
                 except Exception:  # noqa: BLE001 - a dead spare: `take` finds and drops it
                     s.memory = {}
-        return [s.memory for s in self.spares if s.memory]
+
+    def claim(self, names: list[str]) -> dict[str, ray.actor.ActorHandle]:
+        """The named spares (the buddies that hold dead ranks' state), removed from the pool to take their places."""
+        claimed = {s.name: s.handle for s in self.spares if s.name in names}
+        self.spares = [s for s in self.spares if s.name not in claimed]
+        return claimed
 
     def refill(self, avoid: list[str | None]) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the

@@ -14,6 +14,7 @@ import traceback
 import ray
 
 from supervisor.checkpoint.layout import TrialLayout
+from supervisor.cluster.memory_copies import MemoryCopies
 from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.cluster.spares import SparePool, remove_leftover_spares
@@ -96,13 +97,17 @@ class Supervisor:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
         size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster)
         pool = SparePool(cfg, size) if size else None
+        memory_off = cfg.memory_tier_off(size)
+        warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
+        linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
+        memory = MemoryCopies(pool, warn, linked) if memory_off is None else None
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point,
-                            pool)
+                            pool, memory)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
-            supervisor_restarted=self.attempt > 0, spares=pool)
+            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off)
         try:
             result = self.controller.run()
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver
@@ -110,6 +115,14 @@ class Supervisor:
                                details=traceback.format_exc())
             self.events.emit(Event.FAILED, reason=result.message)
         return result.__dict__
+
+    def _wait_spares(self, point: str, bound: float = 300.0) -> None:
+        pool, deadline = self.controller.spares, time.monotonic() + bound
+        while pool is not None and len(pool.warm()) < pool.size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fault point {point}: the spare pool was not warm after {bound:.0f}s")
+            pool.refill(self.controller.runner.trainers.nodes)
+            time.sleep(0.2)
 
     def _attach_trackers(self) -> None:
         """logging.trackers follow the two logs from here on (once per Supervisor life)."""
@@ -120,13 +133,16 @@ class Supervisor:
 
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation at the step's phase boundaries: besides the usual actions, `kill_rank` and
-        `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine."""
+        `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine, and
+        `wait_spares` waits until the spare pool is full and warm (so that the memory tier links at this step)."""
         action = fault_points.armed(point, step=s.global_step)
         if action is None:
             return
         r = self.controller.runner
         verb, _, target = action.partition("_")
-        if target in ("rank", "engine"):
+        if action == "wait_spares":
+            self._wait_spares(point)
+        elif target in ("rank", "engine"):
             pid = r.trainers.members[-1].pid if target == "rank" else r.engines.members[0].pid
             if pid is None:
                 raise RuntimeError(f"fault point {point}: the {target}'s pid is not known yet")

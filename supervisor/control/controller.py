@@ -28,10 +28,14 @@ from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
+from supervisor.control.recovery_source import Choice, Source, hang_culprits, recovery_source
 from supervisor.control.repair_clock import RepairClock, steady_steps
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
 from supervisor.exit_codes import ExitCode
+
+ANSWER_SECS = 5.0  # how long a rank may take to answer after a fault before it counts as lost
+PROGRESS_SECS = 2.0  # how long a hung rank's progress probe may take (a live one answers in milliseconds)
 
 
 class State(str, enum.Enum):
@@ -102,7 +106,8 @@ class JobResult:
 class Controller:
     def __init__(self, config: Config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
-                 sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None):
+                 sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None,
+                 memory_off: str | None = None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
         self.events, self.stats, self.sleep = events, stats, sleep
         self.make_train_group, self.make_rollout_group = make_train_group, make_rollout_group
@@ -111,6 +116,7 @@ class Controller:
         self.log = run_log(events.attempt)
         self.clock = RepairClock()          # where the time of the repair in progress goes
         self.spares = spares                # the warm spare pool (cluster/spares.py), or None
+        self.memory_off = memory_off        # why the memory tier does not serve this job (recover.memory), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
         self.transitioned = time.monotonic()  # when the last transition was applied (the driver's watchdog)
 
@@ -275,7 +281,7 @@ class Controller:
             with self.clock.part("backoff"):
                 self.sleep(decision.delay_secs)
         if decision.action is Action.RESTART_TRAIN_GROUP:
-            self._restart_train_group()
+            self._restart_ranks(fault)
         elif decision.action is Action.RESTART_ENGINES:
             self._restart_engines(fault)
         elif decision.action is Action.SKIP_SAVE and \
@@ -283,6 +289,71 @@ class Controller:
             return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, f"{fault.message} (not in a save)")
         # REPLAY_STEP: nothing advanced before the commit; the next transition runs the step again
         return Result(Outcome.OK)
+
+    def _restart_ranks(self, fault: Fault) -> None:
+        """Recover the TrainGroup from memory where the memory tier holds every lost rank's state, else (or if
+        that fails on the way) from disk. Either way one repair: the retry was counted when it was decided."""
+        try:
+            choice = self._recovery_source(fault)
+        except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
+            choice = Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: {first_line(e)}")
+        self.log.info(f"recovering from {choice.source.value}: {choice.reason}", extra={"phase": self.phase})
+        if choice.source is Source.MEMORY:
+            try:
+                self._rejoin_from_memory(choice)
+                return
+            except Exception as e:  # noqa: BLE001 - whatever broke, the disk path kills every rank and reloads
+                self.events.emit(Event.WARNING, message=f"recovery from memory failed: {type(e).__name__}: "
+                                                        f"{first_line(e)}; recovering from disk")
+        self._restart_train_group()
+
+    def _recovery_source(self, fault: Fault) -> Choice:
+        """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
+        r = self.runner
+        if r.memory is None:
+            return Choice(Source.DISK, self.memory_off)
+        if r.trainers is None:  # a restarted Supervisor, or a start that failed
+            return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
+                                   staged=[], snapshots=set())
+        if fault.kind is FaultKind.HANG:
+            self._kill_hang_culprits(fault)
+        alive = r.trainers.answering(ANSWER_SECS)
+        return recovery_source(enabled=None, kind=fault.kind, world_size=r.trainers.world_size,
+                               lost=set(range(r.trainers.world_size)) - alive, buddies=r.memory.buddies,
+                               holding=r.memory.holding(), staged=r.memory.staged, snapshots=set(r.snapshots))
+
+    def _kill_hang_culprits(self, fault: Fault) -> None:
+        """Turn a hang into deaths: kill the ranks the others wait on (recovery_source.hang_culprits), so that
+        the others' collectives fail and they can roll back in place. Gloo cannot abort a collective; a killed
+        peer ends it within a tenth of a second (measured). Nothing is killed when no culprit can be named."""
+        trainers = self.runner.trainers
+        pending = {rank for rank, m in enumerate(trainers.members) if m.name in fault.actors}
+        culprits = hang_culprits(pending, trainers.progress(PROGRESS_SECS))
+        if culprits and len(culprits) < trainers.world_size:
+            self.log.info(f"killing the hung ranks {sorted(culprits)} the others wait on", extra={"phase": self.phase})
+            trainers.kill_ranks(culprits)
+
+    def _rejoin_from_memory(self, choice: Choice) -> None:
+        """Restart only the dead: their buddies take their places with their state, the survivors roll back in
+        place, the Supervisor rolls back to the same step from its own memory; engines that already hold that
+        step's weights are not resynced. Nothing is read from disk."""
+        r, lost = self.runner, sorted(choice.adopters)
+        with self.clock.part("teardown"):
+            r.close_stream()
+            self.checkpoints.drop_in_flight(keep_export=0 not in lost)
+        adopters = self.spares.claim(list(choice.adopters.values()))
+        r.trainers.rejoin(lost, {rank: adopters[name] for rank, name in choice.adopters.items()}, choice.step)
+        r.memory.adopted()
+        for part, part_secs in r.trainers.timings.items():
+            self.clock.add(part, part_secs)
+        self.events.emit(Event.SPARES, action="taken", taken=len(lost), cold=0, pool=len(self.spares),
+                         size=self.spares.size)
+        self.refill_due = True
+        r.restore(choice.step)
+        self.clock.loaded(choice.step, Source.MEMORY)
+        self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
+                         nodes=r.trainers.nodes, missing_state=[], secs=round(sum(r.trainers.timings.values()), 3))
+        self._resync()
 
     def _restart_train_group(self) -> None:
         """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
@@ -309,17 +380,23 @@ class Controller:
         with self.clock.part("load"):
             missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
         r.roll_back(self._state_of(ckpt, warn=True))
-        self.clock.loaded(r.state.step.global_step, "disk")
+        self.clock.loaded(r.state.step.global_step, Source.DISK)
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
+                         source=Source.DISK.value,
                          nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
         if missing:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
+        self._resync()
+
+    def _resync(self) -> None:
+        """After the TrainGroup's repair: replace the engines found dead, and bring every engine to the trainer's
+        weights (those that hold them already are not pushed to); the repair is over."""
         with self.clock.part("resync"):
-            replaced = r.engines.replace(())
+            replaced = self.runner.engines.replace(())
             if replaced:
                 self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
-            r.sync_engines(gate=True)
+            self.runner.sync_engines(gate=True)
         self.clock.resumed()
 
     def _validate(self) -> tuple[Checkpoint | None, float]:

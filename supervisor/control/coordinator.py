@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import enum
 import errno
-import shutil
+import hashlib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, TypeVar
 
-from supervisor.checkpoint.durable import file_digest, tmp_name
+from supervisor.checkpoint.durable import tmp_name
 from supervisor.checkpoint.exports import prune_exports, publish_export
 from supervisor.checkpoint.layout import (
     REFERENCE_PREFIX,
     RUN_CONFIG,
     TMP_PREFIX,
+    StoragePath,
     TrialLayout,
     reference_file,
 )
+from supervisor.checkpoint.storage import retry_budget, storage_for
 from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStore, compatibility_error
 from supervisor.config import Config
 from supervisor.control.events import Event, EventLog
@@ -38,7 +39,7 @@ from workers.engines.reference import reference_step
 class Staged:
     """A recover save that every rank has begun or written, not yet published. A background save's `files`
     lack the ranks' shards until `collect_save` finds them durable."""
-    path: Path
+    path: StoragePath
     global_step: int
     files: dict[str, dict]
     world_size: int
@@ -53,8 +54,8 @@ class Staged:
 @dataclass
 class PendingExport:
     """An HF export being written in the background under a temporary name."""
-    path: Path
-    final: Path
+    path: StoragePath
+    final: StoragePath
     global_step: int
 
 
@@ -80,7 +81,7 @@ class InFlight:
             return None
         return (self.save if self.failed is WriteKind.SAVE else self.export).global_step
 
-    def live_paths(self) -> tuple[Path, ...]:
+    def live_paths(self) -> tuple[StoragePath, ...]:
         """The directories of writes still going on (not the one that failed)."""
         live = [(self.save, WriteKind.SAVE), (self.export, WriteKind.EXPORT)]
         return tuple(w.path for w, kind in live if w is not None and self.failed is not kind)
@@ -94,7 +95,8 @@ class CheckpointCoordinator:
         self.config, self.layout, self.events = config, layout, events
         # the Supervisor's own file work, each bounded for the driver's watchdog (a hung mount blocks in the kernel)
         self.waits = waits or Waits()
-        self.store = RecoverStore(layout, config.recover.keep_last) if config.recover.mode.enabled else None
+        self.fs = storage_for(layout.checkpoint_root, retry_budget(config))  # a local directory or an object store
+        self.store = RecoverStore(layout, config.recover.keep_last, self.fs) if config.recover.mode.enabled else None
         self._reference_entries: dict[int, dict] = {}  # reference step -> its manifest entry
         self.in_flight = InFlight()
 
@@ -136,8 +138,9 @@ class CheckpointCoordinator:
         written): `collect_save` commits it once durable."""
         started = time.monotonic()
         staging = self.store.staging_dir(s.global_step)
-        (staging / RUN_CONFIG).write_text(self.config.model_dump_json(indent=1))  # before the ranks write
-        run_config = {"size": (staging / RUN_CONFIG).stat().st_size, "sha256": file_digest(staging / RUN_CONFIG)}
+        data = self.config.model_dump_json(indent=1).encode()
+        self.fs.write_bytes(staging / RUN_CONFIG, data)  # before the ranks write
+        run_config = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         if background:
             trainers.begin_save(str(staging), s.global_step)
             files = {}
@@ -147,12 +150,12 @@ class CheckpointCoordinator:
         ref_step = reference_step(s.global_step, actor.ref_update_steps) if actor.kl_coef else None
         if ref_step is not None:  # the reference weights this step needs, written on the step they changed
             ref = reference_file(staging.parent, ref_step)
-            if not ref.is_file():
+            if not self.fs.is_file(ref):
                 raise OSError(errno.EIO, "rank 0 did not write the reference weights (is cluster.fileroot on "
                                          "storage every node sees?)", str(ref))
             # hashed when it was written (a replayed refresh step rewrites it), not on every save that names it
             if ref_step == s.global_step or ref_step not in self._reference_entries:
-                self._reference_entries = {ref_step: {"size": ref.stat().st_size, "sha256": file_digest(ref)}}
+                self._reference_entries = {ref_step: {"size": self.fs.size(ref), "sha256": self.fs.digest(ref)}}
             files[REFERENCE_PREFIX + ref.name] = self._reference_entries[ref_step]
         files[RUN_CONFIG] = run_config
         if background:  # every rank's part that needs no peer is written, and checked: now the uploads start
@@ -204,8 +207,13 @@ class CheckpointCoordinator:
             self.in_flight.export = None
 
     def collect(self, trainers, block: bool) -> None:
+        """Publish the background writes that are done; with `block` (after the last step), wait for them and for
+        the retention they started, so a finished run leaves `recover.keep_last` steps (on an object store,
+        where deleting takes a while, too)."""
         self.collect_export(trainers, block)
         self.collect_save(trainers, block)
+        if block and self.store is not None and self.in_flight.idle:
+            self.store.wait_for_pruning()
 
     def _watch(self, kind: WriteKind, result: Callable[[], T]) -> T:
         """A background write's result and its publication; if either raises (a rank's write, or the
@@ -225,9 +233,10 @@ class CheckpointCoordinator:
             self.in_flight.export = None
         return f"{'recover' if kind is WriteKind.SAVE else 'export'} (background)" if kind else None
 
-    def drop_in_flight(self) -> None:
-        """The ranks writing them are gone: background writes die unpublished (the run falls back)."""
-        self.in_flight = InFlight()
+    def drop_in_flight(self, keep_export: bool = False) -> None:
+        """The ranks writing them are gone: background writes die unpublished (the run falls back). With
+        `keep_export`, rank 0 lives on (a repair from memory): its export is still written and published."""
+        self.in_flight = InFlight(export=self.in_flight.export if keep_export else None)
 
     def commit_recover(self, staged: Staged, weights_checksum: str | None) -> None:
         """Publish and commit a fully written save with the recover_info captured at its step."""
@@ -248,7 +257,7 @@ class CheckpointCoordinator:
         weights may differ from the abandoned timeline's (checkpoint/exports.py)."""
         self.collect_export(trainers, block=True)
         final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.mkdir(final.parent)
         pending = PendingExport(tmp_name(final), final, s.global_step)
         if background:
             trainers.begin_export(str(pending.path), s.global_step)
@@ -260,24 +269,23 @@ class CheckpointCoordinator:
     def _publish_export(self, pending: "PendingExport") -> None:
         with self.waits.on(f"the publication of step {pending.global_step}'s export",
                            self.config.recover.step_timeout_secs):
-            outcome = publish_export(pending.path, pending.final)
+            outcome = publish_export(self.fs, pending.path, pending.final)
         self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final),
                          outcome=outcome.value)
         if self.config.saver.keep_last:
-            prune_exports(pending.final.parent, self.config.saver.keep_last)
+            prune_exports(self.fs, pending.final.parent, self.config.saver.keep_last)
 
     def committed_step(self) -> int | None:
         """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
         return self.store.committed_step() if self.store is not None else None
 
-    def discard_failed_save(self) -> list[Path]:
+    def discard_failed_save(self) -> list[StoragePath]:
         """Remove the temporaries a save or export that failed left behind, but for the directories of background
         saves and exports still being written; no step directory is touched, whatever the pointer says."""
         live = self.in_flight.live_paths()
         if self.store is not None:
             return self.store.remove_temporaries(spare=live)
-        removed = [p for p in self.layout.export_root.glob(f"{TMP_PREFIX}*") if p not in live] \
-            if self.layout.export_root.is_dir() else []
+        removed = [p for p in self.fs.iterdir(self.layout.export_root) if p.name.startswith(TMP_PREFIX) and p not in live]
         for p in removed:
-            shutil.rmtree(p, ignore_errors=True)
+            self.fs.remove(p)
         return removed

@@ -34,6 +34,7 @@ class Event(str, enum.Enum):
     WARNING = "warning"
     SHRINK = "shrink"                        # the TrainGroup restarted with fewer ranks (elastic resume)
     SPARES = "spares"                        # warm spares taken, refilled or released
+    BUDDIES = "buddies"                      # the memory tier's links changed: rank -> the node holding its copies
     ENGINES_RESTARTED = "engines_restarted"
     RECOVERY = "recovery"                    # where a repair's time went
     RECOVER_INTERVAL = "recover_interval"    # recover.freq_secs auto moved

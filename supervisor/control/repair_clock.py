@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from supervisor.control.recovery_source import Source
+
 PARTS = ("detection", "backoff", "teardown", "validate", "scheduling", "process_start", "rendezvous", "load",
          "resync", "replay", "redo")
 
@@ -31,7 +33,7 @@ class _Repair:
     detection: float          # seconds from the fault to its being seen (a hang's timeout, a death's report)
     parts: dict[str, float] = field(default_factory=dict)
     loaded: int | None = None  # the step the new TrainGroup loaded (-1: a fresh start); None: no rollback
-    source: str = "none"       # where the state came from: disk, or none (an engine repair rolls nothing back)
+    source: Source = Source.NONE  # where the state came from: memory, disk, or none (an engine repair)
     resumed: float | None = None  # wall clock when training went on (after the resync)
     replayed_until: float | None = None  # wall clock when the last replayed step completed
 
@@ -61,7 +63,7 @@ class RepairClock:
         finally:
             self.add(name, time.monotonic() - t)
 
-    def loaded(self, global_step: int, source: str) -> None:
+    def loaded(self, global_step: int, source: Source) -> None:
         if self._repair is not None:
             self._repair.loaded, self._repair.source = global_step, source
 

@@ -12,9 +12,15 @@ committed, with the recover_info captured at its step, at the first step boundar
 is durable (and after its step's export, also written in the background, is published). One of each is in
 flight at a time; a fault that restarts the TrainGroup drops them unpublished, so the run falls back to the
 previous committed step.
+
+With the memory tier (recover.memory), every rank also copies its state after the commit into its own memory
+and its buddy's (supervisor/cluster/memory_copies.py), and the Supervisor keeps its own state of the newest
+steps (`snapshots`): a repair from memory rolls back to one of them (`restore`), keeping what that step still
+owed, so that no step that completed is trained again.
 """
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from dataclasses import dataclass, field
@@ -64,9 +70,12 @@ class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
     def __init__(self, config: Config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
-                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], spares=None):
+                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], spares=None,
+                 memory=None):
         self.config, self.loader, self.reward_fn = config, loader, reward_fn
         self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
+        self.memory = memory  # the memory tier's copies (cluster/memory_copies.py), or None: recovery from disk
+        self.snapshots: dict[int, RunState] = {}  # global step -> the run's state at its commit (memory tier)
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
         self.state = RunState.fresh(config, loader.steps_per_epoch)
@@ -108,6 +117,8 @@ class StepRunner:
         if self.trainers is not None:
             self.trainers.shutdown()
             self.trainers = None
+        if self.memory is not None:
+            self.memory.reset()
         self.owed, self.digest = None, None  # the new group's weights are the checkpoint's
         self.close_stream()
         self.checkpoints.drop_in_flight()
@@ -116,6 +127,19 @@ class StepRunner:
         """The run's state (step, counters, frequency controls) back to a checkpoint's, stats cut back to it."""
         self.state, self.owed, self.phase = state, None, None
         self.stats.truncate_after(state.step.global_step)
+        self.snapshots = {}
+
+    def restore(self, global_step: int) -> None:
+        """After a repair from memory: the run's state back to `global_step`'s commit. If that step still owes
+        something, it still does (a recover save it had not finished is written again: some of the ranks that
+        wrote it are gone); a step after it is dropped and trained again."""
+        owed = self.owed if self.owed is not None and self.owed.step.global_step == global_step else None
+        snapshots = {s: st for s, st in self.snapshots.items() if s <= global_step}
+        self.roll_back(copy.deepcopy(snapshots[global_step]))
+        self.snapshots, self.logged = snapshots, None  # the next row's gap was a repair
+        if owed is not None and owed.save:
+            owed.staged = None
+        self.owed = owed
 
     @property
     def finished_training(self) -> bool:
@@ -134,6 +158,8 @@ class StepRunner:
         self.fault_point("step.scored", s)
         t_rollout = time.monotonic()
         self.phase = Phase.TRAIN
+        if self.memory is not None:
+            self.memory.wait_landed(self.trainers, s.global_step - 1)
         n = self.trainers.world_size
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
@@ -160,6 +186,10 @@ class StepRunner:
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
         )  # from here on, a fault never replays the update: `settle` pays what is owed
+        if self.memory is not None:
+            self.snapshots = {g: st for g, st in self.snapshots.items() if g >= s.global_step - 1}
+            self.snapshots[s.global_step] = copy.deepcopy(self.state)
+            self.memory.begin(self.trainers, s.global_step)
         self.fault_point("step.trained", s)
 
     def _set_recover_interval(self) -> None:

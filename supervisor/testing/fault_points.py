@@ -9,14 +9,16 @@ weights (version - 1); `where`, `setup`, `load_recover`, `init_weights_update_gr
 `where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has no rank.
 Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
-`step.saved`), and the recover store one at every write of a checkpoint. `background_write` fires in a
+`step.saved`), and the recover store one at every write of a checkpoint; `after_object` in a rank that uploads
+to an object store, once the first object of its part is there. `background_write` fires in a
 TrainWorker's writer thread while a background recover save is being written; `weights_written` in a rank
 that has written its part of a shared-memory weight sync, before its peers have.
 
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
 (sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole
 embedded Ray cluster), `enospc` (raise a disk-full OSError). At the Supervisor's points, `kill_rank`,
-`stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead.
+`stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead, and
+`wait_spares` waits until the spare pool is full and warm.
 Each armed fault fires once: a marker file in `RELAUNCH_FAULT_DIR` remembers it across restarts, so a
 restarted process goes on. Nothing is armed unless both variables are set; the driver forwards them.
 """

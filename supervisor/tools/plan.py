@@ -144,6 +144,19 @@ def _spares(config: Config, shape: dict | None) -> str:
             f"imports done, in no process group")
 
 
+def _memory_tier(config: Config, shape: dict | None) -> str:
+    """What the memory tier holds, where (docs/failures.md#recovery-from-memory), or why it is off."""
+    off = config.memory_tier_off()
+    if off is not None:
+        return f"off: {off}; a lost rank recovers from disk"
+    n = config.cluster.n_train_workers
+    state = (f"~{3 * param_count(shape) * 4 / n / 2**20:,.1f} MiB (its shards of the weights and of AdamW's two "
+             f"moments, fp32)" if shape else "its shards of the weights and of AdamW's two moments")
+    return (f"{config.recover.memory.value}: each rank's state, {state}, is kept twice in its own memory and twice "
+            f"in its buddy's, a warm spare on another node, after every step; a dead rank's buddy takes its place "
+            f"and the others roll back in place, nothing read from disk")
+
+
 def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None) -> Plan:
     """The plan of a run over `dataset_size` prompts (at least one batch: the loader refuses fewer).
     `model_shape`: the HF config of model.path when it is on this machine (null: not readable here)."""
@@ -155,6 +168,7 @@ def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None
     plan.lines.append(f"{'model':<10} {config.model.path or 'tiny Qwen2 built from model.* sizes'}")
     shape = built_shape(config) if config.model.path is None else model_shape
     plan.lines.append(f"{'spares':<10} {_spares(config, shape)}")
+    plan.lines.append(f"{'memory':<10} {_memory_tier(config, shape)}")
     plan.lines.append(f"{'data':<10} {dataset_size} prompts in {d.path}; {d.batch_size} prompts x {d.group_size} "
                       f"samples = {d.batch_size * d.group_size} a step, up to {d.max_new_tokens} new tokens each")
     plan.lines.append(f"{'steps':<10} {steps_per_epoch} per epoch x {config.total_train_epochs} epochs = {total} "

@@ -69,6 +69,7 @@ def trial_status(config: Config, n_events: int = 10) -> dict:
         "last_step": stats[-1] if stats else None,
         "last_recovery": next((e for e in reversed(events) if e["event"] == Event.RECOVERY), None),
         "recover_interval": next((e for e in reversed(this_job) if e["event"] == Event.RECOVER_INTERVAL), None),
+        "buddies": next((e["nodes"] for e in reversed(this_job) if e["event"] == Event.BUDDIES), None),
         "events": events[-n_events:],
         "live": None,
         "memory": peak_memory_of(stats),
@@ -116,6 +117,9 @@ def format_status(st: dict) -> str:
         cost = f"{ri['save_cost_secs']:.3f}s" if ri["save_cost_secs"] is not None else "not measured yet"
         lines.append(f"interval   recover save every {ri['secs']:.1f}s (auto: save stall {cost}, "
                      f"MTBF {ri['mtbf_secs']:.0f}s after {ri['failures']} failures)")
+    if st.get("buddies") is not None:
+        held = ", ".join(f"rank {rank} on node {node[:8]}" for rank, node in sorted(st["buddies"].items()))
+        lines.append(f"buddies    {held or 'none'} (the memory tier: where each rank's copies were last linked)")
     if st.get("memory"):
         lines.append("memory     peak " + ", ".join(f"{kind} {gb:.2f} GB" for kind, gb in st["memory"].items()))
     if st["last_step"]:

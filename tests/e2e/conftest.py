@@ -113,7 +113,9 @@ def status_json(trial: Trial, *extra: str, env: dict | None = None) -> dict:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def cluster(s3_server):
+    """Its nodes see the S3 server (started first: they inherit its endpoint and credentials), as a real cluster's
+    nodes see a bucket."""
     c = LocalCluster()
     try:
         yield c

@@ -44,20 +44,33 @@ def test_save_benchmark(tmp_path):
     assert "sync save bandwidth / raw" in figures["stdout"]
 
 
+def test_store_benchmark(tmp_path):
+    figures = bench("store", tmp_path=tmp_path)
+    local, s3 = figures["local disk"], figures["S3 (moto, HTTP)"]
+    # the same state; DCP's .metadata records the directory it was written into, whose name's length differs
+    assert local["bytes"] > 0 and abs(local["bytes"] - s3["bytes"]) < 256
+    assert 0 < s3["blocked_secs"] <= s3["total_secs"]
+    assert s3["load_secs"] > 0 and "step while it is written" in figures["stdout"]
+
+
 def test_baselines_benchmark(cluster, tmp_path):
-    """relaunch, Ray Train and torchrun each recover from the same kill, timed to the killed step (quick: step 3),
-    each with the step it loaded; a system that does not recover fails the benchmark (bench asserts exit 0)."""
+    """relaunch from memory and from disk, Ray Train and torchrun each recover from the same kill, timed to the
+    killed step (quick: step 3), each with the step it loaded; a system that does not recover fails the benchmark
+    (bench asserts exit 0)."""
     figures = bench("baselines", "--address", cluster.address, tmp_path=tmp_path)
-    rows = {r["system"].split(" ")[0]: r for r in figures["rows"]}
-    assert set(rows) == {"relaunch", "Ray", "torchrun"} and not [r for r in rows.values() if "error" in r]
+    rows = {r["system"].split(" ")[0] + (r["system"].split(" ")[1] if r["system"].startswith("relaunch") else ""): r
+            for r in figures["rows"]}
+    assert set(rows) == {"relaunch(memory)", "relaunch(disk)", "Ray", "torchrun"}
+    assert not [r for r in rows.values() if "error" in r]
     for row in rows.values():
         assert row["recovery_secs"] > 0 and row["median_step_secs"] > 0
         assert row["cost_secs"] == row["recovery_secs"] - row["median_step_secs"]
         assert row["replayed_steps"] == 3 - row["loaded_step"] - 1
-    # torchrun's loop checkpoints synchronously before each step: it loads the step before the killed one
-    assert rows["torchrun"]["loaded_step"] == 2
-    assert rows["relaunch"]["breakdown"]["global_step"] == 3
-    assert "kill -> killed step done" in figures["stdout"]
+    # torchrun's loop checkpoints synchronously before each step: it loads the step before the killed one; the
+    # memory tier holds the step before the killed one too, and trains nothing again
+    assert rows["torchrun"]["loaded_step"] == 2 and rows["relaunch(memory)"]["loaded_step"] == 2
+    assert rows["relaunch(memory)"]["breakdown"]["global_step"] == 3
+    assert "kill -> killed step done" in figures["stdout"] and "the memory tier's cost" in figures["stdout"]
 
 
 def test_goodput_benchmark(cluster, tmp_path):

@@ -353,3 +353,75 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster,
     assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
     assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
     assert_recovered_exactly(trial, reference, restarts=1)
+
+
+def test_dead_ranks_are_replaced_from_memory_and_no_completed_step_is_trained_again(cluster, reference, trial,
+                                                                                     tmp_path):
+    """The memory tier (recover.memory auto, two warm spares, each the buddy of one rank on the other node):
+    rank 1 killed as step 5 starts training, rank 0 killed after its optimizer step of step 10 (rank 1, which
+    took it too, rolls back in place), rank 1 killed after step 16's commit (its copy may or may not have
+    landed: the step is restored with what it still owed, or trained again as the step in flight), and rank 0
+    SIGSTOPped as step 21 starts training (a hang: the stopped rank is the culprit rank 1 waits on; it is killed
+    and rank 1 rolls back in place). Each repair whose lost rank had a buddy on another node comes from memory
+    and trains no completed step again; the others come from disk; the run ends bit-identical."""
+    faults = ",".join(["step.begin:wait_spares:step=2", "TrainWorker.train.enter:kill:step=5:rank=1",
+                       "TrainWorker.train.exit:kill:step=10:rank=0", "step.begin:wait_spares:step=13",
+                       "step.trained:kill_rank:step=16", "step.begin:wait_spares:step=19",
+                       "TrainWorker.train.enter:stop:step=21:rank=0"])
+    r = run_with_fault(cluster, trial, tmp_path, faults, "recover.spare_workers=2", "recover.retries=4",
+                       "recover.step_timeout_secs=15")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recoveries = trial.events("recovery")
+    assert [(e["source"], e["global_step"], e["replayed_steps"], e["loaded_step"]) for e in recoveries[:2]] == \
+        [("memory", 5, 0, 4), ("memory", 10, 0, 9)]
+    # after two adoptions both ranks may share a node (where the spares were); a rank is held from memory only
+    # if a spare on another node was its buddy when it died
+    failures = trial.events("failure")
+    assert [(e["cause"], e["global_step"]) for e in failures] == \
+        [("worker_died", 5), ("worker_died", 10), ("worker_died", 16), ("hang", 21)]
+    for failure, recovery, rank, loaded in zip(failures[2:], recoveries[2:], ("1", "0"), ((15, 16), (20,))):
+        buddies = [e["nodes"] for e in trial.events("buddies") if e["time"] < failure["time"]][-1]
+        if rank in buddies:
+            assert (recovery["source"], recovery["replayed_steps"]) == ("memory", 0)
+            assert recovery["loaded_step"] in loaded
+        else:
+            assert recovery["source"] == "disk"
+    assert [e["global_step"] for e in recoveries[2:]] == [16, 21]
+    assert [e["source"] for e in trial.events("loaded")] == ["disk"] + [e["source"] for e in recoveries]
+    assert [(e["taken"], e["cold"]) for e in trial.events("spares") if e["action"] == "taken"][1:3] == [(1, 0)] * 2
+    assert_recovered_exactly(trial, reference, restarts=4)
+
+
+class BucketTrial(Trial):
+    """A trial whose fileroot is a prefix of the S3 server's bucket; its logs and lock in a local directory."""
+
+    def __init__(self, url: str, local_root: Path):
+        super().__init__(local_root)
+        self.url = url
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"cluster.fileroot={self.url}", f"cluster.local_root={self.fileroot}"]
+
+
+@pytest.mark.quick
+def test_the_default_job_on_an_s3_bucket_survives_a_killed_rank_bit_identical(cluster, s3_server, reference, tmp_path):
+    """cluster.fileroot on moto's S3 server, over HTTP through s3fs: the ranks upload their own shards, a rank killed
+    mid-update restarts the TrainGroup from the bucket (downloaded by each rank), and the run ends as the local
+    uninterrupted one did, with nothing unpublished left in the bucket."""
+    from supervisor.checkpoint.layout import TrialLayout, as_path
+    from supervisor.checkpoint.store import RecoverStore
+
+    trial = BucketTrial(s3_server.url(tmp_path.name), tmp_path / "head")
+    r = run_with_fault(cluster, trial, tmp_path, "TrainWorker.train.enter:kill:step=16:rank=1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # the restart loads the last step committed before the kill (a background upload still in flight then is
+    # never loaded: its partial directory is cleaned up); 12 steps after the first save, there is one
+    failed = trial.events("failure")[0]["time"]
+    committed = [e["global_step"] for e in trial.events("commit") if e["time"] < failed]
+    assert committed and [e["global_step"] for e in trial.events("loaded")] == [-1, committed[-1]]
+    assert all(e["path"].startswith(trial.url + "/checkpoints/") for e in trial.events("commit"))
+    assert_recovered_exactly(trial, reference, restarts=1)
+    store = RecoverStore(TrialLayout(as_path(trial.url), trial.root.parts[-3], "tiny-grpo", "trial0"), keep_last=2)
+    assert store.published_steps() == sorted({e["global_step"] for e in trial.events("commit")})[-2:]
+    assert store.temporaries() == []

@@ -72,7 +72,9 @@ def test_demo_runs_to_its_end_and_plots(tmp_path):
     r = relaunch("demo", f"cluster.fileroot={fileroot}", env=job_env({"RAY_TMPDIR": str(ray_tmp)}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[demo] timeline:" in r.stdout
-    assert "fault detected" in r.stdout and "TrainGroup restarted on node" in r.stdout
+    # from disk, or from memory once the spares warmed up and became the ranks' buddies before the kill
+    assert "fault detected" in r.stdout and ("TrainGroup restarted on node" in r.stdout or
+                                             "TrainGroup rejoined on node" in r.stdout)
     assert "engines resynced to weights version" in r.stdout and "job finished at step 59" in r.stdout
     assert "cluster shut down" in r.stdout
     assert (ray_tmp / "ray" / "ray_current_cluster").read_text() == "10.1.2.3:6379"

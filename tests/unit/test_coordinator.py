@@ -101,6 +101,7 @@ def test_replacing_an_export_never_leaves_its_path_without_a_complete_export(tmp
     import shutil
 
     from supervisor.checkpoint import exports
+    from supervisor.checkpoint.storage import LocalStorage
 
     old, new = tmp_path / "old", tmp_path / "export"
     for d, weights in ((old, b"old"), (new, b"new")):
@@ -114,7 +115,7 @@ def test_replacing_an_export_never_leaves_its_path_without_a_complete_export(tmp
     def whole():  # the export a reader would find at `final` now
         seen.append((final / "model.safetensors").read_bytes() if (final / "config.json").is_file() else None)
 
-    for module, name in ((os, "rename"), (os, "replace"), (shutil, "rmtree"), (exports, "_exchange")):
+    for module, name in ((os, "rename"), (os, "replace"), (shutil, "rmtree"), (LocalStorage, "exchange")):
         real = getattr(module, name)
 
         def watched(*args, real=real, **kwargs):
@@ -124,7 +125,7 @@ def test_replacing_an_export_never_leaves_its_path_without_a_complete_export(tmp
             return result
 
         monkeypatch.setattr(module, name, watched)
-    assert exports.publish_export(new, final) is exports.ExportOutcome.REPLACED
+    assert exports.publish_export(LocalStorage(), new, final) is exports.ExportOutcome.REPLACED
     assert seen and set(seen) <= {b"old", b"new"} and seen[-1] == b"new"
 
 

@@ -127,3 +127,18 @@ def test_the_engines_able_to_save_in_the_background_are_exactly_those_config_lis
                    list(inspect.signature(getattr(BackgroundSave, m)).parameters) for m in methods)
 
     assert {b for b in Backend if implements(engine_class(b))} == set(ASYNC_SAVE_BACKENDS)
+
+
+def test_the_engines_with_a_memory_tier_are_exactly_those_that_implement_it():
+    import inspect
+
+    from workers.engines.base import MemoryTier, engine_class
+
+    def implements(cls) -> bool:
+        methods = [m for m in vars(MemoryTier) if not m.startswith("_") and callable(vars(MemoryTier)[m])]
+        return all(callable(getattr(cls, m, None)) and
+                   list(inspect.signature(getattr(cls, m)).parameters) ==
+                   list(inspect.signature(getattr(MemoryTier, m)).parameters) for m in methods)
+
+    assert {b for b in Backend if engine_class(b).MEMORY_TIER} == {b for b in Backend if implements(engine_class(b))}
+    assert engine_class(Backend.FSDP).MEMORY_TIER and not engine_class(Backend.DEEPSPEED).MEMORY_TIER

@@ -251,11 +251,11 @@ def test_stats_are_cut_back_to_the_checkpoint_and_lose_a_torn_line(tmp_path):
 
 
 def test_a_checkpoint_this_process_committed_is_checked_by_size_not_hashed_again(store, monkeypatch):
-    import supervisor.checkpoint.store as recovery
+    from supervisor.checkpoint.storage import LocalStorage
 
     commit(store, 4)
     hashed = []
-    monkeypatch.setattr(recovery, "file_digest", lambda p: hashed.append(p) or "x")
+    monkeypatch.setattr(LocalStorage, "digest", lambda self, p: hashed.append(p) or "x")
     assert store.load_latest().checkpoint.global_step == 4 and not hashed
     fresh = RecoverStore(store.layout, keep_last=2)  # another process (a restarted Supervisor) hashes everything
     with pytest.raises(CheckpointError):
@@ -336,12 +336,12 @@ def test_a_pickle_in_a_non_tensor_dcp_entry_falls_back_like_a_bad_metadata(store
 def test_a_restarted_supervisor_hashes_a_checkpoint_once(store, monkeypatch):
     # on its restart the Supervisor loads the checkpoint (to report the failure at its step), then restarts the
     # TrainGroup, which loads it again: the second load trusts what the first one hashed
-    import supervisor.checkpoint.store as recovery
+    from supervisor.checkpoint.storage import LocalStorage
 
     commit(store, 4)
     restarted = RecoverStore(store.layout, keep_last=2)
     hashed = []
-    monkeypatch.setattr(recovery, "file_digest", lambda p, real=recovery.file_digest: hashed.append(p) or real(p))
+    monkeypatch.setattr(LocalStorage, "digest", lambda self, p: hashed.append(p) or file_digest(p))
     assert restarted.load_latest().checkpoint.global_step == 4
     files = len(json.loads((store.layout.step_dir(4) / "manifest.json").read_text())["files"])
     assert len(hashed) == files

@@ -17,12 +17,15 @@ import torch
 import torch.distributed as dist
 
 from supervisor.config import Backend, Config
+from workers.memory_tier import Slot, StateLayout
 
 ENGINES = {Backend.FSDP: "workers.engines.fsdp:FSDPEngine",
            Backend.DEEPSPEED: "workers.engines.deepspeed:DeepSpeedEngine"}
 
 
 class TrainEngine(Protocol):
+    MEMORY_TIER: bool  # whether it is also a MemoryTier: rolls back and rejoins in place (fsdp), or not (deepspeed)
+
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; returns loss, grad_norm, lr (and kl)."""
 
@@ -61,6 +64,24 @@ class BackgroundSave(Protocol):
     def save_async(self, directory: Path, global_step: int) -> Future:
         """Collective: returns once this rank's state is staged in CPU memory; a future of the shard files it
         writes in the background, done when they are durable."""
+
+
+class MemoryTier(Protocol):
+    """What an engine with MEMORY_TIER adds (workers/memory_tier.py): its recover state copied into memory after
+    every step, restored from such a copy, and the process group re-formed around the built model, so that the
+    ranks that survived a dead one keep their processes."""
+
+    memory_layout: StateLayout  # where this rank's tensors lie in a slot
+
+    def stage_memory(self, slot: Slot, global_step: int) -> None:
+        """This rank's state after the optimizer step of `global_step`, into `slot` (its flat and its meta)."""
+
+    def load_memory(self, flat: torch.Tensor, meta: dict) -> None:
+        """Restore a slot's state (this rank's own, or the one of the rank this process replaces)."""
+
+    def rejoin(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+        """Collective (with the others' rejoin and the replacements' setup): leave the old process group and join
+        a new one as the same rank, the built model and optimizer kept; what a step cut short left is dropped."""
 
 
 def even_part(flat: torch.Tensor, rank: int, world_size: int) -> tuple[int, torch.Tensor]:

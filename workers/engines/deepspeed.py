@@ -34,6 +34,8 @@ def ds_config(config: Config, world_size: int) -> dict:
 
 
 class DeepSpeedEngine(EngineBase):
+    MEMORY_TIER = False  # deepspeed.comm keeps global group state it cannot re-form in place: recovery is from disk
+
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
                  model: torch.nn.Module):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""

@@ -26,14 +26,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DCP_METADATA
 from supervisor.config import Config
 from supervisor.testing.fault_points import armed
-from workers.engines.base import EngineBase, collective_timeout, even_part, lr_scheduler
-from workers.engines.rng import load_rng, save_rng
+from workers.engines.base import EngineBase, collective_timeout, even_part, init_process_group, lr_scheduler
+from workers.engines.reference import reference_step
+from workers.engines.rng import load_rng, rng_state, save_rng, set_rng_state
+from workers.memory_tier import KINDS, Slot, StateLayout
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -43,7 +45,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter or optimizer state (the tensor itself when it is not sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class FSDPEngine(EngineBase):
+    MEMORY_TIER = True  # rejoin, stage_memory and load_memory: a rank rolls back and re-forms in place
+
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
                  model: torch.nn.Module):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
@@ -58,11 +67,18 @@ class FSDPEngine(EngineBase):
         self.gathered: torch.Tensor | None = None  # rank 0: where full_param gathers a parameter's shards
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
-        if config.async_recover:  # collective: every rank makes the background writer's group here
-            self.writer_group = dist.new_group(backend="gloo", timeout=collective_timeout(config))
+        self.memory_layout = StateLayout.of([local(p) for p in self.params])
+        self._make_writer_group()
+        if config.async_recover:
             cuda = device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=False))
+
+    def _make_writer_group(self) -> None:
+        """Collective: every rank makes the background writer's group, right after the default group and the
+        mesh (which makes none: a 1-D mesh over the world is WORLD), whether it is new or rejoining."""
+        if self.config.async_recover:
+            self.writer_group = dist.new_group(backend="gloo", timeout=collective_timeout(self.config))
 
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; gradients are averaged by FSDP."""
@@ -193,3 +209,90 @@ class FSDPEngine(EngineBase):
             self.reference.load(directory.parent, global_step)
         return load_rng(directory, self.rank, same_world_size)
 
+
+    # ---- the memory tier (workers/memory_tier.py) ---------------------------------------------------
+    def stage_memory(self, slot: Slot, global_step: int) -> None:
+        """This rank's recover state after the optimizer step of `global_step`, copied into `slot`: the local
+        shards of the parameters and of AdamW's moments, and beside them what a bitwise continuation needs."""
+        slot.meta = None  # a copy cut short leaves no slot that claims a step
+        parts = self.memory_layout.parts(slot.flat)
+        with torch.no_grad():
+            for p, dst in zip(self.params, parts["param"]):
+                dst.copy_(local(p).reshape(-1))
+            for kind in KINDS[1:]:
+                for p, dst in zip(self.params, parts[kind]):
+                    if p in self.optimizer.state:
+                        dst.copy_(local(self.optimizer.state[p][kind]).reshape(-1))
+        slot.meta = {
+            "global_step": global_step,
+            "adam_steps": [self.optimizer.state[p]["step"].clone() if p in self.optimizer.state else None
+                           for p in self.params],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+        }
+
+    def load_memory(self, flat: torch.Tensor, meta: dict) -> None:
+        """Restore a slot staged by this rank (rolling back in place) or by the rank this one replaces. The
+        param groups are part of it: a scheduler's load_state_dict does not set their lr back."""
+        global_step = meta["global_step"]
+        if self.reference is not None and reference_step(global_step, self.reference.every) is not None:
+            raise RuntimeError(f"step {global_step}: the memory tier does not hold the KL reference policy "
+                               f"refreshed every actor.ref_update_steps = {self.reference.every}; recover from disk")
+        parts = self.memory_layout.parts(flat)
+        with torch.no_grad():
+            for p, src in zip(self.params, parts["param"]):
+                local(p).copy_(src.view_as(local(p)))
+                p.grad = None
+            for i, p in enumerate(self.params):
+                step = meta["adam_steps"][i]
+                if step is None:
+                    self.optimizer.state.pop(p, None)
+                    continue
+                state = {"step": step.clone()}
+                for kind in KINDS[1:]:
+                    old = self.optimizer.state.get(p, {}).get(kind)
+                    if old is not None:  # a survivor: in place
+                        local(old).copy_(parts[kind][i].view_as(local(old)))
+                        state[kind] = old
+                    else:
+                        state[kind] = self._like(p, parts[kind][i])
+                self.optimizer.state[p] = state
+        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+            group.update(saved)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        set_rng_state(meta["rng"])
+
+    @staticmethod
+    def _like(p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of `flat` shaped, placed and sharded like parameter `p` (a new AdamW state tensor)."""
+        shard = flat.view_as(local(p)).to(local(p).device, copy=True)
+        if not isinstance(p, DTensor):
+            return shard
+        return DTensor.from_local(shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                  run_check=False)
+
+    def rejoin(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+        """Collective with the other ranks' rejoin and the replacements' setup: leave the old process group and
+        join a new one, keeping the sharded model and the optimizer. FSDP caches the ProcessGroup object of its
+        mesh, so it is pointed at the new WORLD; the mesh itself resolves its group by name, and
+        destroy_process_group resets the names, so it already resolves to the new WORLD (checked: DTensor's
+        collectives, clip_grad_norm_ and full_tensor, go through it). The rank stays the same: its shards map
+        1:1 onto its memory copy."""
+        if (rank, world_size) != (self.rank, self.world_size):
+            raise ValueError(f"rank {self.rank} of {self.world_size} cannot rejoin as rank {rank} of {world_size}")
+        dist.destroy_process_group()  # every group, the writer's too
+        init_process_group(self.config, rank, world_size, master_addr, master_port)
+        self.model.reset_iter_state()  # what a step cut short left: unsharded parameters, hooks' trackers
+        world = dist.group.WORLD
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    if group.mesh_info.mesh.get_group() is not world:
+                        raise RuntimeError("FSDP's device mesh does not resolve to the new process group")
+                    group.mesh_info.shard_process_group = world
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.mesh_info.shard_process_group = world
+        for p in self.params:
+            p.grad = None
+        self._make_writer_group()

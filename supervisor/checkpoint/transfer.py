@@ -1,0 +1,88 @@
+"""A rank's files on the store: where a rank writes a step (or an export), and how they get there.
+
+The engines write with their own libraries (DCP, DeepSpeed, safetensors), which write local files. On a local
+fileroot the rank writes straight into the step directory, as ever. On an object store it writes into a private
+directory on its own node's disk, hashes what it wrote there, and uploads its files itself, object by object
+(retried, checkpoint/storage.py): nothing is staged through the head node, and the local copy is gone once the
+upload is over. Loading is the reverse: the rank downloads the step directory (and the reference weights beside
+it) into a private directory and loads from there; the tools (`relaunch export`, `verify`, `inspect`) do the same
+with a URL they are given (`readable`).
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from supervisor.checkpoint.layout import REFERENCE_DIR, StoragePath, as_path
+from supervisor.checkpoint.storage import LocalStorage, Storage, storage_for
+from supervisor.testing.fault_points import fault_point
+
+
+class RankDir:
+    """One directory of the store (a step directory, an export) as a rank sees it: `local` is where it reads and
+    writes. Close it when done (a context manager)."""
+
+    def __init__(self, url: str, retry_secs: float):
+        self.remote: StoragePath = as_path(url)
+        self.fs: Storage = storage_for(self.remote, retry_secs)
+        self._tmp: Path | None = None
+        if isinstance(self.fs, LocalStorage):
+            self.local = self.remote
+        else:  # a private tree that mirrors the store's: the reference directory sits beside the step's
+            self._tmp = Path(tempfile.mkdtemp(prefix="relaunch-rank-"))
+            self.local = self._tmp / self.remote.name
+            self.local.mkdir()
+
+    @property
+    def staged(self) -> bool:
+        """Whether files written into `local` still have to be uploaded."""
+        return self._tmp is not None
+
+    def upload(self, names: list[str], global_step: int | None = None, rank: int | None = None) -> None:
+        """Upload the files `names` (relative to `local`) and, on a step, the reference weights written beside
+        it. The `after_object` fault point fires once the first object is in the store."""
+        if not self.staged:
+            return
+        for i, name in enumerate(names):
+            self.fs.upload(self.local, [name], self.remote)
+            if i == 0:
+                fault_point("after_object", step=global_step, rank=rank)
+        reference = self.local.parent / REFERENCE_DIR
+        if reference.is_dir():
+            names = [str(p.relative_to(reference)) for p in reference.rglob("*") if p.is_file()]
+            self.fs.upload(reference, names, self.remote.parent / REFERENCE_DIR)
+
+    def upload_all(self) -> None:
+        """Upload every file written into `local` (an HF export)."""
+        self.upload([str(p.relative_to(self.local)) for p in self.local.rglob("*") if p.is_file()])
+
+    def fetch(self) -> Path:
+        """The directory, readable locally: on an object store, downloaded with the reference weights beside it."""
+        if self.staged:
+            self.fs.download(self.remote, self.local)
+            reference = self.remote.parent / REFERENCE_DIR
+            if self.fs.is_dir(reference):
+                self.fs.download(reference, self.local.parent / REFERENCE_DIR)
+        return self.local
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "RankDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def readable(path: str, retry_secs: float = 60.0) -> Iterator[Path]:
+    """A checkpoint or export named by a path or a URL (s3://...), as a local directory while the block runs: a
+    URL's objects are downloaded into a private temporary directory, removed afterwards."""
+    with RankDir(path, retry_secs) as directory:
+        yield directory.fetch()

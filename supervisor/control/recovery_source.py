@@ -1,0 +1,87 @@
+"""Where a TrainGroup repair loads from: the memory tier (survivors roll back in place, buddies take the dead
+ranks' places) or the last valid disk checkpoint. Pure: every reason memory cannot serve is one line here,
+the job log's and the `recovery` event's.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from supervisor.control.classify import FaultKind
+
+# faults where the ranks still alive can be settled and hold their state: a death, its echo in a peer's
+# collective, and a hang once its culprits are killed (hang_culprits)
+MEMORY_FAULTS = (FaultKind.WORKER_DIED, FaultKind.COLLECTIVE_FAILED, FaultKind.HANG)
+
+
+class Source(str, enum.Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+    NONE = "none"  # an engine repair: the trainer's state is untouched
+
+
+@dataclass(frozen=True)
+class Choice:
+    source: Source
+    reason: str
+    step: int | None = None                    # the global step restored from memory
+    adopters: dict[int, str] = field(default_factory=dict)  # lost rank -> the buddy spare taking its place
+
+
+def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lost: set[int],
+                    buddies: dict[int, str], holding: dict[str, dict[int, list[int]]], staged: list[int],
+                    snapshots: set[int]) -> Choice:
+    """`enabled`: None when the tier serves this job, else why not (the engine, the config). `lost`: the ranks
+    that did not answer a probe (dead, or stuck); `buddies`: rank -> spare holding its copies; `holding`: what
+    each live buddy reported holding, rank -> steps landed (a dead buddy is absent); `staged`: the steps every
+    rank staged in its own slots; `snapshots`: the steps whose Supervisor state is kept."""
+    def disk(reason: str) -> Choice:
+        return Choice(Source.DISK, reason)
+
+    if enabled is not None:
+        return disk(enabled)
+    if kind is FaultKind.SUPERVISOR_DIED:
+        return disk("the Supervisor restarted: the state it kept in memory is gone")
+    if world_size == 0:
+        return disk("no TrainGroup was running: the fault struck as it started")
+    if kind not in MEMORY_FAULTS:
+        return disk(f"a {kind.value} fault: the ranks may not be settled")
+    if not lost:
+        return disk("every rank answered: nothing to take the place of")
+    no_buddy = sorted(r for r in lost if r not in buddies)
+    if no_buddy:
+        return disk(f"rank {no_buddy[0]} had no buddy holding its state")
+    gone = sorted(r for r in lost if buddies[r] not in holding)
+    if gone:
+        return disk(f"rank {gone[0]} and its buddy were lost together")
+    adopters = {r: buddies[r] for r in sorted(lost)}
+    if len(set(adopters.values())) < len(adopters):
+        return disk(f"ranks {sorted(lost)} share one buddy: it can take only one place")
+    common = set(snapshots) if len(lost) == world_size else set(staged) & snapshots  # staged: the survivors'
+    for r in lost:
+        common &= set(holding[buddies[r]].get(r, []))
+    if not common:
+        return disk(f"no step is held in memory for every rank (staged {sorted(staged)}, "
+                    f"held {[holding[buddies[r]].get(r, []) for r in sorted(lost)]})")
+    step = max(common)
+    return Choice(Source.MEMORY, f"step {step} from memory", step, adopters)
+
+
+def hang_culprits(pending: set[int], progress: dict[int, dict | None]) -> set[int]:
+    """The ranks a hung group call waits on, so that killing them turns the hang into deaths the others can
+    recover from. `pending`: the ranks whose call did not return; `progress`: each rank's answer to a probe
+    served beside its running method (phase, and its process group's collective sequence number `seq`), None
+    when it did not answer (a stopped process, a lost node). When some ranks returned, those still in the call
+    are the culprits (nobody waits on the others); when every rank is still in it, the silent ones are, or else
+    the ranks behind the others' collectives (stuck in their own code while the others wait for them). Empty
+    when no culprit can be named: every rank answers from the same collective."""
+    if pending and any(r not in pending for r in progress):
+        return set(pending)
+    silent = {r for r, answer in progress.items() if answer is None}
+    if silent:
+        return silent
+    seqs = {r: answer.get("seq") for r, answer in progress.items()}
+    if None in seqs.values():
+        return set()
+    newest = max(seqs.values())
+    return {r for r, seq in seqs.items() if seq < newest}

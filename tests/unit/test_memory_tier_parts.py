@@ -1,0 +1,106 @@
+"""The memory tier's pure parts (layout, slots, meta) and its side link between two threads (the FSDP engine's
+half is tested in tests/e2e/test_memory_tier.py)."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from supervisor.testing.local_cluster import free_port
+from workers.engines.rng import rng_state
+from workers.memory_tier import KINDS, Slots, StateLayout, pack_meta, slot_index, unpack_meta
+
+
+@pytest.mark.parametrize("step, index", [(0, 0), (1, 1), (2, 0), (7, 1), (100, 0)])
+def test_step_g_goes_into_slot_g_mod_2(step, index):
+    assert slot_index(step) == index
+
+
+def test_a_slot_holds_a_step_only_once_its_meta_is_set_and_until_the_step_two_later_overwrites_it():
+    slots = Slots(6, torch.float32)
+    with pytest.raises(RuntimeError, match="no memory copy of step 4"):
+        slots.holding(4)
+    slots.for_step(4).meta = {"global_step": 4}
+    slots.for_step(5).meta = {"global_step": 5}
+    assert slots.landed() == [4, 5] and slots.holding(4) is slots.slots[0]
+    slots.for_step(6).meta = None  # step 6 being copied over step 4: neither is held
+    assert slots.landed() == [5]
+    with pytest.raises(RuntimeError, match=r"held: \[5\]"):
+        slots.holding(4)
+
+
+def test_slots_are_allocated_zeroed_and_separate():
+    slots = Slots(1000, torch.bfloat16)
+    a, b = (s.flat for s in slots.slots)
+    assert a.dtype == torch.bfloat16 and a.numel() == 1000 and not a.any()
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_the_layout_lays_params_then_each_moment_end_to_end():
+    shards = [torch.zeros(3, 2), torch.zeros(4)]
+    layout = StateLayout.of(shards)
+    assert layout.numels == (6, 4) and layout.numel == 30
+    flat = torch.arange(30, dtype=torch.float32)
+    parts = layout.parts(flat)
+    assert list(parts) == list(KINDS)
+    assert [v.tolist() for v in parts["param"]] == [list(range(0, 6)), list(range(6, 10))]
+    assert [v.tolist() for v in parts["exp_avg"]] == [list(range(10, 16)), list(range(16, 20))]
+    assert [v.tolist() for v in parts["exp_avg_sq"]] == [list(range(20, 26)), list(range(26, 30))]
+    parts["exp_avg"][1].fill_(-1)  # views: writing a part writes the slot
+    assert flat[16:20].tolist() == [-1] * 4
+
+
+def test_the_layout_refuses_mixed_dtypes_and_slots_that_do_not_fit():
+    with pytest.raises(ValueError, match="one dtype"):
+        StateLayout.of([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
+    layout = StateLayout.of([torch.zeros(2)])
+    with pytest.raises(ValueError, match="does not fit"):
+        layout.parts(torch.zeros(7))
+    with pytest.raises(ValueError, match="does not fit"):
+        layout.parts(torch.zeros(6, dtype=torch.float16))
+
+
+def test_meta_survives_the_byte_round_trip_rngs_and_all():
+    random.random(), np.random.rand(), torch.rand(1)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    meta = {"global_step": 12, "adam_steps": [torch.tensor(13.0), None], "rng": rng_state(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "scheduler": sched.state_dict()}
+    packed = pack_meta(meta)
+    assert packed.dtype == torch.uint8
+    back = unpack_meta(packed)
+    assert back["global_step"] == 12 and back["adam_steps"][1] is None
+    assert torch.equal(back["adam_steps"][0], meta["adam_steps"][0])
+    assert back["param_groups"] == meta["param_groups"] and back["scheduler"] == meta["scheduler"]
+    assert back["rng"]["python"] == meta["rng"]["python"]
+    assert torch.equal(back["rng"]["torch"], meta["rng"]["torch"])
+    assert torch.equal(back["rng"]["numpy"]["state"], meta["rng"]["numpy"]["state"])
+
+
+def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step():
+    import datetime
+    import time
+
+    from workers.memory_tier import Holding, Link
+
+    timeout, port = datetime.timedelta(seconds=20), free_port()
+    holding = Holding(port, "rank1-gen0", timeout)
+    link = Link("127.0.0.1", port, "rank1-gen0", timeout)
+    mine = Slots(1000, torch.float32)
+    try:
+        for step in (3, 4, 5):
+            slot = mine.for_step(step)
+            slot.flat.copy_(torch.arange(1000.0) + step)
+            slot.meta = {"global_step": step, "rng": rng_state()}
+            link.send(slot).result(timeout=20)
+        deadline = time.monotonic() + 20
+        while holding.landed() != [4, 5] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holding.landed() == [4, 5]  # step 5 went into step 3's slot
+        held = holding.slots.holding(5)
+        assert torch.equal(held.flat, torch.arange(1000.0) + 5)
+        assert torch.equal(held.meta["rng"]["torch"], mine.for_step(5).meta["rng"]["torch"])
+        assert held.flat.data_ptr() != mine.for_step(5).flat.data_ptr()
+    finally:
+        link.close()

@@ -1,0 +1,118 @@
+"""The memory tier's pure decisions: which spare holds which rank (buddies.py), and whether a repair loads
+from memory or disk (recovery_source.py)."""
+import pytest
+
+from supervisor.cluster.buddies import buddy_plan
+from supervisor.control.classify import FaultKind
+from supervisor.control.recovery_source import Source, hang_culprits, recovery_source
+
+
+def test_one_spare_per_rank_on_other_nodes():
+    assert buddy_plan(["a", "a"], {"s1": "b", "s2": "c"}) == {0: "s1", 1: "s2"}
+
+
+def test_a_spare_on_the_rank_node_is_never_its_buddy():
+    assert buddy_plan(["a", "b"], {"s1": "a"}) == {1: "s1"}
+
+
+def test_one_spare_holds_every_rank_when_it_is_the_only_one():
+    assert buddy_plan(["a", "a"], {"s1": "b"}) == {0: "s1", 1: "s1"}
+
+
+def test_unknown_nodes_are_never_trusted():
+    assert buddy_plan([None, "a"], {"s1": "b", "s2": None}) == {1: "s1"}
+
+
+def test_a_working_link_is_kept_and_a_gone_spare_replaced():
+    assert buddy_plan(["a", "a"], {"s1": "b", "s3": "c"}, held={0: "s2", 1: "s1"}) == {0: "s3", 1: "s1"}
+
+
+def test_no_spares_no_buddies():
+    assert buddy_plan(["a", "b"], {}) == {}
+
+
+def choose(**overrides):
+    args = dict(enabled=None, kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, buddies={0: "s1", 1: "s2"},
+                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5})
+    return recovery_source(**(args | overrides))
+
+
+def test_the_newest_step_every_lost_rank_buddy_holds():
+    c = choose()
+    assert (c.source, c.step, c.adopters) == (Source.MEMORY, 5, {1: "s2"})
+
+
+def test_a_node_with_every_rank_is_recovered_by_their_buddies_elsewhere():
+    c = choose(lost={0, 1}, staged=[])
+    assert (c.source, c.step, c.adopters) == (Source.MEMORY, 5, {0: "s1", 1: "s2"})
+
+
+def test_a_step_still_landing_at_the_buddy_is_not_used():
+    c = choose(holding={"s1": {0: [4, 5]}, "s2": {1: [4]}})
+    assert (c.source, c.step) == (Source.MEMORY, 4)
+
+
+def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
+    assert choose(snapshots={5}, holding={"s2": {1: [4]}}).source is Source.DISK
+    assert choose(staged=[5], holding={"s2": {1: [4]}}).source is Source.DISK
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(enabled="recover.memory is off"), "recover.memory is off"),
+    (dict(kind=FaultKind.OBJECT_LOST), "object_lost"),
+    (dict(kind=FaultKind.SUPERVISOR_DIED), "the Supervisor restarted"),
+    (dict(world_size=0, lost=set()), "no TrainGroup was running"),
+    (dict(lost=set()), "every rank answered"),
+    (dict(buddies={0: "s1"}), "rank 1 had no buddy"),
+    (dict(holding={"s1": {0: [5]}}), "rank 1 and its buddy were lost together"),
+    (dict(world_size=3, lost={0, 1}, buddies={0: "s1", 1: "s1"}, holding={"s1": {0: [5], 1: [5]}}), "share one buddy"),
+    (dict(holding={"s2": {1: []}}), "no step is held in memory"),
+])
+def test_every_loss_the_tier_cannot_cover_goes_to_disk_and_says_why(overrides, reason):
+    c = choose(**overrides)
+    assert c.source is Source.DISK and reason in c.reason and c.step is None
+
+
+def test_the_default_job_is_served_by_the_memory_tier_when_it_has_spares():
+    from supervisor.config import load_config
+
+    c = load_config()
+    assert c.memory_tier_off(spares=2) is None
+    assert "spare" in c.memory_tier_off(spares=0)
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["recover.memory=off"], "recover.memory is off"),
+    (["actor.backend=deepspeed"], "actor.backend fsdp"),
+    (["actor.kl_coef=0.1", "actor.ref_update_steps=5"], "KL reference"),
+])
+def test_auto_falls_back_to_disk_and_says_why(overrides, reason):
+    from supervisor.config import load_config
+
+    assert reason in load_config(None, overrides).memory_tier_off(spares=2)
+
+
+def test_memory_on_for_a_job_it_cannot_serve_is_an_error_naming_the_key():
+    from supervisor.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="recover.memory = on.*deepspeed"):
+        load_config(None, ["recover.memory=on", "actor.backend=deepspeed"])
+
+
+def test_ranks_sharing_a_node_share_the_one_spare_off_it():
+    assert buddy_plan(["b", "b"], {"s3": "b", "s4": "a"}) == {0: "s4", 1: "s4"}
+
+
+def waiting(seq):
+    return {"phase": "train", "secs": 9.0, "seq": seq}
+
+
+@pytest.mark.parametrize("pending, progress, culprits", [
+    ({1}, {0: {"phase": "idle", "secs": 9.0, "seq": 7}, 1: waiting(7)}, {1}),   # the others returned
+    ({0, 1}, {0: waiting(7), 1: None}, {1}),                                     # stopped, or its node lost
+    ({0, 1, 2}, {0: waiting(8), 1: waiting(7), 2: waiting(8)}, {1}),             # behind the others' collective
+    ({0, 1}, {0: waiting(7), 1: waiting(7)}, set()),                             # all in one collective
+    ({0, 1}, {0: None, 1: None}, {0, 1}),                                        # every rank silent
+])
+def test_the_culprits_of_a_hang_are_the_ranks_the_others_wait_on(pending, progress, culprits):
+    assert hang_culprits(pending, progress) == culprits

@@ -1,0 +1,269 @@
+"""The storage interface on both implementations (the same test bodies), and the recover store on a real S3 server
+(moto's, over HTTP through s3fs): the commit protocol without rename, fault points inside an upload, retries."""
+import errno
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.metadata import Metadata
+
+from supervisor.checkpoint.layout import MANIFEST, RECOVER_INFO_FILES, ObjectPath, TrialLayout, as_path
+from supervisor.checkpoint.storage import FsspecStorage, LocalStorage, storage_for
+from supervisor.checkpoint.store import RecoverStore
+from supervisor.checkpoint.transfer import RankDir
+from test_recovery import infos
+
+UNIT = Path(__file__).parent
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    """A fresh directory on each storage: a local path, or a prefix of the S3 server's bucket."""
+    if request.param == "local":
+        return tmp_path
+    server = request.getfixturevalue("s3_server")
+    return as_path(server.url(tmp_path.name))
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_files_written_read_listed_moved_and_removed(root, tmp_path):
+    fs = storage_for(root)
+    fs.mkdir(root / "d" / "sub")
+    fs.mkdir(root / "g")
+    fs.write_bytes(root / "d" / "a.bin", b"a" * 1000)
+    fs.write_atomic(root / "d" / "sub" / "b.json", b"old")
+    fs.write_atomic(root / "d" / "sub" / "b.json", b"new")
+    assert fs.read_bytes(root / "d" / "sub" / "b.json") == b"new"
+    assert (fs.size(root / "d" / "a.bin"), fs.digest(root / "d" / "a.bin")) == (1000, sha(b"a" * 1000))
+    assert fs.is_file(root / "d" / "a.bin") and not fs.is_dir(root / "d" / "a.bin")
+    assert fs.is_dir(root / "d" / "sub") and not fs.is_file(root / "d" / "sub")
+    assert sorted(p.name for p in fs.iterdir(root / "d")) == ["a.bin", "sub"]
+    assert fs.iterdir(root / "nothing") == [] and not fs.exists(root / "nothing")
+    assert sorted(str(p.relative_to(root / "d")) for p in fs.files(root / "d")) == ["a.bin", "sub/b.json"]
+    fs.rename(root / "d", root / "e")
+    assert not fs.exists(root / "d") and fs.read_bytes(root / "e" / "sub" / "b.json") == b"new"
+    fs.write_bytes(root / "g" / "c.bin", b"c")
+    with pytest.raises(OSError):  # a published directory is never replaced
+        fs.publish_dir(root / "g", root / "e")
+    assert fs.read_bytes(root / "g" / "c.bin") == b"c" and not fs.exists(root / "e" / "c.bin")
+    local = tmp_path / "local"
+    fs.download(root / "e", local)
+    assert (local / "sub" / "b.json").read_bytes() == b"new"
+    fs.upload(local, ["a.bin", "sub/b.json"], root / "f")
+    assert fs.digest(root / "f" / "a.bin") == sha(b"a" * 1000)
+    fs.remove(root / "e")
+    fs.remove(root / "f" / "a.bin")
+    assert not fs.exists(root / "e") and [p.name for p in fs.iterdir(root / "f")] == ["sub"]
+
+
+def test_paths_on_a_store_print_as_urls_and_name_keys_relative():
+    p = as_path("s3://bucket/prefix/") / "checkpoints" / "globalstep5"
+    assert isinstance(p, ObjectPath) and str(p) == "s3://bucket/prefix/checkpoints/globalstep5"
+    assert p.key == "bucket/prefix/checkpoints/globalstep5" and p.name == "globalstep5"
+    assert str(p.relative_to(as_path("s3://bucket/prefix"))) == "checkpoints/globalstep5"
+    assert str(as_path("gs://b/x").parent) == "gs://b" and as_path("/tmp/x") == Path("/tmp/x")
+
+
+def shard_bytes(name: str, step: int) -> bytes:
+    return pickle.dumps(Metadata({}), protocol=4) if name == ".metadata" else f"{name} of step {step}".encode() * 10
+
+
+SHARDS = ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank0.pt", "rng_rank1.pt")
+
+
+def rank_save(store: RecoverStore, step: int) -> tuple:
+    """What the ranks do: write their files locally and upload them (checkpoint/transfer.py)."""
+    staging = store.staging_dir(step)
+    with RankDir(str(staging), retry_secs=5) as target:
+        for name in SHARDS:
+            (target.local / name).write_bytes(shard_bytes(name, step))
+        target.upload(list(SHARDS), step, rank=0)
+    return staging, {n: {"size": len(shard_bytes(n, step)), "sha256": sha(shard_bytes(n, step))} for n in SHARDS}
+
+
+def commit(store: RecoverStore, step: int):
+    staging, files = rank_save(store, step)
+    path = store.commit(staging, step, 2, "hash", files, infos(step))
+    store.wait_for_pruning()
+    return path
+
+
+def trial(root) -> TrialLayout:
+    return TrialLayout(root, "u", "exp", "t0")
+
+
+def test_commit_load_fallback_and_retention(root):
+    store = RecoverStore(trial(root), keep_last=2)
+    for step in (3, 6, 9):
+        commit(store, step)
+    assert store.published_steps() == [6, 9] and store.committed_step() == 9
+    ck = store.load_latest().checkpoint
+    assert ck.global_step == 9 and ck.infos["dataloader_info.pkl"]["epoch_step"] == 10
+    store.fs.write_bytes(store.layout.step_dir(9) / "__1_0.distcp", b"torn")  # damaged after the fact
+    result = RecoverStore(trial(root), keep_last=2).load_latest()
+    assert result.checkpoint.global_step == 6 and "globalstep9/__1_0.distcp: size 4" in result.fallbacks[0]
+
+
+# inside a rank's upload, before the manifest, before the recover_info mirror, before the pointer (test_recovery.py
+# has every point on local storage)
+CRASH_POINTS = ["after_object", "before_manifest", "after_publish", f"after_{RECOVER_INFO_FILES[-1]}"]
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_an_upload_killed_at_any_object_leaves_the_previous_checkpoint_loading(s3_server, tmp_path, point):
+    root = as_path(s3_server.url(tmp_path.name))
+    script = textwrap.dedent(f"""
+        import sys; sys.path[:0] = [{str(UNIT)!r}, {str(UNIT.parents[1])!r}]
+        from test_storage import commit, trial
+        from supervisor.checkpoint.layout import as_path
+        from supervisor.checkpoint.store import RecoverStore
+        store = RecoverStore(trial(as_path({str(root)!r})), keep_last=2)
+        commit(store, 4)
+        commit(store, 9)
+    """)
+    env = dict(os.environ, RELAUNCH_FAULT=f"{point}:kill:step=9", RELAUNCH_FAULT_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    store = RecoverStore(trial(root), keep_last=2)
+    ck = store.load_latest().checkpoint
+    assert ck.global_step == 4
+    assert {ck.infos[n]["global_step"] for n in ("step_info.json", "checkpoint_info.json")} == {4}
+    removed, set_aside = store.remove_leftovers(ck.global_step)
+    step9 = store.layout.step_dir(9)
+    assert (removed, set_aside) == (([step9], []) if point in ("after_object", "before_manifest") else ([], [step9]))
+    assert store.published_steps() == [4] and not store.fs.exists(step9)
+    commit(store, 9)  # the step is saved again over the cleaned-up place
+    assert store.load_latest().checkpoint.global_step == 9
+
+
+def unretried_s3(retry_secs: float) -> FsspecStorage:
+    """The S3 storage with boto's own retries off, so that an outage reaches ours."""
+    import s3fs
+
+    return FsspecStorage("s3", retry_secs=retry_secs, fs=s3fs.S3FileSystem(
+        use_listings_cache=False, skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}}))
+
+
+def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
+    fs = unretried_s3(retry_secs=20)
+    path = as_path(s3_server.url(tmp_path.name)) / "x.bin"
+    fs.write_bytes(path, b"before")
+    s3_server.down()
+    try:
+        threading = __import__("threading")
+        threading.Timer(2.0, s3_server.up).start()
+        started = time.monotonic()
+        fs.write_atomic(path, b"after")
+    finally:
+        s3_server.up()
+    assert fs.read_bytes(path) == b"after" and fs.retries >= 2 and time.monotonic() - started >= 1.5
+
+
+def test_a_server_that_stays_down_fails_the_write_as_a_storage_error_within_the_budget(s3_server, tmp_path):
+    fs = unretried_s3(retry_secs=3)
+    s3_server.down()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError) as e:
+            fs.write_bytes(as_path(s3_server.url(tmp_path.name)) / "x.bin", b"x")
+    finally:
+        s3_server.up()
+    assert e.value.errno == errno.EIO and "write failed after" in str(e.value) and "x.bin" in str(e.value)
+    assert time.monotonic() - started < 10
+
+
+def test_a_partial_step_on_the_store_is_a_temporary_never_published(s3_server, tmp_path):
+    store = RecoverStore(trial(as_path(s3_server.url(tmp_path.name))), keep_last=2)
+    commit(store, 4)
+    staging, _ = rank_save(store, 9)  # every shard uploaded, but no manifest: the Supervisor never committed it
+    assert staging == store.layout.step_dir(9) and store.published_steps() == [4]
+    assert store.temporaries() == [staging] and store.load_latest().checkpoint.global_step == 4
+    assert not store.fs.exists(store.layout.step_dir(4) / "nothing") and store.fs.is_file(
+        store.layout.step_dir(4) / MANIFEST)
+
+
+def test_a_url_fileroot_is_checked_before_anything_starts(tmp_path):
+    from supervisor.config import ConfigError, load_config
+
+    config = load_config(None, ["cluster.fileroot=s3://bucket/runs/", f"cluster.local_root={tmp_path}"])
+    layout = TrialLayout.from_config(config)
+    assert str(layout.checkpoint_root).startswith("s3://bucket/runs/checkpoints/")
+    assert layout.log_root.is_relative_to(tmp_path) and layout.lock.is_relative_to(tmp_path)
+    with pytest.raises(ConfigError, match="^cluster.fileroot: s3:// names no bucket"):
+        load_config(None, ["cluster.fileroot=s3://"])
+    with pytest.raises(ConfigError, match="^cluster.fileroot: nosuchfs:// cannot be used here"):
+        load_config(None, ["cluster.fileroot=nosuchfs://b/x"])
+
+
+def test_the_local_storage_is_the_default_for_a_path(tmp_path):
+    assert isinstance(storage_for(tmp_path), LocalStorage)
+
+
+def test_inspect_status_and_clean_restart_take_a_bucket(s3_server, tmp_path):
+    from click.testing import CliRunner
+
+    from supervisor.cli import main
+    from supervisor.config import load_config
+    from supervisor.tools.status import trial_status
+
+    overrides = [f"cluster.fileroot={s3_server.url(tmp_path.name)}", f"cluster.local_root={tmp_path}"]
+    config = load_config(None, overrides)
+    store = RecoverStore(TrialLayout.from_config(config), keep_last=2)
+    commit(store, 4)
+    step_dir = store.layout.step_dir(4)
+    r = CliRunner().invoke(main, ["inspect", str(step_dir)])
+    assert r.exit_code == 0 and "valid        yes" in r.output and "global step  4" in r.output, r.output
+    assert trial_status(config)["last_valid"] == {"global_step": 4, "epoch": 0, "epoch_step": 4,
+                                                  "path": str(step_dir)}
+    r = CliRunner().invoke(main, ["clean-restart", *overrides, "--yes"])
+    assert r.exit_code == 0, r.output
+    assert store.recover_state() == [] and not store.fs.exists(store.layout.recover_info)
+
+
+def test_a_write_to_a_bucket_that_does_not_exist_is_a_storage_error(s3_server):
+    from supervisor.control.classify import FaultKind, classify
+
+    with pytest.raises(OSError) as e:
+        storage_for(as_path("s3://no-such-bucket/runs")).write_bytes(as_path("s3://no-such-bucket/runs/x"), b"x")
+    assert e.value.errno == errno.EIO and "no such bucket" in str(e.value)
+    assert classify(e.value).kind is FaultKind.STORAGE_ERROR
+
+
+def test_a_lookup_during_an_outage_waits_it_out_rather_than_answering_nothing_is_there(s3_server, tmp_path):
+    """fsspec's own isfile answers False on any error: a published step would look missing, and a resume would
+    fall back past it."""
+    import threading
+
+    fs = unretried_s3(retry_secs=20)
+    manifest = as_path(s3_server.url(tmp_path.name)) / MANIFEST
+    fs.write_bytes(manifest, b"{}")
+    s3_server.down()
+    threading.Timer(2.0, s3_server.up).start()
+    try:
+        assert fs.is_file(manifest) and fs.exists(manifest) and not fs.is_dir(manifest)
+    finally:
+        s3_server.up()
+
+
+def test_a_store_that_stays_down_at_load_is_a_storage_error_not_a_damaged_checkpoint(s3_server, tmp_path):
+    from supervisor.checkpoint.storage import StoreUnavailable
+
+    layout = trial(as_path(s3_server.url(tmp_path.name)))
+    commit(RecoverStore(layout, keep_last=2), 4)
+    store = RecoverStore(layout, keep_last=2, storage=unretried_s3(retry_secs=1))
+    s3_server.down()
+    try:
+        with pytest.raises(StoreUnavailable):
+            store.validate(4)
+    finally:
+        s3_server.up()
+    assert RecoverStore(layout, keep_last=2).load_latest().checkpoint.global_step == 4
