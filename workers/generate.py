@@ -12,9 +12,14 @@ import numpy as np
 import torch
 
 
+def sample_seed(seed: int, step: int, sample: int) -> int:
+    """The seed of one sample's draws: a function of (seed, step, sample) alone, below 2**63."""
+    return int(np.random.SeedSequence([seed, step, sample]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
 def sample_generator(seed: int, step: int, sample: int) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(int(np.random.SeedSequence([seed, step, sample]).generate_state(1, dtype=np.uint64)[0] >> 1))
+    g.manual_seed(sample_seed(seed, step, sample))
     return g
 
 
@@ -67,5 +72,22 @@ def generate(model, tokenizer, prompts: list[str], sample_ids: list[int], *, see
     response_mask[:, width:] = torch.stack(response, dim=1).long().cpu()
     completions = [tokenizer.decode(row[width:][response_mask[i, width:].bool()], skip_special_tokens=True)
                    for i, row in enumerate(ids)]
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
+            "completions": completions, "pad_id": pad}
+
+
+def pack_rollouts(tokenizer, encoded: list[list[int]], responses: list[list[int]]) -> dict:
+    """An engine's completions (token ids, ending at EOS or at the length limit) in the layout `generate`
+    returns: prompts left-padded to one width, completions right-padded after them, and their masks."""
+    pad, width = tokenizer.pad_token_id, max(map(len, encoded))
+    length = max(map(len, responses), default=0)
+    ids = torch.full((len(encoded), width + length), pad, dtype=torch.long)
+    attn, response_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (prompt, response) in enumerate(zip(encoded, responses)):
+        ids[i, width - len(prompt):width] = torch.tensor(prompt, dtype=torch.long)
+        ids[i, width:width + len(response)] = torch.tensor(response, dtype=torch.long)
+        attn[i, width - len(prompt):width + len(response)] = 1
+        response_mask[i, width:width + len(response)] = 1
+    completions = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
     return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
             "completions": completions, "pad_id": pad}

@@ -5,6 +5,10 @@ weights after step G's update are version G + 1. Generation (workers/generate.py
 KV-cached; every sample is drawn from its own generator seeded by (seed, step, sample index), so a
 restarted engine, or any number of engines, draws the same samples. With cluster.gpus_per_engine > 0
 the engine's model lives on its GPU.
+
+With rollout.engine vllm, vLLM samples (workers/vllm_engine.py) and the model here is its staging copy: a sync
+lands in it as it lands in the built-in engine's model, then goes into vLLM in place; the digest the sync is
+checked with, and every weight_status, is computed over what vLLM read back, not over the staging copy.
 """
 from __future__ import annotations
 
@@ -13,10 +17,10 @@ import os
 import ray
 import torch
 
-from supervisor.config import Config
+from supervisor.config import Config, RolloutEngine
 from supervisor.testing.fault_points import fault_points
 from workers.errors import StaleWeights, WeightSyncError
-from workers.generate import generate
+from workers.generate import encode_prompt, generate, pack_rollouts, sample_seed
 from workers.memory import peak_memory
 from workers.model import build_model, build_tokenizer
 from workers.shared_weights import SharedWeights
@@ -41,6 +45,11 @@ class RolloutWorker:
                 self.shared = SharedWeights(self.model)
             except OSError:  # no memfd here (self.shared stays None): the weights are streamed to it
                 pass
+        self.vllm = None
+        if config.rollout.engine is RolloutEngine.VLLM:
+            from workers.vllm_engine import VllmEngine
+
+            self.vllm = VllmEngine(config, self.tokenizer, index)
         self.version: int | None = None
         self.names: list[str] = []  # the stream's order of the parameters, as the sync that brought `version` sent
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)
@@ -91,8 +100,26 @@ class RolloutWorker:
                                     op_timeout(self.config))
         else:
             digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config))
+        if self.vllm:
+            self.vllm.load(self.model.state_dict().items())  # a tied lm_head by its name too: vLLM's reload unties it
+            served = self._served(names)
+            if served != digest:
+                raise WeightSyncError(f"vLLM holds weights of digest {served} after loading {digest}")
         self.version, self.names = version, list(names)
         return digest
+
+    def _served(self, names: list[str]) -> str:
+        """The digest of what vLLM holds as parameters `names`, read back from its model; WeightSyncError when a
+        weight the model ties to one of them (a tied lm_head) holds anything else."""
+        own = dict(self.model.named_parameters())
+        tied = {alias: name for alias, t in self.model.state_dict(keep_vars=True).items() if alias not in own
+                for name, p in own.items() if t is p}
+        served = self.vllm.loaded([*names, *tied], [list(own[n].shape) for n in [*names, *tied.values()]])
+        by_name = dict(zip([*names, *tied], served))
+        untied = [alias for alias, name in tied.items() if not torch.equal(by_name[alias], by_name[name])]
+        if untied:
+            raise WeightSyncError(f"vLLM's {untied[0]} differs from {tied[untied[0]]}, to which the model ties it")
+        return local_digest(served[:len(names)], self.dtype, self.config.rollout.weight_bucket_mb * 2**20)
 
     @fault_points
     def weight_status(self) -> tuple[int | None, str]:
@@ -100,6 +127,8 @@ class RolloutWorker:
         that whatever changed them since their sync (a late writer, a bug) shows."""
         if self.version is None:
             return None, ""
+        if self.vllm:
+            return self.version, self._served(self.names)
         bucket_bytes = self.config.rollout.weight_bucket_mb * 2**20
         if self.shared and [n for n, _ in self.shared.layout] == self.names:  # in the stream's order: hashed in place
             return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes)
@@ -115,6 +144,11 @@ class RolloutWorker:
         if self.version != version:
             raise StaleWeights(f"asked for weights version {version} at step {global_step}, holds {self.version}")
         cfg = self.config
+        if self.vllm:
+            encoded = [encode_prompt(self.tokenizer, p, cfg.data.chat_template) for p in prompts]
+            seeds = [sample_seed(cfg.seed, global_step, s) for s in sample_ids]
+            responses = self.vllm.generate(encoded, seeds, cfg.data.max_new_tokens, cfg.rollout.temperature, greedy)
+            return pack_rollouts(self.tokenizer, encoded, responses) | {"memory": peak_memory()}
         out = generate(self.model, self.tokenizer, prompts, sample_ids, seed=cfg.seed, step=global_step,
                        max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.rollout.temperature,
                        greedy=greedy, chat_template=cfg.data.chat_template)

@@ -99,3 +99,19 @@ def test_every_config_field_is_documented():
     assert len(models) >= 10
     undocumented = [f"{m.__name__}.{name}" for m in models for name, f in m.model_fields.items() if not f.description]
     assert undocumented == []
+
+
+def test_a_model_vllm_cannot_run_is_refused_naming_the_keys():
+    """vLLM's CPU attention supports head sizes 32, 64, 80, ...: the tiny default's 64 / 4 = 16 fails at the
+    engine's first forward, so the config refuses it before anything starts."""
+    with pytest.raises(ConfigError, match=r"rollout.engine = vllm .*model.hidden_size / model.num_heads = 64 / 4"):
+        load_config(DEFAULT_CONFIG, ["rollout.engine=vllm"])
+
+
+def test_cli_refuses_a_model_vllm_cannot_run_with_exit_2_and_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), "rollout.engine=vllm",
+                        f"cluster.fileroot={tmp_path}"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "model.hidden_size / model.num_heads" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())

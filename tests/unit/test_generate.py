@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from supervisor.config import ModelConfig
-from workers.generate import encode_prompt, generate
+from workers.generate import encode_prompt, generate, pack_rollouts
 from workers.model import build_tokenizer
 
 PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1 1 ="]
@@ -60,3 +60,18 @@ def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(tokeniz
         assert encode_prompt(tokenizer, "3 8 =", chat_template=False) == plain
     finally:
         tokenizer.chat_template = None
+
+
+def test_an_engines_completions_packed_are_the_builtin_layout(tokenizer):
+    """pack_rollouts (what the vLLM engine returns through) lays out completions exactly as generate does:
+    the builtin's own completions, taken apart and packed again, come back identical."""
+    model = tiny("qwen2", tokenizer)
+    out = run(model, tokenizer, PROMPTS, list(range(8)))
+    encoded = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    width = max(map(len, encoded))
+    responses = [row[width:][mask[width:].bool()].tolist() for row, mask in zip(out["input_ids"], out["response_mask"])]
+    assert len({len(r) for r in responses}) > 1  # some completions ended at EOS before others
+    packed = pack_rollouts(tokenizer, encoded, responses)
+    for key in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(packed[key], out[key]), key
+    assert packed["completions"] == out["completions"] and packed["pad_id"] == out["pad_id"]

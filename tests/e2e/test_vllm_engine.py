@@ -1,0 +1,118 @@
+"""vLLM as the rollout engine: in this process (no Ray), its weights in place and read back and its seeded
+sampling (one engine serves those tests: vLLM's import and start cost ~20 s); then a job on the shared cluster
+whose vLLM engine is killed and hung, and ends bit-identical to an uninterrupted vLLM run."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import CONFIG, SHORT, Trial, relaunch, status_json
+from test_faults import assert_recovered_exactly, run_with_fault
+
+from supervisor.config import load_config
+from workers.generate import encode_prompt, generate, sample_seed
+from workers.model import build_model, build_tokenizer
+from workers.vllm_engine import _LOADED, _the_model
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed (./dev.sh installs it on CPU)")]
+
+VLLM_TINY = ["rollout.engine=vllm", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"]
+PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1 1 ="] * 2
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from workers.vllm_engine import VllmEngine
+
+    config = load_config(None, VLLM_TINY + ["data.max_new_tokens=6"])
+    tokenizer = build_tokenizer(config.model)
+    model = build_model(config.model, tokenizer, config.seed).eval()
+    return config, tokenizer, model, VllmEngine(config, tokenizer, 0)
+
+
+def shapes(model):
+    return [list(p.shape) for _, p in model.named_parameters()]
+
+
+def test_weights_reach_vllm_in_place_and_read_back_bitwise(parts):
+    config, tokenizer, model, engine = parts
+    names = [n for n, _ in model.named_parameters()]
+    engine.load(model.state_dict().items())
+    for name, mine, served in zip(names, model.parameters(), engine.loaded(names, shapes(model))):
+        assert torch.equal(mine, served), name
+    # the tied lm_head, untied by vLLM's reload, was fed by its own name: it holds the embedding too
+    embed = model.get_input_embeddings().weight
+    assert torch.equal(engine.loaded(["lm_head.weight"], [list(embed.shape)])[0], embed)
+    encoded = [encode_prompt(tokenizer, p) for p in PROMPTS[:8]]
+    before = engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True)
+    # the greedy completions of the built-in engine on the same weights
+    reference = generate(model, tokenizer, PROMPTS[:8], list(range(8)), seed=1, step=0, max_new_tokens=6, greedy=True)
+    width = reference["input_ids"].shape[1] - reference["response_mask"].sum(1).max()
+    assert before == [row[width:][m[width:].bool()].tolist()
+                      for row, m in zip(reference["input_ids"], reference["response_mask"])]
+    # new weights: what vLLM serves and computes with changes with them (its prefix cache emptied)
+    changed = {n: p.detach() * 1.5 for n, p in model.state_dict().items()}
+    engine.load(changed.items())
+    for name, served in zip(names, engine.loaded(names, shapes(model))):
+        assert torch.equal(changed[name], served), name
+    assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) != before
+    engine.load(model.state_dict().items())
+    assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) == before
+    # what is read back is vLLM's own memory, not what was fed to it: a change there shows
+    qkv = engine.llm.collective_rpc(_the_model)[0].get_submodule("model.layers.0.self_attn.qkv_proj")
+    getattr(qkv, _LOADED if hasattr(qkv, _LOADED) else "weight")[0, 0] += 1.0
+    k = names.index("model.layers.0.self_attn.q_proj.weight")
+    assert not torch.equal(engine.loaded(names, shapes(model))[k], model.get_parameter(names[k]))
+
+
+def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(parts):
+    config, tokenizer, model, engine = parts
+    engine.load(model.state_dict().items())
+    encoded = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    seeds = [sample_seed(config.seed, 3, s) for s in range(len(PROMPTS))]
+    whole = engine.generate(encoded, seeds, 6, 1.0, greedy=False)
+    assert len(set(map(tuple, whole))) > 4  # sampled, not all alike
+    reversed_half = engine.generate(encoded[:5][::-1], seeds[:5][::-1], 6, 1.0, greedy=False)
+    alone = engine.generate(encoded[7:8], seeds[7:8], 6, 1.0, greedy=False)
+    assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
+
+
+def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from workers.vllm_engine import _or_exit
+
+    exits = []
+
+    def dead():
+        raise EngineDeadError()
+
+    _or_exit(dead, exit=exits.append)
+    assert exits == [1]
+    with pytest.raises(ValueError):  # any other error is the caller's to classify
+        _or_exit(lambda: int("x"), exit=exits.append)
+    assert exits == [1] and _or_exit(lambda: 7, exit=exits.append) == 7
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(900)
+def test_a_killed_and_a_hung_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial, tmp_path):
+    job = [*VLLM_TINY, "recover.step_timeout_secs=20"]  # a hang is seen 20 s after it begins
+    reference = Trial(tmp_path / "reference")
+    r = relaunch("run", str(CONFIG), *SHORT, *job, "recover.spare_workers=0", *reference.overrides,
+                 "--address", cluster.address)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    faults = "RolloutWorker.generate.enter:kill:step=3,RolloutWorker.generate.enter:hang:step=14"
+    r = run_with_fault(cluster, trial, tmp_path, faults, *job)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_recovered_exactly(trial, reference, restarts=2)
+    assert [(e["cause"], e["group"]) for e in trial.events("failure")] == [("engine_died", "rollout"),
+                                                                           ("hang", "rollout")]
+    assert [e["what"] for e in trial.events("restart")] == ["restart_engines"] * 2
+    # every rollout came from an engine that held the trainer's weights, digest included
+    assert not [e for e in trial.events("failure") if e["cause"] in ("stale_weights", "internal_error")]
+    assert status_json(trial)["state"] == "done"
