@@ -165,9 +165,6 @@ def main() -> None:
               f"{row['wall_secs']:>8.1f} s ({row['steps']})")
     print(f"(vs relaunch: kill -> killed step done / lost beyond a step, against relaunch with the memory tier; "
           f"runs under {root})")
-    disk = rows[1]
-    print(f"the memory tier's cost: median step {ours['median_step_secs']:.3f} s with it, "
-          f"{disk['median_step_secs']:.3f} s without ({ours['median_step_secs'] / disk['median_step_secs'] - 1:+.1%})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "baselines", "size": args.size, "kill_at_step": kill_at, "rows": rows}, f,

@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     size, rounds = ("tiny", 1) if args.quick else (args.size, args.rounds)
+    overrides = [*args.overrides, *(["total_train_epochs=1"] if args.quick else [])]
     root = Path(tempfile.mkdtemp(prefix="relaunch-memory-tier-"))
     cluster = None if args.address else LocalCluster(object_store=SIZES[size].object_store)
     runs: dict[bool, list[dict]] = {True: [], False: []}
@@ -59,7 +60,7 @@ def main() -> None:
         for i in range(rounds):
             for memory in (True, False) if i % 2 == 0 else (False, True):
                 trial = f"{'memory' if memory else 'off'}-{i}"
-                runs[memory].append(one_run(args.address or cluster.address, root, trial, size, memory, args.overrides))
+                runs[memory].append(one_run(args.address or cluster.address, root, trial, size, memory, overrides))
     finally:
         if cluster:
             cluster.shutdown()
