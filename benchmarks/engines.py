@@ -13,10 +13,10 @@ fed through `reload_weights`; then the digest of what the engine holds (for vLLM
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
-import importlib
 import time
 
 SIZES = {
