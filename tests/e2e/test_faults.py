@@ -52,8 +52,12 @@ def test_user_code_error_fails_fast_with_its_traceback(cluster, trial):
 
 @pytest.mark.quick
 def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path):
+    """Both ranks' node killed mid-run; the warm spares (one per rank, on the other node) are their memory-tier
+    buddies (linked from step 2 on): each takes its rank's place with the state it holds, no step trained
+    again, and the run ends bit-identical."""
+    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
     proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "--address", cluster.address,
-                          env=job_env(), log=tmp_path / "job.log")
+                          env=env, log=tmp_path / "job.log")
     try:
         trial.wait_for_step(6, proc)
         train_node = trial.events("loaded")[-1]["nodes"][0]
@@ -69,8 +73,13 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     failure = [e for e in trial.events("failure") if e["time"] > killed][0]
     assert failure["node"] == train_node
     assert train_node not in trial.events("loaded")[-1]["nodes"]
-    # the warm spares (recover.spare_workers auto: one per rank here) were on the other node and served both
+    # the warm spares (recover.spare_workers auto: one per rank here) were on the other node and served both,
+    # each with its rank's state from memory
     assert [(e["taken"], e["cold"]) for e in trial.events("spares") if e["action"] == "taken"][-1] == (2, 0)
+    buddies = [e["nodes"] for e in trial.events("buddies") if e["time"] < killed][-1]
+    assert set(buddies) == {"0", "1"} and train_node not in buddies.values()
+    recovery = [e for e in trial.events("recovery") if e["time"] > killed][0]
+    assert (recovery["source"], recovery["replayed_steps"]) == ("memory", 0), recovery
     stats = trial.stats()
     assert curve(stats) == curve(reference.stats())
     assert trial.final_weights() == reference.final_weights()
