@@ -42,6 +42,20 @@ def _config_and_overrides(args: tuple[str, ...]):
         _fail(str(e))
 
 
+def _check_fileroot(config) -> None:
+    """A fileroot on a bucket that is not there, or on a store that cannot be reached, is bad input: said in one
+    line within seconds, before anything is created, rather than at the run's first save."""
+    from supervisor.checkpoint.layout import ObjectPath, as_path
+    from supervisor.checkpoint.storage import check_bucket
+
+    root = as_path(config.cluster.fileroot)
+    if isinstance(root, ObjectPath):
+        try:
+            check_bucket(root)
+        except OSError as e:
+            _fail(f"cluster.fileroot: {root}: {e.strerror}")
+
+
 def _address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or None
 
@@ -62,6 +76,7 @@ def main() -> None:
 def run(args, address):
     """Run CONFIG (default configs/tiny_grpo.yaml) with KEY=VALUE overrides to completion."""
     config = _config_and_overrides(args)
+    _check_fileroot(config)  # where the driver starts: here, or on the head node of a submitted job
     from supervisor.launch import run_job
     from workers.rewards import UserCodeError, load_reward_fn
 
@@ -97,6 +112,7 @@ def plan(args):
         _fail(str(e))
     if len(rows) < config.data.batch_size:
         _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({len(rows)} prompts)")
+    _check_fileroot(config)
     hf_config = config.model.path / "config.json" if config.model.path is not None else None
     shape = json.loads(hf_config.read_text()) if hf_config is not None and hf_config.is_file() else None
     result = make_plan(config, len(rows), shape)
