@@ -280,7 +280,10 @@ class FsspecStorage:
             self._call("upload", target, lambda: self.fs.put_file(str(local / name), target.key), writes=True)
 
     def download(self, remote: ObjectPath, local: Path) -> None:
-        for f in self.files(remote):
+        files = self.files(remote)
+        if not files:  # as copytree of a directory that is not there
+            raise FileNotFoundError(errno.ENOENT, "nothing there", str(remote))
+        for f in files:
             target = local / f.relative_to(remote)
             target.parent.mkdir(parents=True, exist_ok=True)
             self.download_file(f, target)

@@ -353,3 +353,21 @@ def test_a_failed_save_cleans_up_what_it_can_and_a_store_still_down_is_no_fault(
     finally:
         s3_server.up()
     assert coordinator.discard_failed_save() == [partial] and not coordinator.fs.exists(partial)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["export", "--out", "hf"], ["verify", "--against", "hf"]])
+def test_the_tools_name_the_url_that_holds_no_checkpoint(s3_server, tmp_path, command):
+    url = s3_server.url(f"{tmp_path.name}/globalstep4")
+    r = relaunch(command[0], url, *command[1:])
+    assert (r.exit_code, r.output) == (2, f"relaunch: error: {url}: nothing there\n")
+
+
+@pytest.mark.parametrize("command", [["status"], ["clean-restart", "--yes"], ["inspect"]])
+def test_the_tools_on_a_store_that_cannot_be_reached_say_so_in_one_line(s3_server, tmp_path, monkeypatch, command):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    url = s3_server.url(tmp_path.name)
+    args = [url] if command[0] == "inspect" else [f"cluster.fileroot={url}", f"cluster.local_root={tmp_path}"]
+    r = relaunch(command[0], *args, *command[1:])
+    where = "" if command[0] == "inspect" else "cluster.fileroot: "
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1
+    assert r.output.startswith(f"relaunch: error: {where}{url}: cannot reach the store: ")
