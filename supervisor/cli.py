@@ -42,6 +42,30 @@ def _config_and_overrides(args: tuple[str, ...]):
         _fail(str(e))
 
 
+def _check_store(where: str, path) -> None:
+    """A URL on a bucket that is not there, or on a store that cannot be reached, is bad input: one line within
+    seconds naming `where` (a config key, or "" for an argument) and the URL, before anything is created (for a
+    run: rather than at its first save)."""
+    from supervisor.checkpoint.layout import ObjectPath, as_path
+    from supervisor.checkpoint.storage import check_bucket
+
+    root = as_path(path)
+    if isinstance(root, ObjectPath):
+        try:
+            check_bucket(root)
+        except OSError as e:
+            _fail(f"{where}{root}: {e.strerror}")
+
+
+def _check_fileroot(config) -> None:
+    _check_store("cluster.fileroot: ", config.cluster.fileroot)
+
+
+def _os_error(e: OSError) -> str:
+    """An error naming its file as `path: what`, the way the other errors read."""
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+
+
 def _address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or None
 
@@ -62,6 +86,7 @@ def main() -> None:
 def run(args, address):
     """Run CONFIG (default configs/tiny_grpo.yaml) with KEY=VALUE overrides to completion."""
     config = _config_and_overrides(args)
+    _check_fileroot(config)  # where the driver starts: here, or on the head node of a submitted job
     from supervisor.launch import run_job
     from workers.rewards import UserCodeError, load_reward_fn
 
@@ -97,6 +122,7 @@ def plan(args):
         _fail(str(e))
     if len(rows) < config.data.batch_size:
         _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({len(rows)} prompts)")
+    _check_fileroot(config)
     hf_config = config.model.path / "config.json" if config.model.path is not None else None
     shape = json.loads(hf_config.read_text()) if hf_config is not None and hf_config.is_file() else None
     result = make_plan(config, len(rows), shape)
@@ -173,6 +199,7 @@ def plot(args, out):
 def status(args, as_json, address):
     """Last valid step, restarts and recent events of CONFIG's trial."""
     config = _config_and_overrides(args)
+    _check_fileroot(config)
     from supervisor.tools.status import TrialState, format_status, live_progress, trial_status
 
     st = trial_status(config)
@@ -193,6 +220,7 @@ def clean_restart(args, yes, dry_run):
     """Delete this trial's recover state so the next run starts at step 0. Exports and logs are kept.
     Refused while a run holds the trial."""
     config = _config_and_overrides(args)
+    _check_fileroot(config)
     from supervisor.checkpoint.layout import TrialLayout
     from supervisor.checkpoint.store import RecoverStore
     from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
@@ -249,11 +277,14 @@ def export(checkpoint, out, dtype, max_shard_size, model_dir):
     from supervisor.tools.export import ExportError, export_recover_checkpoint
 
     out = out or Path.cwd() / f"hf-{as_path(checkpoint).name}"
+    _check_store("", checkpoint)
     try:
         with readable(checkpoint) as local:
             export_recover_checkpoint(local, out, dtype, max_shard_size, model_dir)
-    except (ExportError, OSError) as e:
+    except ExportError as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(_os_error(e))
     click.echo(f"exported {checkpoint} -> {out}")
 
 
@@ -268,11 +299,15 @@ def verify(export_dir, against, atol):
     from supervisor.tools.verify import VerifyError
     from supervisor.tools.verify import verify as compare_weights
 
+    _check_store("", export_dir)
+    _check_store("", against)
     try:
         with readable(export_dir) as mine, readable(against) as theirs:
             result = compare_weights(mine, theirs, atol)
-    except (VerifyError, OSError) as e:
+    except VerifyError as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(_os_error(e))
     for line in result.problems:
         click.echo(f"DIFFERS {line}")
     click.echo(f"{result.compared} tensors compared, max abs difference {result.max_diff:.3g}"
@@ -289,11 +324,12 @@ def inspect(checkpoint):
     from supervisor.checkpoint.transfer import readable
     from supervisor.tools.inspect_checkpoint import inspect as describe
 
+    _check_store("", checkpoint)
     try:
         with readable(checkpoint) as local:
             valid, report = describe(local)
     except OSError as e:
-        _fail(str(e))
+        _fail(_os_error(e))
     click.echo(report)
     if not valid:
         sys.exit(ExitCode.BAD_INPUT)

@@ -5,7 +5,8 @@ NFS, Lustre): writes are atomic by temporary name, fsync and rename, and a direc
 `FsspecStorage` is an object store, which has no rename: one PUT makes one object appear whole, and a directory
 counts as published only once its manifest, written last, is there (checkpoint/store.py). Its calls are retried
 with backoff on transient errors (a server that answers 5xx, drops connections or times out) until a budget runs
-out; then they raise `OSError(EIO)`, the storage error the classifier turns into a skipped save.
+out (the client's own retries are off, so the budget holds); then they raise `OSError(EIO)`, the storage error the
+classifier turns into a skipped save. `check_bucket` is the pre-flight of a run on a URL.
 
 Paths are `pathlib.Path` locally and `layout.ObjectPath` (the key `bucket/prefix/...`, shown with its protocol) on
 an object store, so the layout and the store join and name them alike. Credentials and the endpoint come the standard
@@ -162,11 +163,8 @@ class FsspecStorage:
     renames = False
 
     def __init__(self, protocol: str, retry_secs: float, fs=None):
-        import fsspec  # imported only when a URL is used
-
         self.protocol, self.retry_secs = protocol, retry_secs
-        # no listings cache: other processes (the ranks, a restarted Supervisor) write beside this one
-        self.fs = fs if fs is not None else fsspec.filesystem(protocol, use_listings_cache=False)
+        self.fs = fs if fs is not None else filesystem(protocol)
         self.retries = 0  # transient errors retried so far, for the tests and the benchmark
 
     def _call(self, what: str, path: ObjectPath, fn: Callable[[], T], writes: bool = False) -> T:
@@ -282,13 +280,48 @@ class FsspecStorage:
             self._call("upload", target, lambda: self.fs.put_file(str(local / name), target.key), writes=True)
 
     def download(self, remote: ObjectPath, local: Path) -> None:
-        for f in self.files(remote):
+        files = self.files(remote)
+        if not files:  # as copytree of a directory that is not there
+            raise FileNotFoundError(errno.ENOENT, "nothing there", str(remote))
+        for f in files:
             target = local / f.relative_to(remote)
             target.parent.mkdir(parents=True, exist_ok=True)
             self.download_file(f, target)
 
     def download_file(self, remote: ObjectPath, local: Path) -> None:
         self._call("download", remote, lambda: self.fs.get_file(remote.key, str(local)))
+
+
+def filesystem(protocol: str, timeout: float | None = None):
+    """fsspec's filesystem for `protocol`. Its client's own retries are off where we know how (S3: botocore's five
+    attempts take up to ~15 s on a 503), so that ours, bounded by their budget, are the only ones; `timeout`
+    bounds one connection and one read."""
+    import fsspec  # imported only when a URL is used
+
+    options = {}
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {"retries": {"max_attempts": 1}}
+        if timeout is not None:
+            options["config_kwargs"].update(connect_timeout=timeout, read_timeout=timeout)
+    # no listings cache: other processes (the ranks, a restarted Supervisor) write beside this one; no instance
+    # cache: a client reads the AWS variables as they are when it is made
+    return fsspec.filesystem(protocol, use_listings_cache=False, skip_instance_cache=True, **options)
+
+
+def check_bucket(root: ObjectPath, secs: float = 5.0) -> None:
+    """Before a run starts: `root`'s bucket is there and the store answers, within about `secs` (else the run
+    would find out at its first save, minutes in, and skip every save). Reads only. Raises OSError whose strerror
+    says what is wrong (no such bucket, access denied, or the store's last error), never naming a credential."""
+    fs = FsspecStorage(root.protocol, secs, filesystem(root.protocol, timeout=secs))
+    bucket = type(root)(root.parts[0])
+    try:
+        found = fs.is_dir(bucket)
+    except PermissionError as e:
+        raise PermissionError(errno.EACCES, f"access to bucket {bucket.key} denied ({e})", str(root)) from e
+    except StoreUnavailable as e:
+        raise StoreUnavailable(errno.EIO, f"cannot reach the store: {e.strerror}", str(root)) from e
+    if not found:
+        raise FileNotFoundError(errno.ENOENT, f"no such bucket {bucket.key}", str(root))
 
 
 def retry_budget(config: Config) -> float:

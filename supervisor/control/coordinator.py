@@ -26,7 +26,7 @@ from supervisor.checkpoint.layout import (
     TrialLayout,
     reference_file,
 )
-from supervisor.checkpoint.storage import retry_budget, storage_for
+from supervisor.checkpoint.storage import StoreUnavailable, retry_budget, storage_for
 from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStore, compatibility_error
 from supervisor.config import Config
 from supervisor.control.events import Event, EventLog
@@ -281,11 +281,17 @@ class CheckpointCoordinator:
 
     def discard_failed_save(self) -> list[StoragePath]:
         """Remove the temporaries a save or export that failed left behind, but for the directories of background
-        saves and exports still being written; no step directory is touched, whatever the pointer says."""
+        saves and exports still being written; no step directory is touched, whatever the pointer says. None while
+        the store does not answer (its outage is what failed the save): a temporary is never loaded, and the next
+        failed save or start removes it."""
         live = self.in_flight.live_paths()
-        if self.store is not None:
-            return self.store.remove_temporaries(spare=live)
-        removed = [p for p in self.fs.iterdir(self.layout.export_root) if p.name.startswith(TMP_PREFIX) and p not in live]
-        for p in removed:
-            self.fs.remove(p)
-        return removed
+        try:
+            if self.store is not None:
+                return self.store.remove_temporaries(spare=live)
+            removed = [p for p in self.fs.iterdir(self.layout.export_root)
+                       if p.name.startswith(TMP_PREFIX) and p not in live]
+            for p in removed:
+                self.fs.remove(p)
+            return removed
+        except StoreUnavailable:
+            return []

@@ -1,7 +1,8 @@
 """A real S3-compatible HTTP server on this machine, for the tests, the benchmarks and the demo: moto's standalone
 server (as Ray's own test suite uses), in a process of its own on a free port, reached through s3fs over HTTP as a
 bucket would be. In front of it a small TCP proxy can be switched to answer every request with 503 (an outage of
-the store), so that tests see retries at work; `down()` makes it so until `up()`.
+the store), so that tests see retries at work; `down()` makes it so until `up()`, and `down_at(marker)` from the
+first request that names `marker` (a key: the outage begins at an exact moment of a job, such as a rank's upload).
 """
 from __future__ import annotations
 
@@ -55,8 +56,12 @@ class S3Server:
     def down(self) -> None:
         self.proxy.fail()
 
+    def down_at(self, marker: str) -> None:
+        """Go down at the first request that names `marker` (that request is cut, never served), until `up()`."""
+        self.proxy.trigger = marker.encode()
+
     def up(self) -> None:
-        self.proxy.failing = False
+        self.proxy.trigger, self.proxy.failing = None, False
 
     def _wait(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -78,10 +83,12 @@ class S3Server:
 
 class _Proxy:
     """Forwards TCP connections to `target`; while `failing`, answers each new connection with a 503 (those open
-    when it began failing are cut: a client's pooled connections would otherwise go on working)."""
+    when it began failing are cut: a client's pooled connections would otherwise go on working). A client's bytes
+    that hold `trigger` start the failing instead of being forwarded."""
 
     def __init__(self, target: int):
         self.target, self.failing = target, False
+        self.trigger: bytes | None = None
         self.open: set[socket.socket] = set()
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -112,8 +119,16 @@ class _Proxy:
             return
         self.open |= {client, upstream}
         threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
-        _pipe(client, upstream)
+        _pipe(client, upstream, self._triggered)
         self.open -= {client, upstream}
+
+    def _triggered(self, data: bytes) -> bool:
+        """Whether `data` (from a client) starts the outage; then it fails, and `data` is not forwarded."""
+        if self.trigger is None or self.trigger not in data:
+            return False
+        self.trigger = None
+        self.fail()
+        return True
 
     def fail(self) -> None:
         self.failing = True
@@ -125,9 +140,9 @@ class _Proxy:
         self.fail()
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
+def _pipe(src: socket.socket, dst: socket.socket, stop=lambda data: False) -> None:
     try:
-        while data := src.recv(1 << 16):
+        while (data := src.recv(1 << 16)) and not stop(data):
             dst.sendall(data)
     except OSError:
         pass

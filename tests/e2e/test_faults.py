@@ -414,23 +414,44 @@ class BucketTrial(Trial):
 
 
 @pytest.mark.quick
-def test_the_default_job_on_an_s3_bucket_survives_a_killed_rank_bit_identical(cluster, s3_server, reference, tmp_path):
-    """cluster.fileroot on moto's S3 server, over HTTP through s3fs: the ranks upload their own shards, a rank killed
-    mid-update restarts the TrainGroup from the bucket (downloaded by each rank), and the run ends as the local
-    uninterrupted one did, with nothing unpublished left in the bucket."""
+def test_the_default_job_on_an_s3_bucket_survives_an_outage_and_a_killed_rank_bit_identical(cluster, s3_server,
+                                                                                          reference, tmp_path):
+    """cluster.fileroot on moto's S3 server, over HTTP through s3fs. The store goes down at the first object of
+    step 9's background save and stays down past every retry (the ranks' and then the Supervisor's cleanup's):
+    that save is skipped and training goes on. Back up, the next save commits; a rank killed later restarts the TrainGroup
+    from the bucket (downloaded by each rank), and the run ends as the local uninterrupted one did, with nothing
+    unpublished left in the bucket."""
     from supervisor.checkpoint.layout import TrialLayout, as_path
     from supervisor.checkpoint.store import RecoverStore
 
     trial = BucketTrial(s3_server.url(tmp_path.name), tmp_path / "head")
-    r = run_with_fault(cluster, trial, tmp_path, "TrainWorker.train.enter:kill:step=16:rank=1")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    # the restart loads the last step committed before the kill (a background upload still in flight then is
-    # never loaded: its partial directory is cleaned up); 12 steps after the first save, there is one
-    failed = trial.events("failure")[0]["time"]
+    trial.fileroot.mkdir()
+    env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:kill:step=20:rank=1", "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    # from disk: the bucket is what this job tests (memory off); retries for 6 s (half the step timeout)
+    s3_server.down_at("/globalstep9/rng_rank")
+    try:
+        proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "recover.memory=off",
+                              "recover.step_timeout_secs=12", "--address", cluster.address, env=env,
+                              log=tmp_path / "job.log")
+        deadline = time.time() + 300
+        while not trial.events("save_failed") and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        s3_server.up()
+    assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    # skipped: step 9's save, and the epoch's HF export (step 11) begun while the store was down
+    skipped = trial.events("save_failed")
+    assert [(e["global_step"], e["what"], e["action"]) for e in skipped] == [(9, "background save", "skip"),
+                                                                             (11, "background export", "skip")]
+    assert all("upload failed after" in e["error"] for e in skipped) and not trial.events("gave_up")
+    commits = [e["global_step"] for e in trial.events("commit")]
+    assert 9 not in commits and commits[:2] == [4, 14]  # the save after the outage commits
+    # the restart loads the last step committed before the kill, from the bucket
+    failed = trial.events("failure")[-1]["time"]
     committed = [e["global_step"] for e in trial.events("commit") if e["time"] < failed]
-    assert committed and [e["global_step"] for e in trial.events("loaded")] == [-1, committed[-1]]
+    assert [(e["global_step"], e["source"]) for e in trial.events("loaded")] == [(-1, "disk"), (committed[-1], "disk")]
     assert all(e["path"].startswith(trial.url + "/checkpoints/") for e in trial.events("commit"))
     assert_recovered_exactly(trial, reference, restarts=1)
     store = RecoverStore(TrialLayout(as_path(trial.url), trial.root.parts[-3], "tiny-grpo", "trial0"), keep_last=2)
-    assert store.published_steps() == sorted({e["global_step"] for e in trial.events("commit")})[-2:]
+    assert store.published_steps() == sorted(set(commits))[-2:]
     assert store.temporaries() == []

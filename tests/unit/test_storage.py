@@ -145,16 +145,8 @@ def test_an_upload_killed_at_any_object_leaves_the_previous_checkpoint_loading(s
     assert store.load_latest().checkpoint.global_step == 9
 
 
-def unretried_s3(retry_secs: float) -> FsspecStorage:
-    """The S3 storage with boto's own retries off, so that an outage reaches ours."""
-    import s3fs
-
-    return FsspecStorage("s3", retry_secs=retry_secs, fs=s3fs.S3FileSystem(
-        use_listings_cache=False, skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}}))
-
-
 def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
-    fs = unretried_s3(retry_secs=20)
+    fs = FsspecStorage("s3", retry_secs=20)
     path = as_path(s3_server.url(tmp_path.name)) / "x.bin"
     fs.write_bytes(path, b"before")
     s3_server.down()
@@ -169,7 +161,8 @@ def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
 
 
 def test_a_server_that_stays_down_fails_the_write_as_a_storage_error_within_the_budget(s3_server, tmp_path):
-    fs = unretried_s3(retry_secs=3)
+    """The budget holds: the client's own retries (botocore's take up to ~15 s on a 503) are off."""
+    fs = FsspecStorage("s3", retry_secs=3)
     s3_server.down()
     try:
         started = time.monotonic()
@@ -178,7 +171,7 @@ def test_a_server_that_stays_down_fails_the_write_as_a_storage_error_within_the_
     finally:
         s3_server.up()
     assert e.value.errno == errno.EIO and "write failed after" in str(e.value) and "x.bin" in str(e.value)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 4
 
 
 def test_a_partial_step_on_the_store_is_a_temporary_never_published(s3_server, tmp_path):
@@ -243,7 +236,7 @@ def test_a_lookup_during_an_outage_waits_it_out_rather_than_answering_nothing_is
     fall back past it."""
     import threading
 
-    fs = unretried_s3(retry_secs=20)
+    fs = FsspecStorage("s3", retry_secs=20)
     manifest = as_path(s3_server.url(tmp_path.name)) / MANIFEST
     fs.write_bytes(manifest, b"{}")
     s3_server.down()
@@ -259,7 +252,7 @@ def test_a_store_that_stays_down_at_load_is_a_storage_error_not_a_damaged_checkp
 
     layout = trial(as_path(s3_server.url(tmp_path.name)))
     commit(RecoverStore(layout, keep_last=2), 4)
-    store = RecoverStore(layout, keep_last=2, storage=unretried_s3(retry_secs=1))
+    store = RecoverStore(layout, keep_last=2, storage=FsspecStorage("s3", retry_secs=1))
     s3_server.down()
     try:
         with pytest.raises(StoreUnavailable):
@@ -267,3 +260,114 @@ def test_a_store_that_stays_down_at_load_is_a_storage_error_not_a_damaged_checkp
     finally:
         s3_server.up()
     assert RecoverStore(layout, keep_last=2).load_latest().checkpoint.global_step == 4
+
+
+def relaunch(*args: str):
+    from click.testing import CliRunner
+
+    from supervisor.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_a_run_on_a_bucket_that_is_not_there_stops_in_one_line_creating_nothing(s3_server, tmp_path, command):
+    r = relaunch(command, "cluster.fileroot=s3://no-such-bucket/runs", f"cluster.local_root={tmp_path / 'head'}")
+    assert (r.exit_code, r.output) == (2, "relaunch: error: cluster.fileroot: s3://no-such-bucket/runs: no such "
+                                          "bucket no-such-bucket\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_store_that_cannot_be_reached_stops_a_run_in_seconds_naming_the_url_not_the_secret(s3_server, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+    url = s3_server.url(tmp_path.name)
+    started = time.monotonic()
+    r = relaunch("run", f"cluster.fileroot={url}", f"cluster.local_root={tmp_path / 'head'}")
+    assert r.exit_code == 2 and time.monotonic() - started < 10
+    assert r.output.startswith(f"relaunch: error: cluster.fileroot: {url}: cannot reach the store: info failed after ")
+    assert "Could not connect to the endpoint URL" in r.output and len(r.output.splitlines()) == 1
+    assert "s3cr3t" not in r.output and list(tmp_path.iterdir()) == []
+
+
+def test_a_run_without_credentials_stops_in_one_line(s3_server, tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    r = relaunch("run", f"cluster.fileroot={s3_server.url('x')}", f"cluster.local_root={tmp_path / 'head'}")
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1
+    assert "cluster.fileroot: s3://relaunch/x: cannot reach the store" in r.output
+    assert "Unable to locate credentials" in r.output and list(tmp_path.iterdir()) == []
+
+
+def test_the_driver_of_a_run_on_a_missing_bucket_exits_2_with_one_line(s3_server, tmp_path):
+    """As `relaunch submit`'s entrypoint runs it on the head node: `python -m supervisor run ...`."""
+    r = subprocess.run([sys.executable, "-m", "supervisor", "run", "cluster.fileroot=s3://no-such-bucket/runs",
+                        f"cluster.local_root={tmp_path / 'head'}"], cwd=UNIT.parents[1], capture_output=True,
+                       text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "relaunch: error: cluster.fileroot: s3://no-such-bucket/runs: no such bucket no-such-bucket\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_store_going_down_at_a_named_request_fails_that_request_and_the_rest(s3_server, tmp_path):
+    fs = FsspecStorage("s3", retry_secs=1)
+    root = as_path(s3_server.url(tmp_path.name))
+    s3_server.down_at("/globalstep9/")
+    try:
+        fs.write_bytes(root / "globalstep4" / "a", b"a")
+        with pytest.raises(OSError):
+            fs.write_bytes(root / "globalstep9" / "a", b"a")
+        with pytest.raises(OSError):
+            fs.read_bytes(root / "globalstep4" / "a")
+    finally:
+        s3_server.up()
+    assert fs.read_bytes(root / "globalstep4" / "a") == b"a" and not fs.exists(root / "globalstep9" / "a")
+
+
+def test_a_failed_save_cleans_up_what_it_can_and_a_store_still_down_is_no_fault(s3_server, tmp_path):
+    """The outage that failed a save may outlast the cleanup's retries: its leftovers are a temporary, never
+    loaded, removed at the next failed save or start (it once raised out of the fault handler: an internal error)."""
+    from supervisor.config import load_config
+    from supervisor.control.coordinator import CheckpointCoordinator
+    from supervisor.control.events import EventLog
+
+    config = load_config(None, [f"cluster.fileroot={s3_server.url(tmp_path.name)}", f"cluster.local_root={tmp_path}",
+                                "recover.step_timeout_secs=2"])
+    layout = TrialLayout.from_config(config)
+    coordinator = CheckpointCoordinator(config, layout, EventLog(layout.events_log))
+    partial, _ = rank_save(coordinator.store, 9)
+    s3_server.down()
+    try:
+        assert coordinator.discard_failed_save() == []
+    finally:
+        s3_server.up()
+    assert coordinator.discard_failed_save() == [partial] and not coordinator.fs.exists(partial)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["export", "--out", "hf"], ["verify", "--against", "hf"]])
+def test_the_tools_name_the_url_that_holds_no_checkpoint(s3_server, tmp_path, command):
+    url = s3_server.url(f"{tmp_path.name}/globalstep4")
+    r = relaunch(command[0], url, *command[1:])
+    assert (r.exit_code, r.output) == (2, f"relaunch: error: {url}: nothing there\n")
+
+
+@pytest.mark.parametrize("command", [["status"], ["clean-restart", "--yes"], ["inspect"]])
+def test_the_tools_on_a_store_that_cannot_be_reached_say_so_in_one_line(s3_server, tmp_path, monkeypatch, command):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    url = s3_server.url(tmp_path.name)
+    args = [url] if command[0] == "inspect" else [f"cluster.fileroot={url}", f"cluster.local_root={tmp_path}"]
+    r = relaunch(command[0], *args, *command[1:])
+    where = "" if command[0] == "inspect" else "cluster.fileroot: "
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1
+    assert r.output.startswith(f"relaunch: error: {where}{url}: cannot reach the store: ")
