@@ -168,7 +168,10 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         for step in range(3):
             train(ranks, step)
             copy(ranks, step)
-        assert ray.get(spare.holding.remote()) == {0: [1, 2], 1: [1, 2]}
+        deadline = time.monotonic() + 30  # a copy lands at the holder a moment after the rank's send ended
+        while (held := ray.get(spare.holding.remote())) != {0: [1, 2], 1: [1, 2]} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held == {0: [1, 2], 1: [1, 2]}
 
         # kill 1: rank 1, while rank 0 waits for it in step 3's forward
         waiting = ranks[0].train.remote(shards(3)[0], 3)

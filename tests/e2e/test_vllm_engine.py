@@ -1,9 +1,10 @@
-"""vLLM as the rollout engine: in this process (no Ray), its weights in place and read back and its seeded
+"""vLLM as the rollout engine: in a spawned process (no Ray), its weights in place and read back and its seeded
 sampling (one engine serves those tests: vLLM's import and start cost ~20 s); then a job on the shared cluster
 whose vLLM engine is killed and hung, and ends bit-identical to an uninterrupted vLLM run."""
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 
 import pytest
 import torch
@@ -25,21 +26,40 @@ PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1
 
 
 @pytest.fixture(scope="module")
-def parts():
-    from workers.vllm_engine import VllmEngine
+def child():
+    """One spawned process serves these tests with one vLLM engine (its import and start cost ~20 s): vLLM sets
+    up torch.distributed, binds the threads and makes torch.set_num_threads a no-op for its whole process, none
+    of which may reach the tests that this pytest worker runs next. An assertion in it fails the test here."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        yield pool
 
-    config = load_config(None, VLLM_TINY + ["data.max_new_tokens=6"])
-    tokenizer = build_tokenizer(config.model)
-    model = build_model(config.model, tokenizer, config.seed).eval()
-    return config, tokenizer, model, VllmEngine(config, tokenizer, 0)
+
+_PARTS = None
+
+
+def parts():
+    """In the child: the config, tokenizer, model and engine, built at its first test."""
+    global _PARTS
+    if _PARTS is None:
+        from workers.vllm_engine import VllmEngine
+
+        config = load_config(None, VLLM_TINY + ["data.max_new_tokens=6"])
+        tokenizer = build_tokenizer(config.model)
+        model = build_model(config.model, tokenizer, config.seed).eval()
+        _PARTS = config, tokenizer, model, VllmEngine(config, tokenizer, 0)
+    return _PARTS
 
 
 def shapes(model):
     return [list(p.shape) for _, p in model.named_parameters()]
 
 
-def test_weights_reach_vllm_in_place_and_read_back_bitwise(parts):
-    config, tokenizer, model, engine = parts
+def test_weights_reach_vllm_in_place_and_read_back_bitwise(child):
+    child.apply(weights_reach_vllm_in_place_and_read_back_bitwise)
+
+
+def weights_reach_vllm_in_place_and_read_back_bitwise():
+    config, tokenizer, model, engine = parts()
     names = [n for n, _ in model.named_parameters()]
     engine.load(model.state_dict().items())
     for name, mine, served in zip(names, model.parameters(), engine.loaded(names, shapes(model))):
@@ -69,8 +89,12 @@ def test_weights_reach_vllm_in_place_and_read_back_bitwise(parts):
     assert not torch.equal(engine.loaded(names, shapes(model))[k], model.get_parameter(names[k]))
 
 
-def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(parts):
-    config, tokenizer, model, engine = parts
+def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(child):
+    child.apply(a_samples_tokens_depend_on_its_seed_not_on_its_batch)
+
+
+def a_samples_tokens_depend_on_its_seed_not_on_its_batch():
+    config, tokenizer, model, engine = parts()
     engine.load(model.state_dict().items())
     encoded = [encode_prompt(tokenizer, p) for p in PROMPTS]
     seeds = [sample_seed(config.seed, 3, s) for s in range(len(PROMPTS))]
