@@ -74,9 +74,10 @@ class MemoryCopies:
             self.warn(f"linking ranks {[r for r, _ in new]} to their memory-tier buddies failed: "
                       f"{type(e).__name__}: {first_line(e)}; tried again at the next step")
             return
-        self.buddies.update(new)
-        nodes = {name: s.node for name, s in warm.items()}
-        self.linked({rank: nodes[name] for rank, name in self.buddies.items()})
+        if new:
+            self.buddies.update(new)
+            nodes = {name: s.node for name, s in warm.items()}
+            self.linked({rank: nodes[name] for rank, name in self.buddies.items()})
 
     def _turn_off(self, trainers: TrainGroup, warm: dict, reason: str) -> None:
         """No room for the copies: every rank and buddy gives its slots back, recovery from disk from now on."""
