@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -44,8 +45,11 @@ def relaunch(*args: str, env: dict | None = None, timeout: float = 600) -> subpr
 
 
 def start_relaunch(*args: str, env: dict, log: Path) -> subprocess.Popen:
+    """The CLI in a session of its own, with SIGINT as a terminal's foreground job has it (a suite started from
+    a background shell inherits it ignored, and the driver would never see a Ctrl-C)."""
     return subprocess.Popen([sys.executable, "-m", "supervisor", *args], cwd=REPO, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 class Trial:
