@@ -439,10 +439,10 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_and_a_killed_rank_bi
     finally:
         s3_server.up()
     assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    # skipped: step 9's save, and the epoch's HF export (step 11) begun while the store was down
+    # skipped: step 9's save, and the epoch's HF export (step 11) if it began before the store was back up
     skipped = trial.events("save_failed")
-    assert [(e["global_step"], e["what"], e["action"]) for e in skipped] == [(9, "background save", "skip"),
-                                                                             (11, "background export", "skip")]
+    got = [(e["global_step"], e["what"], e["action"]) for e in skipped]
+    assert got[0] == (9, "background save", "skip") and got[1:] in ([], [(11, "background export", "skip")]), got
     assert all("upload failed after" in e["error"] for e in skipped) and not trial.events("gave_up")
     commits = [e["global_step"] for e in trial.events("commit")]
     assert 9 not in commits and commits[:2] == [4, 14]  # the save after the outage commits
