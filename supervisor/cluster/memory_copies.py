@@ -32,7 +32,7 @@ class MemoryCopies:
         self.spares, self.warn, self.linked = spares, warn, linked  # the job's events: a warning, the new links
         self.buddies: dict[int, str] = {}  # rank -> the spare holding its copies (linked)
         self.staged: list[int] = []        # the steps every rank holds in its own two slots
-        self.slots: dict | None = None     # what one slot of a rank holds, once every rank has its two
+        self.slots: dict[int, dict] = {}   # rank -> what one of its slots holds, once it has its two
         self.off: str | None = None        # why the tier was turned off for the run (a node without room)
         self.orphans: list[ray.ObjectRef] = []
 
@@ -55,14 +55,15 @@ class MemoryCopies:
         plan = buddy_plan(trainers.nodes, {name: s.node for name, s in warm.items()}, self.buddies)
         new = [(rank, name) for rank, name in plan.items() if self.buddies.get(rank) != name]
         self.buddies = {rank: name for rank, name in plan.items() if self.buddies.get(rank) == name}
-        if not new and self.slots is not None:
+        if not new and len(self.slots) == trainers.world_size:
             return
         try:
-            for m in trainers.members if self.slots is None else []:
-                self.slots = ray.get(m.handle.memory_slots.remote(), timeout=LINK_SECS)
+            for rank, m in enumerate(trainers.members):  # a rank's shards, so its slots, may differ from another's
+                if rank not in self.slots:
+                    self.slots[rank] = ray.get(m.handle.memory_slots.remote(), timeout=LINK_SECS)
             for rank, name in new:
                 holder, member = warm[name].handle, trainers.members[rank].handle
-                held = ray.get(holder.hold.remote(rank, self.slots), timeout=LINK_SECS)
+                held = ray.get(holder.hold.remote(rank, self.slots[rank]), timeout=LINK_SECS)
                 if not ray.get(member.memory_attach.remote(held), timeout=LINK_SECS):  # another host
                     where, key = ray.get(holder.where.remote(), timeout=LINK_SECS), uuid.uuid4().hex[:8]
                     ray.get(holder.listen.remote(rank, where["port"], key), timeout=LINK_SECS)
@@ -137,4 +138,4 @@ class MemoryCopies:
 
     def reset(self) -> None:
         """A new TrainGroup: no link and no staged step survive it; its ranks get their slots again."""
-        self.buddies, self.staged, self.slots = {}, [], None
+        self.buddies, self.staged, self.slots = {}, [], {}
