@@ -4,13 +4,15 @@ The engines write with their own libraries (DCP, DeepSpeed, safetensors), which 
 fileroot the rank writes straight into the step directory, as ever. On an object store it writes into a private
 directory on its own node's disk, hashes what it wrote there, and uploads its files itself, object by object
 (retried, checkpoint/storage.py): nothing is staged through the head node, and the local copy is gone once the
-upload is over. Loading is the reverse: the rank downloads the step directory (and the reference weights beside
+upload is over (a rank killed mid-upload leaves its copy behind: the next rank to open one on that node deletes
+the copies of processes that are gone). Loading is the reverse: the rank downloads the step directory (and the reference weights beside
 it) into a private directory and loads from there; the tools (`relaunch export`, `verify`, `inspect`) do the same
 with a URL they are given (`readable`).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +21,27 @@ from typing import Iterator
 from supervisor.checkpoint.layout import REFERENCE_DIR, StoragePath, as_path
 from supervisor.checkpoint.storage import LocalStorage, Storage, storage_for
 from supervisor.testing.fault_points import fault_point
+
+
+PREFIX = "relaunch-rank-"  # + the owner's pid
+
+
+def remove_orphans() -> None:
+    """Delete the private copies, on this node's disk, of processes that are gone (killed mid-upload or load)."""
+    for leftover in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = leftover.name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class RankDir:
@@ -32,7 +55,8 @@ class RankDir:
         if isinstance(self.fs, LocalStorage):
             self.local = self.remote
         else:  # a private tree that mirrors the store's: the reference directory sits beside the step's
-            self._tmp = Path(tempfile.mkdtemp(prefix="relaunch-rank-"))
+            remove_orphans()
+            self._tmp = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
             self.local = self._tmp / self.remote.name
             self.local.mkdir()
 

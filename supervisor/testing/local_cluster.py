@@ -2,13 +2,15 @@
 
 A head node (the Supervisor and one inference engine) and worker nodes with a few CPUs each, so a
 TrainGroup fits on one node and another is a spare. The cluster has its own temp dir and ports, small
-object stores and short health checks (a dead node is noticed in about two seconds). A node is killed the
-way a machine dies: its raylet and every process under it at once, found through the process ids this
-cluster started, never by name.
+object stores and short health checks (a dead node is noticed in about two seconds). Each node has a disk of
+its own: its processes' TMPDIR, a directory no other node uses. A node is killed the way a machine dies: its
+raylet and every process under it at once, found through the process ids this cluster started, never by
+name, and its disk gone with it.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -52,18 +54,25 @@ class LocalCluster:
         self.cpus_per_worker, self.object_store = cpus_per_worker, object_store
         ensure_default_ray_temp_dir()
         self.cluster = Cluster()
+        self.disks: dict[str, Path] = {}  # node id -> that node's own disk
         try:
-            self.cluster.add_node(num_cpus=head_cpus, object_store_memory=object_store, gcs_server_port=free_port(),
-                                  temp_dir=str(self.temp_dir), include_dashboard=False,
-                                  _system_config=HEALTH_CHECKS)
+            self._add(num_cpus=head_cpus, object_store_memory=object_store, gcs_server_port=free_port(),
+                      temp_dir=str(self.temp_dir), include_dashboard=False, _system_config=HEALTH_CHECKS)
             self.workers = [self.add_node() for _ in range(n_workers)]
         except BaseException:
             self.shutdown()
             raise
         self.address = self.cluster.address
 
+    def _add(self, **node_args):
+        """A node whose processes write their temporary files to a disk of its own (a machine's local disk)."""
+        disk = Path(tempfile.mkdtemp(prefix="disk", dir=self.temp_dir))
+        node = self.cluster.add_node(env_vars={"TMPDIR": str(disk)}, **node_args)
+        self.disks[node.node_id] = disk
+        return node
+
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_worker, object_store_memory=self.object_store)
+        node = self._add(num_cpus=self.cpus_per_worker, object_store_memory=self.object_store)
         if hasattr(self, "workers"):
             self.workers.append(node)
         return node
@@ -72,8 +81,9 @@ class LocalCluster:
         return next(n for n in self.workers if n.node_id == node_id)
 
     def kill_node(self, node) -> None:
-        """End the node's raylet and every process under it at once, then forget the node."""
+        """End the node's raylet and every process under it at once, lose its disk, then forget the node."""
         kill_all(process_tree(node.all_processes["raylet"][0].process.pid))
+        shutil.rmtree(self.disks.pop(node.node_id), ignore_errors=True)
         self.cluster.remove_node(node, allow_graceful=False)
         self.workers.remove(node)
 

@@ -414,13 +414,15 @@ class BucketTrial(Trial):
 
 
 @pytest.mark.quick
-def test_the_default_job_on_an_s3_bucket_survives_an_outage_and_a_killed_rank_bit_identical(cluster, s3_server,
-                                                                                          reference, tmp_path):
-    """cluster.fileroot on moto's S3 server, over HTTP through s3fs. The store goes down at the first object of
-    step 9's background save and stays down past every retry (the ranks' and then the Supervisor's cleanup's):
-    that save is skipped and training goes on. Back up, the next save commits; a rank killed later restarts the TrainGroup
-    from the bucket (downloaded by each rank), and the run ends as the local uninterrupted one did, with nothing
-    unpublished left in the bucket."""
+def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_killed_rank_bit_identical(
+        cluster, s3_server, reference, tmp_path):
+    """cluster.fileroot on moto's S3 server, over HTTP through s3fs; every node's disk is its own (LocalCluster)
+    and the bucket is the only storage they share. The store goes down at the first object of step 9's background
+    save and stays down past every retry (the ranks' and then the Supervisor's cleanup's): that save is skipped
+    and training goes on. Back up, the next save commits. The ranks' node is then lost with its disk: the spares
+    on the other node load the last commit from the bucket. A rank killed later restarts the TrainGroup from the
+    bucket again, and the run ends as the local uninterrupted one did, with nothing unpublished left in the
+    bucket and nothing of a checkpoint left on any node's disk."""
     from supervisor.checkpoint.layout import TrialLayout, as_path
     from supervisor.checkpoint.store import RecoverStore
 
@@ -429,6 +431,7 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_and_a_killed_rank_bi
     env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:kill:step=20:rank=1", "RELAUNCH_FAULT_DIR": str(tmp_path)})
     # from disk: the bucket is what this job tests (memory off); retries for 6 s (half the step timeout)
     s3_server.down_at("/globalstep9/rng_rank")
+    proc = None
     try:
         proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "recover.memory=off",
                               "recover.step_timeout_secs=12", "--address", cluster.address, env=env,
@@ -436,9 +439,19 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_and_a_killed_rank_bi
         deadline = time.time() + 300
         while not trial.events("save_failed") and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
+        s3_server.up()
+        while 14 not in [e["global_step"] for e in trial.events("commit")] and proc.poll() is None:
+            time.sleep(0.1)  # step 14's save committed (the first after the outage), then the ranks' node is lost
+        train_node = trial.events("loaded")[-1]["nodes"][0]
+        lost = time.time()
+        cluster.kill_node(cluster.node_of(train_node))
+        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         s3_server.up()
-    assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if len(cluster.workers) < 2:
+            cluster.add_node()
     # skipped: step 9's save, and the epoch's HF export (step 11) if it began before the store was back up
     skipped = trial.events("save_failed")
     got = [(e["global_step"], e["what"], e["action"]) for e in skipped]
@@ -446,12 +459,17 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_and_a_killed_rank_bi
     assert all("upload failed after" in e["error"] for e in skipped) and not trial.events("gave_up")
     commits = [e["global_step"] for e in trial.events("commit")]
     assert 9 not in commits and commits[:2] == [4, 14]  # the save after the outage commits
-    # the restart loads the last step committed before the kill, from the bucket
-    failed = trial.events("failure")[-1]["time"]
-    committed = [e["global_step"] for e in trial.events("commit") if e["time"] < failed]
-    assert [(e["global_step"], e["source"]) for e in trial.events("loaded")] == [(-1, "disk"), (committed[-1], "disk")]
+    # each restart loads the last step committed before its failure, from the bucket; the first on other nodes
+    assert [f["node"] for f in trial.events("failure") if f["time"] > lost][:1] == [train_node]
+    loaded = trial.events("loaded")
+    assert [(e["global_step"], e["source"]) for e in loaded] == [(-1, "disk")] + [
+        (max(c["global_step"] for c in trial.events("commit") if c["time"] < r["time"]), "disk")
+        for r in trial.events("restart")]
+    assert train_node not in loaded[1]["nodes"]
     assert all(e["path"].startswith(trial.url + "/checkpoints/") for e in trial.events("commit"))
-    assert_recovered_exactly(trial, reference, restarts=1)
+    assert_recovered_exactly(trial, reference, restarts=2)
     store = RecoverStore(TrialLayout(as_path(trial.url), trial.root.parts[-3], "tiny-grpo", "trial0"), keep_last=2)
     assert store.published_steps() == sorted(set(commits))[-2:]
     assert store.temporaries() == []
+    # the ranks' private copies (written before an upload, downloaded for a load) are gone from every node's disk
+    assert [p for disk in cluster.disks.values() for p in disk.glob("relaunch-rank-*")] == []

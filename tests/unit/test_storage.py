@@ -371,3 +371,20 @@ def test_the_tools_on_a_store_that_cannot_be_reached_say_so_in_one_line(s3_serve
     where = "" if command[0] == "inspect" else "cluster.fileroot: "
     assert r.exit_code == 2 and len(r.output.splitlines()) == 1
     assert r.output.startswith(f"relaunch: error: {where}{url}: cannot reach the store: ")
+
+
+def test_a_rank_opening_its_copy_deletes_those_of_ranks_killed_mid_upload(s3_server, tmp_path, monkeypatch):
+    """A rank SIGKILLed during an upload leaves its private copy on the node's disk; the next copy opened there
+    deletes it, and leaves a live process's alone."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan, live = tmp_path / f"relaunch-rank-{gone.pid}-x1", tmp_path / f"relaunch-rank-{os.getppid()}-x2"
+    for d in (orphan, live):
+        (d / "globalstep19").mkdir(parents=True)
+        (d / "globalstep19" / "rng_rank1.pt").write_bytes(b"half")
+    with RankDir(s3_server.url(tmp_path.name) + "/globalstep24", retry_secs=5) as target:
+        assert target.local.parent.name.startswith(f"relaunch-rank-{os.getpid()}-")
+        assert not orphan.exists() and live.exists()
