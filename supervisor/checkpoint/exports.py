@@ -5,14 +5,16 @@ but not after an elastic resume or on GPU, so the export already published for t
 timeline's weights: it is kept only when its digest equals the new one's, and otherwise replaced in one atomic
 exchange of the two directories (checkpoint/storage.py: Linux renameat2 RENAME_EXCHANGE), so that a reader finds
 the old export or the new one, never none and never a mix. An object store has no rename: there an export is
-copied into place object by object, so a reader may catch it half there (or, on a replacement, missing).
+copied into place object by object with its `config.json` (EXPORT_MARKER) last, and deleted with it first, so an
+HF loader finds a whole export or none (on a replacement, for a moment, none); a directory without it is partial:
+never counted by retention, deleted at the next start or failed save (RecoverStore.temporaries).
 """
 from __future__ import annotations
 
 import enum
 import hashlib
 
-from supervisor.checkpoint.layout import EXPORT_DIR, StoragePath
+from supervisor.checkpoint.layout import EXPORT_DIR, EXPORT_MARKER, StoragePath
 from supervisor.checkpoint.storage import Storage
 
 
@@ -33,19 +35,31 @@ def tree_digest(fs: Storage, directory: StoragePath) -> str:
 def publish_export(fs: Storage, tmp: StoragePath, final: StoragePath) -> ExportOutcome:
     """Make the fully written export `tmp` the one at `final`."""
     if not fs.exists(final):
-        fs.publish_dir(tmp, final)
+        fs.publish_dir(tmp, final, last=EXPORT_MARKER)
         return ExportOutcome.PUBLISHED
     if tree_digest(fs, tmp) == tree_digest(fs, final):
         fs.remove(tmp)
         return ExportOutcome.KEPT
-    fs.exchange(tmp, final)
+    fs.exchange(tmp, final, last=EXPORT_MARKER)
     fs.remove(tmp)  # the old export, now under the temporary name
     return ExportOutcome.REPLACED
 
 
 def prune_exports(fs: Storage, root: StoragePath, keep: int) -> None:
     """Delete all but the newest `keep` published exports under `root`."""
-    exports = sorted((p for p in fs.iterdir(root) if EXPORT_DIR.match(p.name) and fs.is_dir(p)),
-                     key=lambda p: int(EXPORT_DIR.match(p.name).group(3)))
+    exports = sorted(whole_exports(fs, root), key=lambda p: int(EXPORT_DIR.match(p.name).group(3)))
     for old in exports[:-keep]:
         fs.remove(old)
+
+
+def whole_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:
+    """The published exports under `root` (on an object store, those with their EXPORT_MARKER)."""
+    return [p for p in fs.iterdir(root) if EXPORT_DIR.match(p.name) and fs.is_dir(p)
+            and (fs.renames or fs.is_file(p / EXPORT_MARKER))]
+
+
+def partial_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:
+    """On an object store: export directories a copy into place (or a deletion) left without their marker."""
+    if fs.renames:
+        return []
+    return [p for p in fs.iterdir(root) if EXPORT_DIR.match(p.name) and not fs.is_file(p / EXPORT_MARKER)]

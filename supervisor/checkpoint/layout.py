@@ -42,6 +42,9 @@ DAMAGED = "damaged"          # passed over by loading: kept for inspection
 UNCOMMITTED = "uncommitted"  # newer than the pointer: kept until a newer step is committed
 
 EXPORT_DIR = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+# an HF export's file that HF loaders read first (a directory without it is no model to them): on an object
+# store it is copied into place last and deleted first, so that an export is whole to a reader or not there
+EXPORT_MARKER = "config.json"
 TMP_PREFIX = ".tmp."
 
 

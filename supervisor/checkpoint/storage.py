@@ -63,12 +63,14 @@ class Storage(Protocol):
         """Make `path` (and its parents) a directory; nothing on an object store, where prefixes need no making."""
     def remove(self, path: StoragePath) -> None:
         """Delete a file or a directory tree; nothing when it is not there."""
-    def rename(self, src: StoragePath, dst: StoragePath) -> None:
-        """Move a file or directory tree (on an object store: copy, then delete)."""
-    def publish_dir(self, tmp: StoragePath, final: StoragePath) -> None:
+    def rename(self, src: StoragePath, dst: StoragePath, last: str | None = None) -> None:
+        """Move a file or directory tree (on an object store: copy, then delete; `last`, the file that makes the
+        tree whole to its readers, is copied after every other and deleted before them)."""
+    def publish_dir(self, tmp: StoragePath, final: StoragePath, last: str | None = None) -> None:
         """Make a fully written directory visible under its final name; `final` must not exist."""
-    def exchange(self, a: StoragePath, b: StoragePath) -> None:
-        """Swap two directories: a reader finds one of them at `b`, never a mix (with rename: never none)."""
+    def exchange(self, a: StoragePath, b: StoragePath, last: str | None = None) -> None:
+        """Swap two directories: a reader finds one of them at `b`, never a mix (with rename: never none; on an
+        object store, a directory that has `last` is whole)."""
     def upload(self, local: Path, names: list[str], remote: StoragePath) -> None:
         """Copy the files `names` (relative paths) from the local directory `local` into `remote`."""
     def download(self, remote: StoragePath, local: Path) -> None:
@@ -122,13 +124,13 @@ class LocalStorage:
         else:
             path.unlink(missing_ok=True)
 
-    def rename(self, src: Path, dst: Path) -> None:
+    def rename(self, src: Path, dst: Path, last: str | None = None) -> None:
         src.rename(dst)
 
-    def publish_dir(self, tmp: Path, final: Path) -> None:
+    def publish_dir(self, tmp: Path, final: Path, last: str | None = None) -> None:
         publish_dir(tmp, final)
 
-    def exchange(self, a: Path, b: Path) -> None:
+    def exchange(self, a: Path, b: Path, last: str | None = None) -> None:
         """Linux renameat2 RENAME_EXCHANGE. A file system without it (some network ones) gets the old one moved
         aside and the new one renamed in: a moment without a directory, never a mix."""
         fsync_tree(a)
@@ -249,30 +251,34 @@ class FsspecStorage:
     def mkdir(self, path: ObjectPath) -> None:
         pass
 
-    def remove(self, path: ObjectPath) -> None:
-        def rm() -> None:
+    def remove(self, path: ObjectPath, first: str | None = None) -> None:
+        """Delete `path`; `first`, a file under it, before the rest."""
+        def rm(key: str) -> None:
             try:
-                self.fs.rm(path.key, recursive=True)
+                self.fs.rm(key, recursive=True)
             except FileNotFoundError:
                 pass
-        self._call("delete", path, rm)
+        if first is not None:
+            self._call("delete", path / first, lambda: rm((path / first).key))
+        self._call("delete", path, lambda: rm(path.key))
 
-    def rename(self, src: ObjectPath, dst: ObjectPath) -> None:
-        for f in self.files(src):  # copied object by object: a retry resumes where the last attempt stopped
+    def rename(self, src: ObjectPath, dst: ObjectPath, last: str | None = None) -> None:
+        # copied object by object (a retry resumes where the last attempt stopped), `last` after every other
+        for f in sorted(self.files(src), key=lambda f: str(f.relative_to(src)) == last):
             target = dst / f.relative_to(src)
             self._call("copy", f, lambda: self.fs.copy(f.key, target.key), writes=True)
-        self.remove(src)
+        self.remove(src, first=last)
 
-    def publish_dir(self, tmp: ObjectPath, final: ObjectPath) -> None:
+    def publish_dir(self, tmp: ObjectPath, final: ObjectPath, last: str | None = None) -> None:
         if self.exists(final):
             raise FileExistsError(errno.EEXIST, "a published directory is never replaced", str(final))
-        self.rename(tmp, final)
+        self.rename(tmp, final, last)
 
-    def exchange(self, a: ObjectPath, b: ObjectPath) -> None:
+    def exchange(self, a: ObjectPath, b: ObjectPath, last: str | None = None) -> None:
         aside = tmp_name(b)
-        self.rename(b, aside)
-        self.rename(a, b)
-        self.rename(aside, a)
+        self.rename(b, aside, last)
+        self.rename(a, b, last)
+        self.rename(aside, a, last)
 
     def upload(self, local: Path, names: list[str], remote: ObjectPath) -> None:
         for name in names:  # one object at a time, each retried alone

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from supervisor.checkpoint.durable import tmp_name
-from supervisor.checkpoint.exports import prune_exports, publish_export
+from supervisor.checkpoint.exports import partial_exports, prune_exports, publish_export
 from supervisor.checkpoint.layout import (
     REFERENCE_PREFIX,
     RUN_CONFIG,
@@ -288,8 +288,9 @@ class CheckpointCoordinator:
         try:
             if self.store is not None:
                 return self.store.remove_temporaries(spare=live)
-            removed = [p for p in self.fs.iterdir(self.layout.export_root)
-                       if p.name.startswith(TMP_PREFIX) and p not in live]
+            exports = self.layout.export_root
+            removed = [p for p in self.fs.iterdir(exports) if p.name.startswith(TMP_PREFIX) and p not in live]
+            removed += partial_exports(self.fs, exports)
             for p in removed:
                 self.fs.remove(p)
             return removed

@@ -388,3 +388,62 @@ def test_a_rank_opening_its_copy_deletes_those_of_ranks_killed_mid_upload(s3_ser
     with RankDir(s3_server.url(tmp_path.name) + "/globalstep24", retry_secs=5) as target:
         assert target.local.parent.name.startswith(f"relaunch-rank-{os.getpid()}-")
         assert not orphan.exists() and live.exists()
+
+
+def test_an_export_on_an_object_store_is_whole_to_a_reader_or_not_there(s3_server, tmp_path):
+    """Published, then replaced by another timeline's weights, object by object: after every copy and delete, a
+    reader who finds the export's config.json finds every file of one export (never a mix, never half)."""
+    from supervisor.checkpoint import exports
+
+    fs = storage_for(as_path(s3_server.url(tmp_path.name)), retry_secs=5)
+    root = as_path(s3_server.url(tmp_path.name)) / "checkpoint"
+    final = root / "epoch0epochstep3globalstep3"
+    files = ("config.json", "model-00001.safetensors", "model-00002.safetensors")
+
+    def write(name: str, weights: bytes):
+        for f in files:
+            fs.write_bytes(root / name / f, b"{}" if f == "config.json" else weights)
+        return root / name
+
+    seen = []
+
+    def reader() -> None:
+        try:
+            seen.append(tuple(fs.read_bytes(final / f) for f in files[1:]) if fs.is_file(final / "config.json")
+                        else None)
+        except FileNotFoundError:
+            seen.append("half there")
+
+    for name in ("copy", "rm"):
+        real = getattr(fs.fs, name)
+
+        def watched(*args, real=real, **kwargs):
+            result = real(*args, **kwargs)
+            reader()
+            return result
+
+        setattr(fs.fs, name, watched)
+    assert exports.publish_export(fs, write(".tmp.a", b"old"), final) is exports.ExportOutcome.PUBLISHED
+    assert exports.publish_export(fs, write(".tmp.b", b"new"), final) is exports.ExportOutcome.REPLACED
+    assert set(seen) <= {None, (b"old", b"old"), (b"new", b"new")} and seen[-1] == (b"new", b"new")
+    assert [p.name for p in fs.iterdir(root)] == [final.name]
+
+
+def test_an_export_copy_cut_short_on_an_object_store_is_partial_never_kept(s3_server, tmp_path):
+    """A copy into place that stops after some objects leaves an export without its config.json: retention does
+    not count it, and it is a temporary the next start deletes."""
+    from supervisor.checkpoint import exports
+
+    layout = trial(as_path(s3_server.url(tmp_path.name)))
+    store = RecoverStore(layout, keep_last=2)
+    for g in (8, 9):
+        for f in ("config.json", "model.safetensors"):
+            store.fs.write_bytes(layout.export_dir(0, g, g) / f, b"w%d" % g)
+    partial = layout.export_dir(0, 10, 10)
+    store.fs.write_bytes(partial / "model.safetensors", b"w10")  # config.json never copied
+    exports.prune_exports(store.fs, layout.export_root, keep=2)
+    assert [p.name for p in exports.whole_exports(store.fs, layout.export_root)] == [
+        layout.export_dir(0, g, g).name for g in (8, 9)]
+    assert store.temporaries() == [partial]
+    store.remove_temporaries()
+    assert not store.fs.exists(partial) and store.fs.exists(layout.export_dir(0, 8, 8))
