@@ -125,6 +125,13 @@ class TrialLayout:
         return self._inside(self.head_root, "logs", self.user, self.experiment_name, self.trial_name)
 
     @property
+    def log_mirror(self) -> ObjectPath | None:
+        """With a URL fileroot, where the logs are copied (control/log_mirror.py): where they would be locally."""
+        if not isinstance(self.fileroot, ObjectPath):
+            return None
+        return self._inside(self.fileroot, "logs", self.user, self.experiment_name, self.trial_name)
+
+    @property
     def export_root(self) -> Path:
         return self.checkpoint_root / "default"
 

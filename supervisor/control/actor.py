@@ -14,6 +14,7 @@ import traceback
 import ray
 
 from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.storage import retry_budget
 from supervisor.cluster.memory_copies import MemoryCopies
 from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
@@ -22,6 +23,7 @@ from supervisor.config import Config
 from supervisor.control.controller import Controller, JobResult, State
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
+from supervisor.control.log_mirror import LogMirror
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.control.step_info import StepInfo
@@ -56,6 +58,8 @@ class Supervisor:
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log, guard=append)
         self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits)
+        if layout.log_mirror is not None:
+            self.events.listeners.append(LogMirror(layout, self.events, retry_budget(config)).on_event)
         self.controller: Controller | None = None
         self.trackers: Trackers | None = None
         self.created = time.monotonic()

@@ -71,10 +71,12 @@ def _drop_torn_tail(f) -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every complete line; a torn last line (a crash mid-write) is skipped."""
-    if not path.exists():
-        return []
+    return parse_jsonl(path.read_text()) if path.exists() else []
+
+
+def parse_jsonl(text: str) -> list[dict]:
     rows = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

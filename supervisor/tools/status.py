@@ -9,7 +9,8 @@ from supervisor.checkpoint.layout import STEP_INFO, TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
 from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
 from supervisor.config import Config
-from supervisor.control.events import ENDED, Event, read_jsonl
+from supervisor.control.events import ENDED, Event
+from supervisor.control.log_mirror import read_log
 from supervisor.control.repair_clock import recovery_line
 
 
@@ -52,10 +53,10 @@ def trial_status(config: Config, n_events: int = 10) -> dict:
                           "path": str(ckpt.path)}
     except CheckpointError as e:
         error = str(e)
-    events = read_jsonl(layout.events_log)
+    events = read_log(layout, layout.events_log.name)
     job = next((e.get("job") for e in reversed(events) if e["event"] == Event.START), None)
     this_job = [e for e in events if e.get("job") == job] if job else []
-    stats = read_jsonl(layout.stats_log)
+    stats = read_log(layout, layout.stats_log.name)
     ended = next((Event(e["event"]) for e in reversed(this_job) if e["event"] in ENDED), None)
     return {
         "experiment_name": config.experiment_name,

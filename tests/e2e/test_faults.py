@@ -473,3 +473,9 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_ki
     assert store.temporaries() == []
     # the ranks' private copies (written before an upload, downloaded for a load) are gone from every node's disk
     assert [p for disk in cluster.disks.values() for p in disk.glob("relaunch-rank-*")] == []
+    # a user with the bucket alone (another machine: a local_root of its own) reads the run's status from it
+    elsewhere = relaunch("status", str(CONFIG), f"cluster.fileroot={trial.url}",
+                         f"cluster.local_root={tmp_path / 'elsewhere'}", "--json")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert {k: v for k, v in json.loads(elsewhere.stdout).items() if k in ("state", "restarts", "last_step")} == {
+        "state": "done", "restarts": 2, "last_step": trial.stats()[-1]}

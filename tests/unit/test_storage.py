@@ -447,3 +447,37 @@ def test_an_export_copy_cut_short_on_an_object_store_is_partial_never_kept(s3_se
     assert store.temporaries() == [partial]
     store.remove_temporaries()
     assert not store.fs.exists(partial) and store.fs.exists(layout.export_dir(0, 8, 8))
+
+
+def test_the_logs_reach_the_bucket_after_a_commit_and_at_the_end_and_status_reads_them_there(s3_server, tmp_path):
+    """With a URL fileroot the logs are appended on the head's disk and copied whole to the bucket, where they would
+    be under a local fileroot; a store that is down makes one warning, and the next copy catches up."""
+    from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
+    from supervisor.control.log_mirror import LogMirror, read_log
+
+    layout = TrialLayout(as_path(s3_server.url(tmp_path.name)), "u", "exp", "t0", local_root=tmp_path / "head")
+    assert str(layout.log_mirror) == s3_server.url(tmp_path.name) + "/logs/u/exp/t0"
+    layout.log_root.mkdir(parents=True)
+    events, stats = EventLog(layout.events_log), StatsLog(layout.stats_log)
+    mirror = LogMirror(layout, events, retry_secs=1)
+    events.listeners.append(mirror.on_event)
+    stats.append({"global_step": 0, "reward": 0.5})
+    events.emit(Event.COMMIT, global_step=0)
+    mirror._copier.submit(lambda: None).result()  # the background copy is done
+    assert mirror.fs.read_bytes(layout.log_mirror / "stats.jsonl") == layout.stats_log.read_bytes()
+    s3_server.down()
+    try:
+        stats.append({"global_step": 1, "reward": 0.7})
+        events.emit(Event.COMMIT, global_step=1)
+        events.emit(Event.COMMIT, global_step=1)
+        mirror._copier.submit(lambda: None).result()
+    finally:
+        s3_server.up()
+    assert [e["event"] for e in read_jsonl(layout.events_log)].count(Event.WARNING) == 1
+    events.emit(Event.DONE)  # copied before emit returns
+    head_copy = {p.name: p.read_bytes() for p in layout.log_root.iterdir()}
+    for p in layout.log_root.iterdir():
+        p.unlink()  # a user with the bucket alone
+    assert read_log(layout, "stats.jsonl") == [{"global_step": 0, "reward": 0.5}, {"global_step": 1, "reward": 0.7}]
+    assert [e["event"] for e in read_log(layout, "events.jsonl")][-1] == Event.DONE
+    assert {n: mirror.fs.read_bytes(layout.log_mirror / n) for n in head_copy} == head_copy
