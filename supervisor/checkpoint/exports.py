@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import hashlib
 
-from supervisor.checkpoint.layout import EXPORT_DIR, EXPORT_MARKER, StoragePath
+from supervisor.checkpoint.layout import EXPORT_DIR, EXPORT_MARKER, TMP_PREFIX, StoragePath
 from supervisor.checkpoint.storage import Storage
 
 
@@ -58,8 +58,9 @@ def whole_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:
             and (fs.renames or fs.is_file(p / EXPORT_MARKER))]
 
 
-def partial_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:
-    """On an object store: export directories a copy into place (or a deletion) left without their marker."""
-    if fs.renames:
-        return []
-    return [p for p in fs.iterdir(root) if EXPORT_DIR.match(p.name) and not fs.is_file(p / EXPORT_MARKER)]
+def export_temporaries(fs: Storage, root: StoragePath) -> list[StoragePath]:
+    """Exports never published: written under a temporary name, or (on an object store) left without their
+    marker by a copy into place or a deletion cut short."""
+    entries = fs.iterdir(root)
+    return [p for p in entries if p.name.startswith(TMP_PREFIX)] + [
+        p for p in entries if not fs.renames and EXPORT_DIR.match(p.name) and not fs.is_file(p / EXPORT_MARKER)]

@@ -47,7 +47,7 @@ from supervisor.checkpoint.layout import (
     step_of_reference,
     step_set_aside,
 )
-from supervisor.checkpoint.exports import partial_exports
+from supervisor.checkpoint.exports import export_temporaries
 from supervisor.checkpoint.storage import LocalStorage, Storage, StoreUnavailable, storage_for
 from supervisor.config import Backend
 from supervisor.testing.fault_points import fault_point
@@ -391,10 +391,9 @@ class RecoverStore:
     def temporaries(self) -> list[StoragePath]:
         """Temporary directories of interrupted saves and HF exports (and, on an object store, step directories
         an upload left without a manifest and exports without their marker): never published, so never loaded."""
-        found = self._partial_steps() + partial_exports(self.fs, self.layout.export_root)
+        found = self._partial_steps() + export_temporaries(self.fs, self.layout.export_root)
         reference = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
-        for root in (self.layout.recover_checkpoint, self.layout.export_root, self.layout.checkpoint_root, reference,
-                     self.layout.recover_info):
+        for root in (self.layout.recover_checkpoint, self.layout.checkpoint_root, reference, self.layout.recover_info):
             found += [p for p in self.fs.iterdir(root) if p.name.startswith(TMP_PREFIX)]
         return found
 

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from supervisor.checkpoint.durable import tmp_name
-from supervisor.checkpoint.exports import partial_exports, prune_exports, publish_export
+from supervisor.checkpoint.exports import export_temporaries, prune_exports, publish_export
 from supervisor.checkpoint.layout import (
     REFERENCE_PREFIX,
     RUN_CONFIG,
-    TMP_PREFIX,
     StoragePath,
     TrialLayout,
     reference_file,
@@ -88,6 +87,7 @@ class InFlight:
 
 
 T = TypeVar("T")
+CLEANUP_RETRY_SECS = 1.0  # how long the cleanup after a failed save retries a storage call
 
 
 class CheckpointCoordinator:
@@ -281,18 +281,18 @@ class CheckpointCoordinator:
 
     def discard_failed_save(self) -> list[StoragePath]:
         """Remove the temporaries a save or export that failed left behind, but for the directories of background
-        saves and exports still being written; no step directory is touched, whatever the pointer says. None while
-        the store does not answer (its outage is what failed the save): a temporary is never loaded, and the next
-        failed save or start removes it."""
+        saves and exports still being written; no step directory is touched, whatever the pointer says. Best
+        effort, its calls retried for CLEANUP_RETRY_SECS only: a temporary is never loaded, and the next failed
+        save or start removes what is left. (A store that is down already spent a retry budget failing the save;
+        a second one, here, would hold the step up as long again.)"""
         live = self.in_flight.live_paths()
+        fs = storage_for(self.layout.checkpoint_root, CLEANUP_RETRY_SECS)
         try:
             if self.store is not None:
-                return self.store.remove_temporaries(spare=live)
-            exports = self.layout.export_root
-            removed = [p for p in self.fs.iterdir(exports) if p.name.startswith(TMP_PREFIX) and p not in live]
-            removed += partial_exports(self.fs, exports)
+                return RecoverStore(self.layout, self.config.recover.keep_last, fs).remove_temporaries(spare=live)
+            removed = [p for p in export_temporaries(fs, self.layout.export_root) if p not in live]
             for p in removed:
-                self.fs.remove(p)
+                fs.remove(p)
             return removed
         except StoreUnavailable:
             return []
