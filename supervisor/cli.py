@@ -146,14 +146,16 @@ def submit(args, address, wait):
     if not address:
         _fail("submit needs --address (or RAY_ADDRESS): the Ray dashboard URL, e.g. http://127.0.0.1:8265")
     from supervisor.checkpoint.layout import TrialLayout
-    from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
+    from supervisor.checkpoint.trial_lock import TrialLocked, trial_lock
     from supervisor.submit import SubmitError
     from supervisor.submit import submit as submit_job
 
     try:  # the job's driver takes the lock; a live run is named here, before anything is uploaded
-        TrialLock(TrialLayout.from_config(config).lock).check_free()
+        trial_lock(TrialLayout.from_config(config)).check_free()
     except TrialLocked as e:
         _fail(str(e))
+    except OSError:  # a bucket this machine cannot read: the driver checks it, with the head node's credentials
+        pass
     path, overrides = _split_args(args)
     try:
         sys.exit(submit_job(path, overrides, config, address, wait))
@@ -223,7 +225,7 @@ def clean_restart(args, yes, dry_run):
     _check_fileroot(config)
     from supervisor.checkpoint.layout import TrialLayout
     from supervisor.checkpoint.store import RecoverStore
-    from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
+    from supervisor.checkpoint.trial_lock import TrialLocked, trial_lock
 
     layout = TrialLayout.from_config(config)
     store = RecoverStore(layout, config.recover.keep_last)
@@ -240,7 +242,7 @@ def clean_restart(args, yes, dry_run):
         for p in targets:
             click.echo(f"would remove {p}")
         return
-    lock = TrialLock(layout.lock)  # no run may be running, or start, while its recover state goes
+    lock = trial_lock(layout)  # no run may be running, or start, while its recover state goes
     try:
         lock.acquire()
     except TrialLocked as e:

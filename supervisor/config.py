@@ -103,7 +103,7 @@ class ClusterConfig(_Strict):
         Path("./runs"), description="root of checkpoints/ and logs/: a path every node sees, or an fsspec URL "
                                     "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)")
     local_root: Path = Field(Path("./runs"), description="when cluster.fileroot is a URL: the head node's own "
-                                                         "directory for logs/ and the run lock (run.lock)")
+                                                         "directory for logs/ (and the run lock on a store other than s3://)")
     user: str = Field(default_factory=getpass.getuser, description="the {user} part of every path")
     n_train_workers: int = Field(2, ge=1, description="TrainWorker actors (ranks) in the TrainGroup")
     n_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (inference engines)")

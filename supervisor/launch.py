@@ -19,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from supervisor.checkpoint.layout import TrialLayout
-from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
+from supervisor.checkpoint.trial_lock import TrialLocked, trial_lock
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
 from supervisor.control.policy import budget
@@ -82,7 +82,7 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def run_job(config: Config, address: str | None) -> int:
-    lock = TrialLock(TrialLayout.from_config(config).lock)
+    lock = trial_lock(TrialLayout.from_config(config))
     try:
         if address:
             probe(address)

@@ -157,11 +157,13 @@ class TrialLayout:
         return self.log_root / "trackers"
 
     @property
-    def lock(self) -> Path:
-        """The trial's run lock (checkpoint/trial_lock.py): one run of a trial at a time, whatever its cluster
-        (with a URL fileroot, only among the drivers that share `cluster.local_root`)."""
-        return self._inside(self.head_root, "checkpoints", self.user, self.experiment_name, self.trial_name,
-                            "run.lock")
+    def lock(self) -> StoragePath:
+        """The trial's run lock (checkpoint/trial_lock.py): one run of a trial at a time, whatever its cluster.
+        In the bucket on an `s3://` fileroot; with another URL, under `cluster.local_root` (so it keeps apart only
+        the drivers that share that directory)."""
+        elsewhere = isinstance(self.fileroot, ObjectPath) and self.fileroot.protocol != "s3"
+        root = self.head_root if elsewhere else self.fileroot
+        return self._inside(root, "checkpoints", self.user, self.experiment_name, self.trial_name, "run.lock")
 
     def step_dir(self, global_step: int) -> Path:
         return self.recover_checkpoint / f"globalstep{global_step}"

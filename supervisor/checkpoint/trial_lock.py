@@ -14,6 +14,11 @@ A lock left by a dead holder is taken over:
 Taking the lock is one `link` of a complete file onto the lock's name, which fails when the name exists (on NFS
 too), so two contenders never both win. A stale lock is first renamed aside, and only the lock that was judged
 stale is discarded.
+
+With an `s3://` fileroot the lock is an object in the bucket, where the trial's checkpoints are, so that heads
+which share only the bucket keep apart too (`BucketLock`): S3's conditional requests stand in for link and rename.
+It is created only where no object is (If-None-Match), and refreshed, discarded or released only while it is the
+very object that was judged or written (If-Match on its ETag).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from supervisor.checkpoint.layout import ObjectPath, TrialLayout
 
 
 LEASE_SECS = 60.0    # another host's lock without a heartbeat for this long is stale
@@ -103,10 +110,11 @@ class TrialLock:
     def read(self) -> Holder | None:
         """The holder named in the lock file; None when there is no lock. A file that is not a lock (torn by
         hand, or another tool's) is named as such rather than guessed at."""
-        try:
-            return Holder(**json.loads(self.path.read_text()))
-        except FileNotFoundError:
+        data = self._load()
+        if data is None:
             return None
+        try:
+            return Holder(**json.loads(data))
         except (ValueError, TypeError) as e:
             raise TrialLocked(f"{self.path}: not a relaunch lock file ({e}); remove it if no run uses this trial") from e
 
@@ -132,7 +140,7 @@ class TrialLock:
         run holds it. Creates the trial's directory, and nothing else, when it is missing."""
         pid = os.getpid()
         me = Holder(socket.gethostname(), pid, process_start(pid), uuid.uuid4().hex[:12], time.time())
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent()
         taken_over = None
         for _ in range(3):  # a stale lock removed, then someone else's may appear: look again
             holder = self.read()
@@ -142,7 +150,7 @@ class TrialLock:
                     raise self._refusal(holder)
                 if self._discard(holder):
                     taken_over = f"took over the lock of {holder.describe(time.time())}: {reason}"
-            if self._link(me):
+            if self._create(me):
                 self.holder = me
                 self._start_heartbeat()
                 return taken_over
@@ -154,7 +162,7 @@ class TrialLock:
         if self._thread:
             self._thread.join()
         if self.holder and self._ours():
-            self.path.unlink(missing_ok=True)
+            self._remove()
         self.holder = None
 
     def __enter__(self) -> "TrialLock":
@@ -165,6 +173,18 @@ class TrialLock:
         self.release()
 
     # ---- file operations ----------------------------------------------------------------------
+    def _load(self) -> str | None:
+        try:
+            return self.path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def _make_parent(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
     def _beside(self) -> Path:
         """A fresh name next to the lock (not a `.tmp.` name: the Supervisor's cleanup of interrupted saves
         removes those, and it runs while the lock is held)."""
@@ -178,7 +198,7 @@ class TrialLock:
             os.fsync(f.fileno())
         return tmp
 
-    def _link(self, holder: Holder) -> bool:
+    def _create(self, holder: Holder) -> bool:
         """Publish a complete lock file under the lock's name, only when that name is free."""
         tmp = self._write_tmp(holder)
         try:
@@ -227,6 +247,82 @@ class TrialLock:
                 return
             self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
             try:
-                os.replace(self._write_tmp(self.holder), self.path)
+                self._refresh(self.holder)
             except OSError as e:  # a full or unreachable disk: the next beat tries again
                 print(f"relaunch: warning: cannot refresh {self.path}: {e}", flush=True)
+
+    def _refresh(self, holder: Holder) -> None:
+        os.replace(self._write_tmp(holder), self.path)
+
+
+class BucketLock(TrialLock):
+    """The trial's lock as an object in an S3 bucket, taken and given up with conditional requests."""
+
+    def __init__(self, path: ObjectPath):
+        from supervisor.checkpoint.storage import filesystem
+
+        super().__init__(path)
+        self.s3 = filesystem(path.protocol, timeout=10)
+        self.bucket, self.key = path.key.split("/", 1)
+        self._judged: str | None = None   # the ETag of the lock object as last read
+        self._written: str | None = None  # the ETag of the lock object as this run last wrote it
+
+    def _call(self, method: str, **kwargs) -> dict:
+        return self.s3.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+
+    def _load(self) -> str | None:
+        try:  # the ETag first: a discard then matches only the object read, or an older one, never a newer
+            self._judged = self._call("head_object")["ETag"]
+            return self.s3.cat_file(self.path.key).decode()
+        except FileNotFoundError:
+            self._judged = None
+            return None
+
+    def _make_parent(self) -> None:
+        pass  # a bucket's prefixes need no making
+
+    def _create(self, holder: Holder) -> bool:
+        try:
+            self._written = self._call("put_object", Body=json.dumps(asdict(holder)).encode(), IfNoneMatch="*")["ETag"]
+            return True
+        except FileExistsError:
+            return False
+
+    def _discard(self, stale: Holder) -> bool:
+        return self._delete_if(self._judged)
+
+    def _refresh(self, holder: Holder) -> None:
+        try:
+            self._written = self._call("put_object", Body=json.dumps(asdict(holder)).encode(),
+                                       IfMatch=self._written)["ETag"]
+        except OSError as e:
+            if not _precondition_failed(e):
+                raise  # the next beat tries again; a lock taken over meanwhile is no longer ours (`_ours`)
+
+    def _remove(self) -> None:
+        self._delete_if(self._written)
+
+    def _delete_if(self, etag: str | None) -> bool:
+        """Delete the lock object only while it is the one with `etag`."""
+        try:
+            self._call("delete_object", IfMatch=etag)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if _precondition_failed(e):
+                return False
+            raise
+
+
+def _precondition_failed(e: OSError) -> bool:
+    response = getattr(e.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") == "PreconditionFailed"
+
+
+def trial_lock(layout: TrialLayout) -> TrialLock:
+    """The trial's lock: in the bucket on an `s3://` fileroot, else a file (under `cluster.local_root` for
+    another URL, whose store has no conditional requests we use)."""
+    if isinstance(layout.lock, ObjectPath):
+        return BucketLock(layout.lock)
+    return TrialLock(layout.lock)

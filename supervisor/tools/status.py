@@ -7,7 +7,7 @@ from collections import Counter
 
 from supervisor.checkpoint.layout import STEP_INFO, TrialLayout
 from supervisor.checkpoint.store import CheckpointError, RecoverStore
-from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked
+from supervisor.checkpoint.trial_lock import TrialLocked, trial_lock
 from supervisor.config import Config
 from supervisor.control.events import ENDED, Event
 from supervisor.control.log_mirror import read_log
@@ -36,7 +36,7 @@ def state_of(job: str | None, ended: Event | None, locked: bool) -> TrialState:
 
 def _locked(layout: TrialLayout) -> bool:
     try:
-        return TrialLock(layout.lock).live_holder() is not None
+        return trial_lock(layout).live_holder() is not None
     except TrialLocked:  # a file that is not a lock: say nothing about it here
         return False
 

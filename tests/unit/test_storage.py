@@ -190,7 +190,7 @@ def test_a_url_fileroot_is_checked_before_anything_starts(tmp_path):
     config = load_config(None, ["cluster.fileroot=s3://bucket/runs/", f"cluster.local_root={tmp_path}"])
     layout = TrialLayout.from_config(config)
     assert str(layout.checkpoint_root).startswith("s3://bucket/runs/checkpoints/")
-    assert layout.log_root.is_relative_to(tmp_path) and layout.lock.is_relative_to(tmp_path)
+    assert layout.log_root.is_relative_to(tmp_path) and layout.lock == layout.checkpoint_root / "run.lock"
     with pytest.raises(ConfigError, match="^cluster.fileroot: s3:// names no bucket"):
         load_config(None, ["cluster.fileroot=s3://"])
     with pytest.raises(ConfigError, match="^cluster.fileroot: nosuchfs:// cannot be used here"):
