@@ -23,7 +23,7 @@ SIZES = {
     "tiny": ["configs/tiny_grpo.yaml", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"],
     "100m": ["configs/grpo_100m.yaml"],
 }
-ENGINES = ("builtin", "vllm")
+ENGINES = ("hf", "vllm")
 
 
 def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:

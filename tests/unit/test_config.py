@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from supervisor.config import DEFAULT_CONFIG, ConfigError, RecoverMode, load_config
+from supervisor.config import DEFAULT_CONFIG, ConfigError, RecoverMode, RolloutEngine, load_config
 
 
 def test_default_config_loads_and_resolves_shipped_paths():
@@ -115,3 +115,11 @@ def test_cli_refuses_a_model_vllm_cannot_run_with_exit_2_and_one_line(tmp_path):
     assert "model.hidden_size / model.num_heads" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_the_built_in_engine_is_named_hf_as_in_the_design_and_builtin_still_reads():
+    assert load_config(DEFAULT_CONFIG, []).rollout.engine is RolloutEngine.HF
+    assert load_config(DEFAULT_CONFIG, ["rollout.engine=hf"]).rollout.engine is RolloutEngine.HF
+    assert load_config(DEFAULT_CONFIG, ["rollout.engine=builtin"]).rollout.engine is RolloutEngine.HF
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(DEFAULT_CONFIG, ["rollout.engine=sglang"])
