@@ -32,7 +32,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+from workers.errors import WeightSyncError
 from workers.model import model_config
+from workers.weight_sync import local_digest
 
 _LOADED = "relaunch_loaded"  # the attribute `_keep_loaded` sets on each repacked Linear layer
 
@@ -136,6 +138,26 @@ class VllmEngine:
             rows = shape_of[name][0] if shape_of[name] else 1
             out.append(tensor.detach()[offset:offset + rows].reshape(shape_of[name]))
         return out
+
+    def refit(self, model: torch.nn.Module, names: Sequence[str], bucket_bytes: int) -> str:
+        """The staging `model`'s weights into vLLM (a tied lm_head by its name too: vLLM's reload unties it), and
+        the digest of what vLLM then holds as parameters `names`: the whole of a sync after the receive."""
+        self.load(model.state_dict().items())
+        return self.digest(model, names, bucket_bytes)
+
+    def digest(self, model: torch.nn.Module, names: Sequence[str], bucket_bytes: int) -> str:
+        """The digest of what vLLM holds as `model`'s parameters `names`, read back from vLLM's model (a sync's
+        digest, in buckets of `bucket_bytes`); WeightSyncError when a weight the model ties to one of them (a
+        tied lm_head) holds anything else."""
+        own = dict(model.named_parameters())
+        tied = {alias: name for alias, t in model.state_dict(keep_vars=True).items() if alias not in own
+                for name, p in own.items() if t is p}
+        served = self.loaded([*names, *tied], [list(own[n].shape) for n in [*names, *tied.values()]])
+        by_name = dict(zip([*names, *tied], served))
+        untied = [alias for alias, name in tied.items() if not torch.equal(by_name[alias], by_name[name])]
+        if untied:
+            raise WeightSyncError(f"vLLM's {untied[0]} differs from {tied[untied[0]]}, to which the model ties it")
+        return local_digest(served[:len(names)], own[names[0]].dtype, bucket_bytes)
 
     def generate(self, encoded: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,
                  greedy: bool) -> list[list[int]]:
