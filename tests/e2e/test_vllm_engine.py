@@ -64,7 +64,7 @@ def weights_reach_vllm_in_place_and_read_back_bitwise():
     engine.load(model.state_dict().items())
     for name, mine, served in zip(names, model.parameters(), engine.loaded(names, shapes(model))):
         assert torch.equal(mine, served), name
-    # the tied lm_head, untied by vLLM's reload, was fed by its own name: it holds the embedding too
+    # the tied lm_head (untied by vLLM's reload_weights, on GPU) was fed by its own name: it holds the embedding too
     embed = model.get_input_embeddings().weight
     assert torch.equal(engine.loaded(["lm_head.weight"], [list(embed.shape)])[0], embed)
     encoded = [encode_prompt(tokenizer, p) for p in PROMPTS[:8]]
