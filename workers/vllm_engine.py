@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from workers.errors import WeightSyncError
+from workers.errors import UserCodeError, WeightSyncError
 from workers.model import model_config
 from workers.weight_sync import local_digest
 
@@ -126,6 +126,7 @@ class VllmEngine:
         self.llm = LLM(model=_engine_model_dir(config.model, tokenizer), skip_tokenizer_init=True,
                        load_format="dummy", dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
                        kv_cache_memory_bytes=config.rollout.kv_cache_mb * 2**20, seed=config.seed,
+                       max_model_len=config.data.max_sequence_tokens,
                        enable_prefix_caching=True)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -190,9 +191,15 @@ class VllmEngine:
     def generate(self, encoded: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,
                  greedy: bool) -> list[list[int]]:
         """One completion per prompt (token ids, EOS included when drawn); each sample's draws seeded by its own
-        seed, so a completion does not depend on the batch it was drawn in."""
+        seed, so a completion does not depend on the batch it was drawn in. A prompt longer than
+        data.max_prompt_tokens is refused: vLLM would cut its completion short of max_new_tokens."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        longest = max(map(len, encoded), default=0)
+        if longest > self.config.data.max_prompt_tokens:
+            raise UserCodeError(f"data.max_prompt_tokens = {self.config.data.max_prompt_tokens}: a prompt of the "
+                                f"dataset is {longest} tokens long (chat template included)")
 
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         params = [SamplingParams(max_tokens=max_new_tokens, stop_token_ids=eos, detokenize=False,

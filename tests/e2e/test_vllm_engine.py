@@ -105,6 +105,26 @@ def a_samples_tokens_depend_on_its_seed_not_on_its_batch():
     assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
 
 
+def test_vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt(child):
+    child.apply(vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt)
+
+
+def vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt():
+    from workers.errors import UserCodeError
+
+    config, tokenizer, model, engine = parts()
+    assert engine.llm.llm_engine.model_config.max_model_len == config.data.max_sequence_tokens == 32 + 6
+    engine.load(model.state_dict().items())
+    with pytest.raises(UserCodeError, match="data.max_prompt_tokens = 32: a prompt of the dataset is 33 tokens"):
+        engine.generate([[4] * 33], [0], 6, 1.0, greedy=True)
+    # the longest prompt draws its max_new_tokens in full (vLLM stops a sequence at max_model_len)
+    eos, tokenizer.eos_token = tokenizer.eos_token, None
+    try:
+        assert [len(c) for c in engine.generate([[4] * 32], [0], 6, 1.0, greedy=False)] == [6]
+    finally:
+        tokenizer.eos_token = eos
+
+
 def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
     from vllm.v1.engine.exceptions import EngineDeadError
 
