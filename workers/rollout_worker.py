@@ -101,25 +101,11 @@ class RolloutWorker:
         else:
             digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config))
         if self.vllm:
-            self.vllm.load(self.model.state_dict().items())  # a tied lm_head by its name too: vLLM's reload unties it
-            served = self._served(names)
+            served = self.vllm.refit(self.model, names, bucket_bytes)
             if served != digest:
                 raise WeightSyncError(f"vLLM holds weights of digest {served} after loading {digest}")
         self.version, self.names = version, list(names)
         return digest
-
-    def _served(self, names: list[str]) -> str:
-        """The digest of what vLLM holds as parameters `names`, read back from its model; WeightSyncError when a
-        weight the model ties to one of them (a tied lm_head) holds anything else."""
-        own = dict(self.model.named_parameters())
-        tied = {alias: name for alias, t in self.model.state_dict(keep_vars=True).items() if alias not in own
-                for name, p in own.items() if t is p}
-        served = self.vllm.loaded([*names, *tied], [list(own[n].shape) for n in [*names, *tied.values()]])
-        by_name = dict(zip([*names, *tied], served))
-        untied = [alias for alias, name in tied.items() if not torch.equal(by_name[alias], by_name[name])]
-        if untied:
-            raise WeightSyncError(f"vLLM's {untied[0]} differs from {tied[untied[0]]}, to which the model ties it")
-        return local_digest(served[:len(names)], self.dtype, self.config.rollout.weight_bucket_mb * 2**20)
 
     @fault_points
     def weight_status(self) -> tuple[int | None, str]:
@@ -127,9 +113,9 @@ class RolloutWorker:
         that whatever changed them since their sync (a late writer, a bug) shows."""
         if self.version is None:
             return None, ""
-        if self.vllm:
-            return self.version, self._served(self.names)
         bucket_bytes = self.config.rollout.weight_bucket_mb * 2**20
+        if self.vllm:
+            return self.version, self.vllm.digest(self.model, self.names, bucket_bytes)
         if self.shared and [n for n, _ in self.shared.layout] == self.names:  # in the stream's order: hashed in place
             return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes)
         own = dict(self.model.named_parameters())

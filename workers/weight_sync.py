@@ -97,12 +97,21 @@ def from_message(t: torch.Tensor) -> list[int]:
     return t.numpy().view(np.uint64).tolist()
 
 
+def pieces_hash(pieces: Sequence[torch.Tensor]) -> int:
+    """`bucket_hash` of the pieces laid end to end, hashed where they are: xxh3's streaming form gives the
+    same value, without a copy of the bucket (a new allocation, its pages faulted in, at every digest)."""
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece.contiguous().view(torch.uint8).cpu().numpy())
+    return hasher.intdigest()
+
+
 def local_digest(tensors: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> str:
-    """The digest a sync of `tensors` (full, in the stream's order) gives, computed in one process: what
-    tests and benchmarks check a sync against."""
+    """The digest a sync of `tensors` (full, in the stream's order) gives, computed in one process over the
+    tensors' own memory: what an engine reports of the weights it holds, and what tests check a sync against."""
     flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
     plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
-    return combine([bucket_hash(torch.cat([flat[p.param][p.start:p.start + p.length] for p in b])) for b in plan])
+    return combine([pieces_hash([flat[p.param][p.start:p.start + p.length] for p in b]) for b in plan])
 
 
 def flat_digest(flat: torch.Tensor, dtype: torch.dtype, bucket_bytes: int) -> str:

@@ -1,6 +1,7 @@
 """Every benchmark runs in its quick mode, so that none of them rots: it prints its table and its JSON."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -120,3 +121,16 @@ def test_weight_sync_benchmark(cluster, tmp_path):
     assert figures["bytes"] > 0 and figures["stream_secs"] > 0 and figures["shared_secs"] > 0
     assert figures["object_store_secs"] > 0
     assert "speed-up shared memory / object store" in figures["stdout"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (./dev.sh installs it)")
+def test_engines_benchmark(tmp_path):
+    """Both engines at tiny: generation, and the weight sync (for vLLM into its model and read back) with its
+    bandwidth beside a memcpy of the same bytes."""
+    rows = bench("engines", tmp_path=tmp_path)["rows"]
+    assert [(r["size"], r["engine"]) for r in rows] == [("tiny", "hf"), ("tiny", "vllm")]
+    for row in rows:
+        assert row["tokens_per_sec"] > 0 and row["weight_bytes"] > 0
+        assert 0 < row["sync_secs"] and 0 < row["sync_gbps"] and 0 < row["memcpy_gbps"]
+        assert row["share_of_memcpy"] == row["sync_gbps"] / row["memcpy_gbps"] > 0
+    assert rows[1]["reload_secs"] > 0 and rows[1]["digest_secs"] > 0

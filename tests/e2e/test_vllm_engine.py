@@ -1,18 +1,20 @@
 """vLLM as the rollout engine: in a spawned process (no Ray), its weights in place and read back and its seeded
 sampling (one engine serves those tests: vLLM's import and start cost ~20 s); then a job on the shared cluster
-whose vLLM engine is killed and hung, and ends bit-identical to an uninterrupted vLLM run."""
+whose vLLM engine is killed, loses its node and hangs, and ends bit-identical to an uninterrupted vLLM run."""
 from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import time
 
 import pytest
 import torch
 
-from conftest import CONFIG, SHORT, Trial, relaunch, status_json
-from test_faults import assert_recovered_exactly, run_with_fault
+from conftest import CONFIG, SHORT, Trial, job_env, relaunch, start_relaunch, status_json
+from test_faults import assert_recovered_exactly
 
 from supervisor.config import load_config
+from supervisor.testing.processes import command_line, process_tree
 from workers.generate import encode_prompt, generate, sample_seed
 from workers.model import build_model, build_tokenizer
 from workers.vllm_engine import _LOADED, _the_model
@@ -64,7 +66,7 @@ def weights_reach_vllm_in_place_and_read_back_bitwise():
     engine.load(model.state_dict().items())
     for name, mine, served in zip(names, model.parameters(), engine.loaded(names, shapes(model))):
         assert torch.equal(mine, served), name
-    # the tied lm_head, untied by vLLM's reload, was fed by its own name: it holds the embedding too
+    # the tied lm_head (untied by vLLM's reload_weights, on GPU) was fed by its own name: it holds the embedding too
     embed = model.get_input_embeddings().weight
     assert torch.equal(engine.loaded(["lm_head.weight"], [list(embed.shape)])[0], embed)
     encoded = [encode_prompt(tokenizer, p) for p in PROMPTS[:8]]
@@ -105,6 +107,26 @@ def a_samples_tokens_depend_on_its_seed_not_on_its_batch():
     assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
 
 
+def test_vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt(child):
+    child.apply(vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt)
+
+
+def vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt():
+    from workers.errors import UserCodeError
+
+    config, tokenizer, model, engine = parts()
+    assert engine.llm.llm_engine.model_config.max_model_len == config.data.max_sequence_tokens == 32 + 6
+    engine.load(model.state_dict().items())
+    with pytest.raises(UserCodeError, match="data.max_prompt_tokens = 32: a prompt of the dataset is 33 tokens"):
+        engine.generate([[4] * 33], [0], 6, 1.0, greedy=True)
+    # the longest prompt draws its max_new_tokens in full (vLLM stops a sequence at max_model_len)
+    eos, tokenizer.eos_token = tokenizer.eos_token, None
+    try:
+        assert [len(c) for c in engine.generate([[4] * 32], [0], 6, 1.0, greedy=False)] == [6]
+    finally:
+        tokenizer.eos_token = eos
+
+
 def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
     from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -122,21 +144,53 @@ def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
     assert exits == [1] and _or_exit(lambda: 7, exit=exits.append) == 7
 
 
+def engines_by_node(cluster) -> dict:
+    """How many RolloutWorkers each worker node runs (Ray titles an actor's process ray::{class})."""
+    return {node: sum(" ".join(command_line(pid)).startswith("ray::RolloutWorker")
+                      for pid in process_tree(node.all_processes["raylet"][0].process.pid))
+            for node in cluster.workers}
+
+
 @pytest.mark.quick
 @pytest.mark.timeout(900)
-def test_a_killed_and_a_hung_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial, tmp_path):
-    job = [*VLLM_TINY, "recover.step_timeout_secs=20"]  # a hang is seen 20 s after it begins
+def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial,
+                                                                                               tmp_path):
+    """Two engines (the first takes the head node's one CPU, the second a worker node's). An engine's actor killed
+    at step 3, the worker node that runs an engine killed after step 8 (a node joins again after the job, as in
+    test_faults), a generate hung at step 14: each time the engines lost are replaced, alone or with the ranks
+    the node held, refitted and checked before they serve, and the run ends bit-identical."""
+    job = [*VLLM_TINY, "cluster.n_rollout_workers=2", "recover.step_timeout_secs=20"]  # a hang is seen after 20 s
     reference = Trial(tmp_path / "reference")
     r = relaunch("run", str(CONFIG), *SHORT, *job, "recover.spare_workers=0", *reference.overrides,
                  "--address", cluster.address)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     faults = "RolloutWorker.generate.enter:kill:step=3,RolloutWorker.generate.enter:hang:step=14"
-    r = run_with_fault(cluster, trial, tmp_path, faults, *job)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert_recovered_exactly(trial, reference, restarts=2)
-    assert [(e["cause"], e["group"]) for e in trial.events("failure")] == [("engine_died", "rollout"),
-                                                                           ("hang", "rollout")]
-    assert [e["what"] for e in trial.events("restart")] == ["restart_engines"] * 2
+    env = job_env({"RELAUNCH_FAULT": faults, "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, *job, "--address", cluster.address,
+                          env=env, log=tmp_path / "job.log")
+    killed = None
+    try:
+        trial.wait_for_step(8, proc)
+        node, engines = max(engines_by_node(cluster).items(), key=lambda item: item[1])
+        assert engines >= 1
+        killed = time.time()
+        cluster.kill_node(node)
+        assert proc.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if killed is not None:
+            cluster.add_node()
+    # one restart per fault: the kill, the node (one incident, whatever else the node held) and the hang
+    assert_recovered_exactly(trial, reference, restarts=3)
+    before, after = ([e for e in trial.events("failure") if (e["time"] > killed) == later] for later in (False, True))
+    assert [(e["cause"], e["group"]) for e in before] == [("engine_died", "rollout")]
+    assert after[0]["node"] == node.node_id and ("hang", "rollout") == (after[-1]["cause"], after[-1]["group"])
+    assert [e["what"] for e in trial.events("restart") if e["time"] < killed] == ["restart_engines"]
+    # after the node's loss: the engine replaced, then refitted (pushed to) and checked before the next rollout
+    replaced = [e for e in trial.events() if e["time"] > killed and e["event"] in ("engines_restarted", "resync")]
+    assert replaced[0]["event"] == "engines_restarted" and len(replaced[0]["replaced"]) == engines
+    assert (replaced[1]["event"], replaced[1]["engines"], replaced[1]["pushed"]) == ("resync", 2, engines)
     # every rollout came from an engine that held the trainer's weights, digest included
     assert not [e for e in trial.events("failure") if e["cause"] in ("stale_weights", "internal_error")]
     assert status_json(trial)["state"] == "done"

@@ -123,3 +123,36 @@ def test_the_built_in_engine_is_named_hf_as_in_the_design_and_builtin_still_read
     assert load_config(DEFAULT_CONFIG, ["rollout.engine=builtin"]).rollout.engine is RolloutEngine.HF
     with pytest.raises(ConfigError, match="rollout.engine"):
         load_config(DEFAULT_CONFIG, ["rollout.engine=sglang"])
+
+
+VLLM_TINY = ["rollout.engine=vllm", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"]
+
+
+@pytest.mark.parametrize("config", ["configs/tiny_grpo.yaml", "configs/count_on.yaml", "configs/grpo_100m.yaml",
+                                    "configs/grpo_0.5b.yaml"])
+def test_vllms_max_model_len_is_the_longest_prompt_and_completion_and_every_shipped_config_fits(config):
+    from supervisor.config import BUILT_MODEL_CONTEXT
+
+    overrides = VLLM_TINY if "0.5b" not in config and "100m" not in config else ["rollout.engine=vllm"]
+    data = load_config(config, [*overrides, "data.max_prompt_tokens=20"]).data
+    assert data.max_sequence_tokens == 20 + data.max_new_tokens <= BUILT_MODEL_CONTEXT
+
+
+def test_lengths_beyond_a_built_models_context_are_refused_naming_the_keys():
+    load_config(DEFAULT_CONFIG, [*VLLM_TINY, "data.max_prompt_tokens=60", "data.max_new_tokens=4"])  # 64: fits
+    with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \+ data.max_new_tokens = 60 \+ 5 = 65 tokens do "
+                                          r"not fit the built model \(model.path null\)'s context of 64 positions"):
+        load_config(DEFAULT_CONFIG, [*VLLM_TINY, "data.max_prompt_tokens=60", "data.max_new_tokens=5"])
+    load_config(DEFAULT_CONFIG, ["data.max_prompt_tokens=60", "data.max_new_tokens=5"])  # the built-in engine: no bound
+
+
+def test_lengths_beyond_a_model_directorys_context_are_refused_with_exit_2_and_one_line(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 40}')
+    r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), "rollout.engine=vllm",
+                        f"model.path={model}", "data.max_new_tokens=9", f"cluster.fileroot={tmp_path / 'runs'}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f"32 + 9 = 41 tokens do not fit model.path {model}'s context of 40 positions" in r.stderr
+    assert not (tmp_path / "runs").exists()

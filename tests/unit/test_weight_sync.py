@@ -49,6 +49,15 @@ def test_the_digest_depends_on_every_bucket_and_their_order():
     assert local_digest(ts, torch.float32, 16) != local_digest(changed, torch.float32, 16)
 
 
+def test_a_bucket_hashed_in_pieces_where_they_lie_is_the_bucket_hashed_whole():
+    from workers.weight_sync import bucket_hash, pieces_hash
+
+    torch.manual_seed(0)
+    pieces = [torch.randn(7), torch.randn(3, 4)[:, 1], torch.randn(0), torch.randn(100)]  # one not contiguous
+    assert pieces_hash(pieces) == bucket_hash(torch.cat([p.reshape(-1) for p in pieces]))
+    assert pieces_hash(pieces[:2]) != pieces_hash(pieces[1::-1])
+
+
 def stream(sent: list[torch.Tensor], into: list[torch.Tensor], bucket_bytes: int, receiver=receive):
     """Rank 0 sends `sent` to rank 1, which writes into `into`; returns (rank 0's result, rank 1's)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
