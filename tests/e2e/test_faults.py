@@ -422,8 +422,7 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_ki
     and training goes on. Back up, the next save commits. The ranks' node is then lost with its disk: the spares
     on the other node load the last commit from the bucket. A rank killed later restarts the TrainGroup from the
     bucket again, and the run ends as the local uninterrupted one did, with nothing unpublished left in the
-    bucket and nothing of a checkpoint left on any node's disk. Meanwhile a second run of the trial from another
-    head is refused by the lock in the bucket."""
+    bucket and nothing of a checkpoint left on any node's disk."""
     from supervisor.checkpoint.layout import TrialLayout, as_path
     from supervisor.checkpoint.store import RecoverStore
 
@@ -441,11 +440,6 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_ki
         while not trial.events("save_failed") and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
         s3_server.up()
-        # a second run of the trial from another head (a local_root of its own) is refused by the bucket's lock
-        second = relaunch("run", str(CONFIG), *SHORT, f"cluster.fileroot={trial.url}",
-                          f"cluster.local_root={tmp_path / 'other-head'}", "--address", cluster.address)
-        assert second.returncode == 2 and f"trial is already running: {trial.url}/checkpoints/" in second.stderr, \
-            second.stderr
         while 14 not in [e["global_step"] for e in trial.events("commit")] and proc.poll() is None:
             time.sleep(0.1)  # step 14's save committed (the first after the outage), then the ranks' node is lost
         train_node = trial.events("loaded")[-1]["nodes"][0]

@@ -484,3 +484,21 @@ def test_the_logs_reach_the_bucket_after_a_commit_and_at_the_end_and_status_read
     assert read_log(layout, "stats.jsonl") == [{"global_step": 0, "reward": 0.5}, {"global_step": 1, "reward": 0.7}]
     assert [e["event"] for e in read_log(layout, "events.jsonl")][-1] == Event.DONE
     assert {n: mirror.fs.read_bytes(layout.log_mirror / n) for n in head_copy} == head_copy
+
+
+def test_a_run_from_another_head_is_refused_by_the_lock_in_the_bucket(s3_server, tmp_path):
+    """Two heads that share only the bucket: while one holds the trial, `relaunch run` on the other (a local_root
+    of its own) exits 2 naming the lock in the bucket, before it starts anything."""
+    from supervisor.checkpoint.trial_lock import trial_lock
+    from supervisor.config import DEFAULT_CONFIG, load_config
+
+    url = s3_server.url(tmp_path.name)
+    held = trial_lock(TrialLayout.from_config(load_config(DEFAULT_CONFIG, [f"cluster.fileroot={url}"])))
+    held.acquire()
+    try:
+        r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), f"cluster.fileroot={url}",
+                            f"cluster.local_root={tmp_path / 'other-head'}"], capture_output=True, text=True)
+    finally:
+        held.release()
+    assert r.returncode == 2 and r.stderr.startswith(f"relaunch: error: trial is already running: {url}/checkpoints/")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "other-head").exists()
