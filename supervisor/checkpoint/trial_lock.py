@@ -242,14 +242,14 @@ class TrialLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(REFRESH_SECS):
-            if not self._ours():
-                print(f"relaunch: warning: {self.path} is no longer held by this run", flush=True)
-                return
-            self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
             try:
+                if not self._ours():
+                    print(f"relaunch: warning: {self.path} is no longer held by this run", flush=True)
+                    return
+                self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
                 self._refresh(self.holder)
-            except OSError as e:  # a full or unreachable disk: the next beat tries again
-                print(f"relaunch: warning: cannot refresh {self.path}: {e}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a full or unreachable disk or store: the next beat tries again
+                print(f"relaunch: warning: cannot refresh {self.path}: {type(e).__name__}: {e}", flush=True)
 
     def _refresh(self, holder: Holder) -> None:
         os.replace(self._write_tmp(holder), self.path)
@@ -292,15 +292,25 @@ class BucketLock(TrialLock):
         return self._delete_if(self._judged)
 
     def _refresh(self, holder: Holder) -> None:
+        body = json.dumps(asdict(holder)).encode()
         try:
-            self._written = self._call("put_object", Body=json.dumps(asdict(holder)).encode(),
-                                       IfMatch=self._written)["ETag"]
+            self._written = self._call("put_object", Body=body, IfMatch=self._written)["ETag"]
         except OSError as e:
-            if not _precondition_failed(e):
+            if not (_precondition_failed(e) and self._adopt()):
                 raise  # the next beat tries again; a lock taken over meanwhile is no longer ours (`_ours`)
+            self._written = self._call("put_object", Body=body, IfMatch=self._written)["ETag"]
 
     def _remove(self) -> None:
-        self._delete_if(self._written)
+        if not self._delete_if(self._written) and self._adopt():
+            self._delete_if(self._written)
+
+    def _adopt(self) -> bool:
+        """A write of ours may have landed without its answer reaching us (a timeout): its ETag is not the one
+        we hold. When the object still names this run, take its ETag as ours."""
+        if not self._ours():  # reads the object, and its ETag first
+            return False
+        self._written = self._judged
+        return True
 
     def _delete_if(self, etag: str | None) -> bool:
         """Delete the lock object only while it is the one with `etag`."""

@@ -147,3 +147,42 @@ def test_the_holder_refreshes_its_heartbeat(room, monkeypatch):
     later = room.read()
     lock.release()
     assert later["heartbeat"] > first["heartbeat"] and later["token"] == first["token"]
+
+
+def test_a_heartbeat_whose_answer_was_lost_is_not_the_end_of_the_lock(s3_server, tmp_path):
+    """A refresh that landed in the bucket while its answer was lost (a timeout) leaves this run holding an
+    ETag the object no longer has: the next refresh and the release still work, the lock being ours."""
+    room = Room(as_path(s3_server.url(tmp_path.name)) / "trial" / "run.lock")
+    lock = room.lock()
+    lock.acquire()
+    lock._stop.set()  # no background beats: this test beats by hand
+    lock._thread.join()
+    room.plant(Holder(**{**asdict(lock.holder), "heartbeat": time.time()}))  # our write, its answer lost
+    lock._refresh(Holder(**{**asdict(lock.holder), "heartbeat": time.time() + 1}))
+    assert room.read()["heartbeat"] > lock.holder.heartbeat
+    lock.release()
+    assert room.read() is None
+
+
+def test_a_store_that_fails_a_heartbeat_does_not_stop_the_next(room, monkeypatch, capsys):
+    from botocore.exceptions import EndpointConnectionError
+
+    monkeypatch.setattr("supervisor.checkpoint.trial_lock.REFRESH_SECS", 0.05)
+    lock = room.lock()
+    calls = []
+    real = lock._refresh
+
+    def flaky(holder):
+        calls.append(holder)
+        if len(calls) == 1:  # what s3fs lets through when the endpoint does not answer: not an OSError
+            raise EndpointConnectionError(endpoint_url="http://store:9000")
+        real(holder)
+
+    lock._refresh = flaky
+    lock.acquire()
+    first = room.read()["heartbeat"]
+    time.sleep(0.5)
+    later = room.read()["heartbeat"]
+    lock.release()
+    assert len(calls) >= 3 and later > first
+    assert "cannot refresh" in capsys.readouterr().out
