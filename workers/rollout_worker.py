@@ -30,6 +30,7 @@ from workers.weight_sync import (flat_digest, join_group, local_digest, op_timeo
 
 @ray.remote
 class RolloutWorker:
+    @fault_points
     def __init__(self, config: Config, index: int = 0):
         torch.set_num_threads(1)
         self.config, self.rank = config, index  # `rank`: the engine's index, for fault points

@@ -32,6 +32,7 @@ class FaultKind(str, enum.Enum):
     STORAGE_ERROR = "storage_error"          # disk full, permissions, I/O: a save or export failed
     USER_ERROR = "user_error"                # the reward function or dataset raised
     RUNTIME_ENV = "runtime_env_failed"       # Ray could not set up a worker's runtime env (pip, working dir)
+    START_FAILED = "start_failed"            # a worker's constructor raised (an engine its config cannot build)
     SUPERVISOR_DIED = "supervisor_died"      # Ray restarted the Supervisor actor
     INTERNAL_ERROR = "internal_error"        # a bug in relaunch itself
 
@@ -61,6 +62,8 @@ _PEER_MARKERS = ("connection reset by peer", "connection closed by peer", "broke
 # torch.save reports a full disk as a RuntimeError from its zip writer
 _STORAGE_MARKERS = ("no space left", "disk quota", "unexpected pos", "pytorchstreamwriter failed", "read-only file")
 _DEVICE_MARKERS = ("cuda error", "cudnn", "cublas", "device-side assert", "ecc error")
+# a constructor's errors that a new try on another port or another moment can cure
+_TRANSIENT_START_MARKERS = _PEER_MARKERS + ("address already in use", "timed out", "temporarily unavailable")
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -109,6 +112,10 @@ def classify(err: GroupError | BaseException) -> Fault:
         return fault(FaultKind.HANG, f"no answer from {', '.join(actors) or who} after {waited or 0:.0f}s")
     if isinstance(cause, rex.ObjectLostError):  # OwnerDiedError, ObjectReconstructionFailedError, ...
         return fault(FaultKind.OBJECT_LOST, f"{who}: {first_line(cause)}")
+    if isinstance(cause, rex.RayActorError) and cause.actor_init_failed:
+        raised = last_line(cause)  # Ray keeps the constructor's exception as text only: its last line names it
+        if not any(m in raised.lower() for m in _TRANSIENT_START_MARKERS):
+            return fault(FaultKind.START_FAILED, f"{who} failed to start: {raised}")
     if isinstance(cause, _DEATHS):
         kind = FaultKind.ENGINE_DIED if group is Group.ROLLOUT else FaultKind.WORKER_DIED
         return fault(kind, f"{who} died: {first_line(cause)}")
@@ -127,3 +134,8 @@ def classify(err: GroupError | BaseException) -> Fault:
         return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
     return fault(FaultKind.INTERNAL_ERROR, f"{who}: {type(cause).__name__}: {first_line(cause)}")
 
+
+def last_line(error: BaseException) -> str:
+    """The last non-empty line of an error's text (a traceback's: the exception and its message)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -137,7 +137,8 @@ class Controller:
             self.events.emit(Event.DONE, global_step=step, reward=self.runner.last_reward, message=r.message)
             return JobResult(ExitCode.OK, r.message or f"finished {self.runner.total_steps} steps", step,
                              self.runner.last_reward)
-        kind = Event.FAILED if r.fault is None or r.fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR) \
+        kind = Event.FAILED if r.fault is None or r.fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR,
+                                                                   FaultKind.START_FAILED) \
             else Event.GAVE_UP
         self.events.emit(kind, reason=r.message)
         return JobResult(r.exit_code, r.message, step, details=r.details)
@@ -214,7 +215,8 @@ class Controller:
                              action=self.config.recover.on_save_error.value, removed=[str(p) for p in removed])
         if decision.action is Action.FAIL:
             details = ""
-            if error is not None and fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR):
+            if error is not None and fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR,
+                                                    FaultKind.START_FAILED):
                 details = "".join(traceback.format_exception(error.__cause__ or error))
             return Result(Outcome.FATAL, decision, fault, ExitCode.FAILED, decision.reason, details)
         if decision.action is not Action.SKIP_SAVE:

@@ -6,8 +6,9 @@ a skipped save spends none. The first restart after a quiet period is immediate;
 faults that follow each other within `recover.quiet_secs` (a crash loop), doubling up to its cap. A fault that
 strikes while a repair is applied, within `recover.incident_secs` of the fault that started it, is part of
 the same incident (a node that held a rank and an engine): it is repaired too, without spending a retry.
-A runtime env that cannot be set up fails the job before its first start (the user's env is broken) and is
-a start-up fault to retry after it (a replacement node's transient failure).
+A runtime env that cannot be set up, or a worker whose constructor raises, fails the job before its first
+start (the user's env or config is broken) and is a start-up fault to retry after it (a replacement node's
+transient failure).
 Its memory (restarts, the burst, the last fault, the incident) is rebuilt from the job's events when the
 Supervisor restarts (`from_history`), and `budget` is the one count of retries the driver sizes Ray's own
 restart limit from. The controller applies the decision; unit tests drive this object alone.
@@ -109,6 +110,8 @@ class RestartPolicy:
             return Decision(Action.FAIL, f"user code raised: {fault.message}")
         if kind is FaultKind.RUNTIME_ENV and not self.started:  # before any start it is the job's own env
             return Decision(Action.FAIL, f"the runtime env could not be set up: {fault.message}")
+        if kind is FaultKind.START_FAILED and not self.started:  # ... or its own config
+            return Decision(Action.FAIL, fault.message)
         if same_incident and kind is not FaultKind.USER_ERROR:
             # one physical fault (a node with a rank and an engine) is one retry, however its parts are seen
             action = self.repair(fault)

@@ -2,7 +2,7 @@
 
 `RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points. Every method the Supervisor calls on a
 TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit` (`TrainWorker.train.enter`,
-`RolloutWorker.generate.exit`, ...); `rank=` is the TrainWorker's rank or the engine's index. The step of a
+`RolloutWorker.generate.exit`, ...; the engine's constructor too, `RolloutWorker.__init__.enter`); `rank=` is the TrainWorker's rank or the engine's index. The step of a
 call is its `global_step` argument, or for `update_weights_from_distributed` the step whose update made the
 weights (version - 1); `where`, `setup`, `load_recover`, `init_weights_update_group` and `weight_status` run at
 (re)starts and resyncs and have none, so a point armed there without `step=` fires at the first call. A TrainWorker's rank is the one it has (or, in

@@ -42,6 +42,19 @@ def test_retries_exhausted_stops_with_one_clear_line(cluster, trial, tmp_path):
 
 
 @pytest.mark.quick
+def test_an_engine_that_cannot_be_built_fails_the_first_start_at_once_naming_why(cluster, trial, tmp_path):
+    """A worker's constructor that raises at the job's first start is its config or node, not bad luck: the job
+    stops at once with the error (once started, the same fault is a counted restart)."""
+    r = run_with_fault(cluster, trial, tmp_path, "RolloutWorker.__init__.enter:enospc")
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "RolloutWorker[0] failed to start: OSError: [Errno 28] No space left on device" in last, last
+    assert [e["cause"] for e in trial.events("failure")] == ["start_failed"]
+    st = status_json(trial)
+    assert st["restarts"] == 0 and st["state"] == "failed"
+
+
+@pytest.mark.quick
 def test_user_code_error_fails_fast_with_its_traceback(cluster, trial):
     r = relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "reward.fn=tests.e2e.faulty_reward:reward",
                  "--address", cluster.address)

@@ -161,3 +161,18 @@ def test_only_a_bug_in_relaunch_is_an_internal_error():
     assert classify(from_worker(TypeError("bad argument"))).kind is FaultKind.INTERNAL_ERROR
     # a RuntimeError that is not a collective's, in an engine: a bug, not a peer failure
     assert classify(from_worker(RuntimeError("shape mismatch"), Group.ROLLOUT)).kind is FaultKind.INTERNAL_ERROR
+
+
+def _init_failed(text: str) -> rex.ActorDiedError:
+    """What Ray raises for a call on an actor whose constructor raised: the constructor's error as text only."""
+    tb = f'Traceback (most recent call last):\n  File "rollout_worker.py", line 52, in __init__\n{text}'
+    return rex.ActorDiedError(rex.RayTaskError("RolloutWorker.__init__", tb, RuntimeError(text)))
+
+
+def test_a_constructor_that_raised_is_a_start_failure_naming_its_error_unless_it_may_pass():
+    fault = classify(GroupError(Group.ROLLOUT, _init_failed("ValueError: no KV cache room for max_model_len 38"),
+                                ("RolloutWorker[0]",), "node1", 1.0))
+    assert fault.kind is FaultKind.START_FAILED and fault.group is Group.ROLLOUT
+    assert fault.message == "RolloutWorker[0] failed to start: ValueError: no KV cache room for max_model_len 38"
+    busy = _init_failed("RuntimeError: The server socket has failed to listen: address already in use")
+    assert classify(GroupError(Group.TRAIN, busy, ("TrainWorker[rank 0]",))).kind is FaultKind.WORKER_DIED

@@ -181,3 +181,13 @@ def test_a_crash_loop_keeps_its_backoff_across_the_supervisors_restart():
 def test_one_budget_serves_the_policy_and_the_driver(mode, retries, spent):
     config = load_config(None, [f"recover.mode={mode}", f"recover.retries={retries}"])
     assert budget(config) == RestartPolicy.from_config(config).retries == spent
+
+
+def test_a_worker_that_cannot_be_built_fails_the_first_start_and_is_a_counted_restart_after_it():
+    p = RestartPolicy(retries=3)
+    d = p.decide(fault(FaultKind.START_FAILED, Group.ROLLOUT))
+    assert d.action is Action.FAIL and p.restarts == 0
+    p.started = True
+    assert p.decide(fault(FaultKind.START_FAILED, Group.ROLLOUT)).action is Action.RESTART_ENGINES
+    assert p.decide(fault(FaultKind.START_FAILED)).action is Action.RESTART_TRAIN_GROUP
+    assert p.restarts == 2
