@@ -90,6 +90,9 @@ def run_job(config: Config, address: str | None) -> int:
     except (ClusterUnreachable, TrialLocked) as e:
         print(f"relaunch: error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    except OSError as e:  # the lock's disk or store failed it: nothing has started
+        print(f"relaunch: error: cannot take the trial's lock {lock.path}: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     try:
         if taken_over:
             print(f"relaunch: {taken_over}", file=sys.stderr)

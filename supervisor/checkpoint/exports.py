@@ -49,7 +49,7 @@ def prune_exports(fs: Storage, root: StoragePath, keep: int) -> None:
     """Delete all but the newest `keep` published exports under `root`."""
     exports = sorted(whole_exports(fs, root), key=lambda p: int(EXPORT_DIR.match(p.name).group(3)))
     for old in exports[:-keep]:
-        fs.remove(old)
+        fs.remove(old, first=EXPORT_MARKER)
 
 
 def whole_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:

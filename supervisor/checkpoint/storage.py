@@ -29,6 +29,7 @@ from supervisor.config import Config
 
 T = TypeVar("T")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+MIN_TIMEOUT_SECS = 30.0  # one connection's or read's bound on a store (a part of a large upload takes seconds)
 # errors retrying cannot cure: the object is not there, the credentials are refused, the call is wrong
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
               ValueError, TypeError)
@@ -61,8 +62,9 @@ class Storage(Protocol):
         """Replace a file so that a reader sees the old bytes or the new ones, never a mix."""
     def mkdir(self, path: StoragePath) -> None:
         """Make `path` (and its parents) a directory; nothing on an object store, where prefixes need no making."""
-    def remove(self, path: StoragePath) -> None:
-        """Delete a file or a directory tree; nothing when it is not there."""
+    def remove(self, path: StoragePath, first: str | None = None) -> None:
+        """Delete a file or a directory tree; nothing when it is not there. `first`, a file under it, is deleted
+        before the rest (on an object store; a local tree goes in one rmtree)."""
     def rename(self, src: StoragePath, dst: StoragePath, last: str | None = None) -> None:
         """Move a file or directory tree (on an object store: copy, then delete; `last`, the file that makes the
         tree whole to its readers, is copied after every other and deleted before them)."""
@@ -118,7 +120,7 @@ class LocalStorage:
     def mkdir(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
 
-    def remove(self, path: Path) -> None:
+    def remove(self, path: Path, first: str | None = None) -> None:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -166,7 +168,9 @@ class FsspecStorage:
 
     def __init__(self, protocol: str, retry_secs: float, fs=None):
         self.protocol, self.retry_secs = protocol, retry_secs
-        self.fs = fs if fs is not None else filesystem(protocol)
+        # a store that does not answer is given up on within a connection's and a read's timeout (not botocore's
+        # 60 s, each retried by s3fs), and then retried here within the budget
+        self.fs = fs if fs is not None else filesystem(protocol, timeout=max(retry_secs, MIN_TIMEOUT_SECS))
         self.retries = 0  # transient errors retried so far, for the tests and the benchmark
 
     def _call(self, what: str, path: ObjectPath, fn: Callable[[], T], writes: bool = False) -> T:
@@ -300,8 +304,8 @@ class FsspecStorage:
 
 def filesystem(protocol: str, timeout: float | None = None):
     """fsspec's filesystem for `protocol`. Its client's own retries are off where we know how (S3: botocore's five
-    attempts take up to ~15 s on a 503), so that ours, bounded by their budget, are the only ones; `timeout`
-    bounds one connection and one read."""
+    attempts take up to ~15 s on a 503, and s3fs retries a timeout five times more), so that ours, bounded by their
+    budget, are the only ones; `timeout` bounds one connection and one read."""
     import fsspec  # imported only when a URL is used
 
     options = {}
@@ -311,7 +315,10 @@ def filesystem(protocol: str, timeout: float | None = None):
             options["config_kwargs"].update(connect_timeout=timeout, read_timeout=timeout)
     # no listings cache: other processes (the ranks, a restarted Supervisor) write beside this one; no instance
     # cache: a client reads the AWS variables as they are when it is made
-    return fsspec.filesystem(protocol, use_listings_cache=False, skip_instance_cache=True, **options)
+    fs = fsspec.filesystem(protocol, use_listings_cache=False, skip_instance_cache=True, **options)
+    if protocol in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own loop around each call: one attempt
+    return fs
 
 
 def check_bucket(root: ObjectPath, secs: float = 5.0) -> None:

@@ -7,7 +7,8 @@ driver lives as long as the run (a Supervisor that Ray restarts runs under the s
 submit` job's driver is its entrypoint), and an actor dies with its driver.
 
 A lock left by a dead holder is taken over:
-- same host: the holder's pid is gone, or now belongs to another process (its start time differs);
+- same host (its name, and its kernel's boot id and pid namespace: machines or containers that share a host name
+  are other hosts): the holder's pid is gone, or now belongs to another process (its start time differs);
 - other host: its heartbeat is older than `LEASE_SECS` by this machine's clock (hosts' clocks must agree to
   well within the lease, as NTP keeps them).
 
@@ -22,6 +23,7 @@ very object that was judged or written (If-Match on its ETag).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -49,6 +51,7 @@ class Holder:
     started: float | None  # the process's start time (seconds since boot on Linux), None where unknown
     token: str
     heartbeat: float       # wall clock of the holder's last refresh
+    machine: str | None = None  # the kernel's boot id and the pid namespace (`this_machine`); None in older locks
 
     def describe(self, now: float) -> str:
         return (f"pid {self.pid} on {self.host} (heartbeat {max(0.0, now - self.heartbeat):.0f} s ago, "
@@ -56,12 +59,12 @@ class Holder:
 
 
 def stale_reason(holder: Holder, host: str, now: float, running_since: float | None,
-                 lease: float = LEASE_SECS) -> str | None:
+                 lease: float = LEASE_SECS, machine: str | None = None) -> str | None:
     """Why `holder`'s lock is left by a dead run, or None while it may be alive. Pure.
 
     `running_since`: the start time of the process that has `holder.pid` on this host now (None: no such
-    process); it only counts when the holder is on this host."""
-    if holder.host == host:
+    process); it only counts when the holder is on this host, and on this `machine` when its lock names one."""
+    if holder.host == host and (holder.machine is None or holder.machine == machine):
         if running_since is None:
             return f"its pid {holder.pid} is gone"
         if holder.started is not None and running_since != holder.started:
@@ -70,6 +73,15 @@ def stale_reason(holder: Holder, host: str, now: float, running_since: float | N
     if now - holder.heartbeat > lease:
         return f"its heartbeat is {now - holder.heartbeat:.0f} s old (lease {lease:.0f} s)"
     return None
+
+
+def this_machine() -> str | None:
+    """What tells this kernel and pid namespace from another's with the same host name (None: not Linux)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/pidns:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
 
 
 def process_start(pid: int) -> float | None:
@@ -123,7 +135,8 @@ class TrialLock:
         holder = self.read()
         if holder is None:
             return None
-        reason = stale_reason(holder, socket.gethostname(), time.time(), process_start(holder.pid))
+        reason = stale_reason(holder, socket.gethostname(), time.time(), process_start(holder.pid),
+                              machine=this_machine())
         return None if reason else holder
 
     def check_free(self) -> None:
@@ -139,20 +152,22 @@ class TrialLock:
         """Take the lock; return why a stale lock was taken over (None: there was none). TrialLocked when a live
         run holds it. Creates the trial's directory, and nothing else, when it is missing."""
         pid = os.getpid()
-        me = Holder(socket.gethostname(), pid, process_start(pid), uuid.uuid4().hex[:12], time.time())
+        me = Holder(socket.gethostname(), pid, process_start(pid), uuid.uuid4().hex[:12], time.time(), this_machine())
         self._make_parent()
         taken_over = None
         for _ in range(3):  # a stale lock removed, then someone else's may appear: look again
             holder = self.read()
             if holder is not None:
-                reason = stale_reason(holder, me.host, time.time(), process_start(holder.pid))
+                if holder.token == me.token:  # our own create landed though its answer was lost, and was retried
+                    self._claim(me)
+                    return taken_over
+                reason = stale_reason(holder, me.host, time.time(), process_start(holder.pid), machine=me.machine)
                 if reason is None:
                     raise self._refusal(holder)
                 if self._discard(holder):
                     taken_over = f"took over the lock of {holder.describe(time.time())}: {reason}"
             if self._create(me):
-                self.holder = me
-                self._start_heartbeat()
+                self._claim(me)
                 return taken_over
         raise TrialLocked(f"{self.path}: could not take the lock (others keep taking it)")
 
@@ -235,6 +250,11 @@ class TrialLock:
             return False
         return holder is not None and self.holder is not None and holder.token == self.holder.token
 
+    def _claim(self, me: Holder) -> None:
+        """The lock is ours: hold it, and keep its heartbeat."""
+        self.holder = me
+        self._start_heartbeat()
+
     def _start_heartbeat(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="trial-lock-heartbeat", daemon=True)
@@ -268,15 +288,29 @@ class BucketLock(TrialLock):
         self._written: str | None = None  # the ETag of the lock object as this run last wrote it
 
     def _call(self, method: str, **kwargs) -> dict:
-        return self.s3.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+        return self._store(lambda: self.s3.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
+
+    def _store(self, fn):
+        """`fn()`, whatever the store's client raised for a store that does not answer made an OSError."""
+        try:
+            return fn()
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - botocore's connection errors are not OSErrors
+            raise OSError(errno.EIO, f"the store did not answer ({type(e).__name__}: {e})", str(self.path)) from e
 
     def _load(self) -> str | None:
         try:  # the ETag first: a discard then matches only the object read, or an older one, never a newer
             self._judged = self._call("head_object")["ETag"]
-            return self.s3.cat_file(self.path.key).decode()
+            return self._store(lambda: self.s3.cat_file(self.path.key)).decode()
         except FileNotFoundError:
             self._judged = None
             return None
+
+    def _claim(self, me: Holder) -> None:
+        if self._written is None:  # our object, found on a read: its ETag is the one read
+            self._written = self._judged
+        super()._claim(me)
 
     def _make_parent(self) -> None:
         pass  # a bucket's prefixes need no making

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from supervisor.checkpoint.layout import TrialLayout
+from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
 from supervisor.checkpoint.storage import storage_for
 from supervisor.control.events import ENDED, Event, EventLog, parse_jsonl, read_jsonl
 
@@ -25,12 +25,15 @@ class LogMirror:
         if row["event"] == Event.COMMIT:
             self._copier.submit(self.copy)
         elif row["event"] in ENDED:
-            self._copier.submit(self.copy).result()
+            copied = self._copier.submit(self.copy)
+            if not self._failing:  # a store that was down at the last copy does not hold the run's end up
+                copied.result()
 
     def copy(self) -> None:
-        names = [str(p.relative_to(self.local)) for p in sorted(self.local.rglob("*")) if p.is_file()]
+        names = [str(p.relative_to(self.local)) for p in sorted(self.local.rglob("*"))
+                 if p.is_file() and not p.name.startswith(TMP_PREFIX)]  # not a file being replaced just now
         try:
-            self.fs.upload(self.local, names, self.remote)
+            self.fs.upload(self.local, [n for n in names if (self.local / n).exists()], self.remote)
         except OSError as e:  # the store is down: the logs on the head stay whole, the next copy catches up
             if not self._failing:
                 self.events.emit(Event.WARNING, message=f"the logs could not be copied to {self.remote}: {e}")

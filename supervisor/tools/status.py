@@ -37,7 +37,7 @@ def state_of(job: str | None, ended: Event | None, locked: bool) -> TrialState:
 def _locked(layout: TrialLayout) -> bool:
     try:
         return trial_lock(layout).live_holder() is not None
-    except TrialLocked:  # a file that is not a lock: say nothing about it here
+    except (TrialLocked, OSError):  # a file that is not a lock, a store that does not answer: say nothing here
         return False
 
 

@@ -20,8 +20,8 @@ from supervisor.checkpoint.trial_lock import (LEASE_SECS, BucketLock, Holder, Tr
 NOW = 1_000_000.0
 
 
-def holder(host="here", pid=42, started=7.0, heartbeat=NOW) -> Holder:
-    return Holder(host=host, pid=pid, started=started, token="t0", heartbeat=heartbeat)
+def holder(host="here", pid=42, started=7.0, heartbeat=NOW, machine=None) -> Holder:
+    return Holder(host=host, pid=pid, started=started, token="t0", heartbeat=heartbeat, machine=machine)
 
 
 @pytest.mark.parametrize("h, running_since, stale", [
@@ -31,6 +31,7 @@ def holder(host="here", pid=42, started=7.0, heartbeat=NOW) -> Holder:
     (holder(), 8.0, "its pid 42 now belongs to another process"),      # pid reused
     (holder(started=None), 8.0, None),                                 # start time unknown: the pid counts
     (holder(host="there", heartbeat=NOW - LEASE_SECS + 1), None, None),  # other host, within its lease
+    (holder(machine="boot-b/pidns:4"), None, None),  # this host's name on another machine or container: its lease
     (holder(host="there", heartbeat=NOW - LEASE_SECS - 1), 7.0,
      f"its heartbeat is {LEASE_SECS + 1:.0f} s old (lease {LEASE_SECS:.0f} s)"),
 ])
@@ -186,3 +187,15 @@ def test_a_store_that_fails_a_heartbeat_does_not_stop_the_next(room, monkeypatch
     lock.release()
     assert len(calls) >= 3 and later > first
     assert "cannot refresh" in capsys.readouterr().out
+
+
+def test_a_create_that_landed_though_its_answer_was_lost_is_ours(room):
+    """The store took the lock's create, the answer was lost, the retried create found the object there: the
+    object names this run, which holds it (it once refused itself, naming its own pid)."""
+    lock = room.lock()
+    real = lock._create
+    lock._create = lambda me: real(me) and False
+    assert lock.acquire() is None
+    assert room.read()["token"] == lock.holder.token
+    lock.release()
+    assert room.read() is None
