@@ -128,8 +128,12 @@ def _run_locked(config: Config, address: str | None) -> int:
         ).remote(config, job)
         progress = RunProgress(TrialLayout.from_config(config).events_log, job)
         try:
-            result = _follow(supervisor, supervisor.run.remote(), Watchdog.from_config(config, time.monotonic()),
-                             progress)
+            # Ray spends a task's retries on each restart of its actor and on each push its stopped actor left
+            # unanswered, apart from the actor's restarts: a Supervisor SIGSTOPped again and again while starting
+            # spent the run's retries first (ActorUnavailableError) and was lost while it had restarts left.
+            # The run is retried as long as the Supervisor lives; its max_restarts stays the one backstop.
+            run = supervisor.run.options(max_task_retries=-1).remote()
+            result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress)
         except KeyboardInterrupt:
             # Leaving Ray ends the Supervisor and its workers (their owner is gone) without the "will be
             # retried" line that killing the actor under a pending task makes Ray print.

@@ -3,7 +3,7 @@
 Two jobs break a rank or an engine at every fault point there is (the entry and exit of every method the
 Supervisor calls, and every phase boundary of a step): one by SIGKILL, one by hangs, each at every phase
 boundary and at one end of every method, the two jobs together at both ends. A third job is broken
-by a seeded random chaos monkey at moments nobody chose. A last test starts TrainGroups that fail to
+by a seeded random chaos monkey at moments nobody chose, with the checkpoints on an S3 server. A last test starts TrainGroups that fail to
 start and checks that the cluster gets every resource back.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 
 import pytest
 from conftest import CONFIG, REPO, SHORT, Trial, job_env, metrics, relaunch, start_relaunch, status_json
+from test_faults import BucketTrial
 
 pytestmark = pytest.mark.e2e
 
@@ -136,16 +137,22 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
 
 
 @pytest.mark.timeout(900)
-def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_path):
+def test_seeded_random_chaos_on_a_bucket_ends_bit_identical(cluster, s3_server, reference, tmp_path):
     """Up to 6 SIGKILLs and SIGSTOPs of random actors and the Supervisor at random moments (a stopped
     Supervisor is restarted by the driver's watchdog), and two storage errors each on one rank only (a
-    background save's DCP write at step 14, rank 0's part before its upload at step 9);
-    RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
+    background save's DCP write at step 14, rank 0's part before its upload at step 9), with the checkpoints
+    on the S3 server (the jobs above break a local fileroot at every chosen point): a kill mid-upload never
+    publishes a partial checkpoint nor loses the last one. RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
     import ray
+
+    from supervisor.checkpoint.layout import TrialLayout, as_path
+    from supervisor.checkpoint.store import RecoverStore
 
     seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos seed {seed} (rerun with RELAUNCH_CHAOS_SEED={seed})")
     rng = random.Random(seed)
+    trial = BucketTrial(s3_server.url(tmp_path.name), tmp_path / "head")
+    trial.fileroot.mkdir()
     storage = ["TrainWorker.begin_save.enter:enospc:step=9:rank=0", "dcp_write:enospc:step=14:rank=1"]
     env = job_env({"RELAUNCH_FAULT": ",".join(storage), "RELAUNCH_FAULT_DIR": str(tmp_path)})
     signals = 6
@@ -189,6 +196,8 @@ def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_p
     assert len(done) >= 3, f"seed {seed}: the job ended after {done}"
     assert fired(tmp_path) == len(storage)
     assert_exact(trial, reference, len(done))  # a storage error skips its save: no restart
+    store = RecoverStore(TrialLayout(as_path(trial.url), trial.root.parts[-3], "tiny-grpo", "trial0"), keep_last=2)
+    assert store.temporaries() == [] and store.published_steps()[-1] == 23
 
 
 def test_failed_starts_give_every_resource_back(cluster, tmp_path):
