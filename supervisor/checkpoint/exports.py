@@ -7,14 +7,16 @@ exchange of the two directories (checkpoint/storage.py: Linux renameat2 RENAME_E
 the old export or the new one, never none and never a mix. An object store has no rename: there an export is
 copied into place object by object with its `config.json` (EXPORT_MARKER) last, and deleted with it first, so an
 HF loader finds a whole export or none (on a replacement, for a moment, none); a directory without it is partial:
-never counted by retention, deleted at the next start or failed save (RecoverStore.temporaries).
+never counted by retention, deleted at the next start or failed save (RecoverStore.temporaries). A replacement
+there first copies the old export aside (layout.replaced_aside); cut short before the new one is whole in
+place, it is undone before that cleanup: the old export is put back (restore_cut_short).
 """
 from __future__ import annotations
 
 import enum
 import hashlib
 
-from supervisor.checkpoint.layout import EXPORT_DIR, EXPORT_MARKER, TMP_PREFIX, StoragePath
+from supervisor.checkpoint.layout import EXPORT_DIR, EXPORT_MARKER, TMP_PREFIX, StoragePath, replaced_final
 from supervisor.checkpoint.storage import Storage
 
 
@@ -56,6 +58,19 @@ def whole_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:
     """The published exports under `root` (on an object store, those with their EXPORT_MARKER)."""
     return [p for p in fs.iterdir(root) if EXPORT_DIR.match(p.name) and fs.is_dir(p)
             and (fs.renames or fs.is_file(p / EXPORT_MARKER))]
+
+
+def restore_cut_short(fs: Storage, root: StoragePath) -> list[StoragePath]:
+    """On an object store: each export that a replacement cut short left partial or absent, while the old one
+    set aside (layout.replaced_aside) is whole, gets the old one back; the exports restored."""
+    restored = []
+    for aside in fs.iterdir(root):
+        final = replaced_final(aside)
+        if final is not None and fs.is_file(aside / EXPORT_MARKER) and not fs.is_file(final / EXPORT_MARKER):
+            fs.remove(final)
+            fs.rename(aside, final, last=EXPORT_MARKER)
+            restored.append(final)
+    return restored
 
 
 def export_temporaries(fs: Storage, root: StoragePath) -> list[StoragePath]:

@@ -46,6 +46,7 @@ EXPORT_DIR = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 # store it is copied into place last and deleted first, so that an export is whole to a reader or not there
 EXPORT_MARKER = "config.json"
 TMP_PREFIX = ".tmp."
+REPLACED = "replaced"  # the suffix of a directory an exchange on an object store set aside
 
 
 class ObjectPath(PurePosixPath):
@@ -180,6 +181,18 @@ def step_of(path: Path) -> int | None:
     """The global step a recover step directory holds, from its name (None: not a step directory)."""
     m = STEP_DIR.match(path.name)
     return int(m.group(1)) if m else None
+
+
+def replaced_aside(final: StoragePath) -> StoragePath:
+    """Where an object store's exchange (checkpoint/storage.py) copies the directory it replaces: a temporary
+    whose name says which directory to put it back into if the exchange is cut short."""
+    return final.with_name(f"{TMP_PREFIX}{final.name}.{REPLACED}")
+
+
+def replaced_final(path: StoragePath) -> StoragePath | None:
+    """The directory `path` was set aside from by replaced_aside (None: not such an aside)."""
+    m = re.match(rf"^{re.escape(TMP_PREFIX)}(.+)\.{REPLACED}$", path.name)
+    return path.with_name(m.group(1)) if m else None
 
 
 def aside_dir(step_dir: Path, why: str, tag: str) -> Path:

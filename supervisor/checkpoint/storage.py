@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Protocol, TypeVar
 
 from supervisor.checkpoint.durable import file_digest, fsync_dir, fsync_tree, publish_dir, tmp_name, write_atomic
-from supervisor.checkpoint.layout import ObjectPath, StoragePath
+from supervisor.checkpoint.layout import ObjectPath, StoragePath, replaced_aside
 from supervisor.config import Config
 
 T = TypeVar("T")
@@ -262,6 +262,8 @@ class FsspecStorage:
                 self.fs.rm(key, recursive=True)
             except FileNotFoundError:
                 pass
+            if left := self.fs.find(key):  # s3fs's bulk delete ignores the errors of single keys: look
+                raise OSError(errno.EIO, f"{len(left)} objects left after a delete, {left[0]} first", key)
         if first is not None:
             self._call("delete", path / first, lambda: rm((path / first).key))
         self._call("delete", path, lambda: rm(path.key))
@@ -279,7 +281,7 @@ class FsspecStorage:
         self.rename(tmp, final, last)
 
     def exchange(self, a: ObjectPath, b: ObjectPath, last: str | None = None) -> None:
-        aside = tmp_name(b)
+        aside = replaced_aside(b)  # named so that a cut-short exchange can be undone (exports.restore_cut_short)
         self.rename(b, aside, last)
         self.rename(a, b, last)
         self.rename(aside, a, last)

@@ -47,7 +47,7 @@ from supervisor.checkpoint.layout import (
     step_of_reference,
     step_set_aside,
 )
-from supervisor.checkpoint.exports import export_temporaries
+from supervisor.checkpoint.exports import export_temporaries, restore_cut_short
 from supervisor.checkpoint.storage import LocalStorage, Storage, StoreUnavailable, storage_for
 from supervisor.config import Backend
 from supervisor.testing.fault_points import fault_point
@@ -399,7 +399,9 @@ class RecoverStore:
 
     def remove_temporaries(self, spare: tuple[StoragePath, ...] = ()) -> list[StoragePath]:
         """Delete the temporaries but for `spare` (directories of background saves and exports still being
-        written). Touches no step directory, whatever the pointer says: what a failed save leaves behind."""
+        written). Touches no step directory, whatever the pointer says: what a failed save leaves behind. An
+        export whose replacement was cut short is restored first (exports.restore_cut_short)."""
+        restore_cut_short(self.fs, self.layout.export_root)
         removed = [p for p in self.temporaries() if p not in spare]
         for p in removed:
             self.fs.remove(p)

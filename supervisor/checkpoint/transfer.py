@@ -5,13 +5,14 @@ fileroot the rank writes straight into the step directory, as ever. On an object
 directory on its own node's disk, hashes what it wrote there, and uploads its files itself, object by object
 (retried, checkpoint/storage.py): nothing is staged through the head node, and the local copy is gone once the
 upload is over (a rank killed mid-upload leaves its copy behind: the next rank to open one on that node deletes
-the copies of processes that are gone). Loading is the reverse: the rank downloads the step directory (and the reference weights beside
+the copies whose owner is gone, as its flock tells). Loading is the reverse: the rank downloads the step directory (and the reference weights beside
 it) into a private directory and loads from there; the tools (`relaunch export`, `verify`, `inspect`) do the same
 with a URL they are given (`readable`).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -23,25 +24,36 @@ from supervisor.checkpoint.storage import LocalStorage, Storage, storage_for
 from supervisor.testing.fault_points import fault_point
 
 
-PREFIX = "relaunch-rank-"  # + the owner's pid
+PREFIX = "relaunch-rank-"
 
 
 def remove_orphans() -> None:
-    """Delete the private copies, on this node's disk, of processes that are gone (killed mid-upload or load)."""
-    for leftover in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
-        pid = leftover.name[len(PREFIX):].split("-")[0]
-        if pid.isdigit() and not alive(int(pid)):
+    """Delete the private copies, on this node's disk, whose owner is gone (killed mid-upload or load). An owner
+    holds a flock on its copy as long as it lives; the kernel lets go of it with the process, whatever its pid
+    namespace (a pid would be judged in this one only: a rank in another container would look dead)."""
+    for leftover in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            fd = os.open(leftover, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # gone meanwhile, or not a directory
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             shutil.rmtree(leftover, ignore_errors=True)
+        except BlockingIOError:
+            pass  # its owner lives
+        finally:
+            os.close(fd)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+def private_dir() -> tuple[Path, int]:
+    """A new private directory, and the descriptor that holds its flock: made under another name and renamed
+    once locked, so that no `remove_orphans` ever finds it unlocked."""
+    made = Path(tempfile.mkdtemp(prefix=f".{PREFIX}"))
+    fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    final = made.with_name(made.name[1:])
+    os.rename(made, final)
+    return final, fd
 
 
 class RankDir:
@@ -56,7 +68,7 @@ class RankDir:
             self.local = self.remote
         else:  # a private tree that mirrors the store's: the reference directory sits beside the step's
             remove_orphans()
-            self._tmp = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+            self._tmp, self._held = private_dir()
             self.local = self._tmp / self.remote.name
             self.local.mkdir()
 
@@ -95,6 +107,7 @@ class RankDir:
     def close(self) -> None:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+            os.close(self._held)
             self._tmp = None
 
     def __enter__(self) -> "RankDir":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from supervisor.checkpoint.durable import tmp_name
-from supervisor.checkpoint.exports import export_temporaries, prune_exports, publish_export
+from supervisor.checkpoint.exports import export_temporaries, prune_exports, publish_export, restore_cut_short
 from supervisor.checkpoint.layout import (
     REFERENCE_PREFIX,
     RUN_CONFIG,
@@ -290,6 +290,7 @@ class CheckpointCoordinator:
         try:
             if self.store is not None:
                 return RecoverStore(self.layout, self.config.recover.keep_last, fs).remove_temporaries(spare=live)
+            restore_cut_short(fs, self.layout.export_root)
             removed = [p for p in export_temporaries(fs, self.layout.export_root) if p not in live]
             for p in removed:
                 fs.remove(p)
