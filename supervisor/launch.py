@@ -19,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from supervisor.checkpoint.layout import TrialLayout
-from supervisor.checkpoint.trial_lock import TrialLocked, trial_lock
+from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked, trial_lock
 from supervisor.config import REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
 from supervisor.control.policy import budget
@@ -96,7 +96,7 @@ def run_job(config: Config, address: str | None) -> int:
     try:
         if taken_over:
             print(f"relaunch: {taken_over}", file=sys.stderr)
-        return _run_locked(config, address)
+        return _run_locked(config, address, lock)
     except ClusterUnreachable as e:
         print(f"relaunch: error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -108,7 +108,7 @@ def run_job(config: Config, address: str | None) -> int:
         lock.release()
 
 
-def _run_locked(config: Config, address: str | None) -> int:
+def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
     connect(config, address)
     try:
         name = supervisor_name(config)
@@ -126,14 +126,14 @@ def _run_locked(config: Config, address: str | None) -> int:
             name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(config, job)
-        progress = RunProgress(TrialLayout.from_config(config).events_log, job)
+        progress = RunProgress(TrialLayout.from_config(config), job)
         try:
             # Ray spends a task's retries on each restart of its actor and on each push its stopped actor left
             # unanswered, apart from the actor's restarts: a Supervisor SIGSTOPped again and again while starting
             # spent the run's retries first (ActorUnavailableError) and was lost while it had restarts left.
             # The run is retried as long as the Supervisor lives; its max_restarts stays the one backstop.
             run = supervisor.run.options(max_task_retries=-1).remote()
-            result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress)
+            result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress, lock)
         except KeyboardInterrupt:
             # Leaving Ray ends the Supervisor and its workers (their owner is gone) without the "will be
             # retried" line that killing the actor under a pending task makes Ray print.
@@ -153,14 +153,19 @@ def _run_locked(config: Config, address: str | None) -> int:
     return code
 
 
-def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress) -> dict:
+def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock: TrialLock) -> dict:
     """Wait for the run, drawing a progress bar from the Supervisor's progress answers; have Ray restart a
-    Supervisor that the watchdog finds hung (it rebuilds from disk and counts the restart)."""
+    Supervisor that the watchdog finds hung (it rebuilds from disk and counts the restart); end the run once
+    its trial's lock is another run's (two runs must never write one trial)."""
     try:
         while True:
             done, _ = ray.wait([run_ref], timeout=1.0)
             if done:
                 break
+            if lock.lost:
+                ray.kill(supervisor, no_restart=True)
+                return {"exit_code": ExitCode.FAILED, "message": f"stopped: {lock.lost}", "global_step": -1,
+                        "reward": None, "details": ""}
             try:
                 p = ray.get(supervisor.progress.remote(), timeout=5)
             except Exception:  # noqa: BLE001 - restarting, or hung: the watchdog tells

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-
 from tqdm import tqdm
 
+from supervisor.checkpoint.layout import TrialLayout
 from supervisor.control.events import Event, EventLog, read_jsonl
+from supervisor.control.log_mirror import LogMirror
+
+MIRROR_SECS = 5.0  # how long an interrupted run may spend copying its logs to the bucket: a Ctrl-C wants out
 
 
 def kept_step(job_events: list[dict]) -> int | None:
@@ -22,8 +24,8 @@ def kept_step(job_events: list[dict]) -> int | None:
 
 
 class RunProgress:
-    def __init__(self, events_log: Path, job: str):
-        self.events_log, self.job = events_log, job
+    def __init__(self, layout: TrialLayout, job: str):
+        self.layout, self.events_log, self.job = layout, layout.events_log, job
         self.loaded: dict | None = None  # this job's first `loaded` event, once it is written
         self.bar = tqdm(desc="relaunch", unit="step", mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
 
@@ -50,7 +52,10 @@ class RunProgress:
         events = self.job_events()
         step = kept_step(events)
         attempt = max((e.get("attempt", 0) for e in events), default=0)
-        EventLog(self.events_log, attempt=attempt, job=self.job).emit(Event.INTERRUPTED, global_step=step)
+        log = EventLog(self.events_log, attempt=attempt, job=self.job)
+        if self.layout.log_mirror is not None:  # the bucket's copy of the logs gets it too, within a few seconds
+            log.listeners.append(LogMirror(self.layout, log, retry_secs=MIRROR_SECS).on_event)
+        log.emit(Event.INTERRUPTED, global_step=step)
         if step is None:
             return "relaunch: interrupted before this run loaded or saved a checkpoint; what was on disk is kept"
         return (f"relaunch: interrupted; the last valid checkpoint (global step {step}) is kept, "

@@ -9,8 +9,8 @@ submit` job's driver is its entrypoint), and an actor dies with its driver.
 A lock left by a dead holder is taken over:
 - same host (its name, and its kernel's boot id and pid namespace: machines or containers that share a host name
   are other hosts): the holder's pid is gone, or now belongs to another process (its start time differs);
-- other host: its heartbeat is older than `LEASE_SECS` by this machine's clock (hosts' clocks must agree to
-  well within the lease, as NTP keeps them).
+- other host: its heartbeat is older than `LEASE_SECS` (for a lock file, by this machine's clock: hosts' clocks
+  must agree to well within the lease, as NTP keeps them; for a lock in a bucket, by the store's own clock).
 
 Taking the lock is one `link` of a complete file onto the lock's name, which fails when the name exists (on NFS
 too), so two contenders never both win. A stale lock is first renamed aside, and only the lock that was judged
@@ -19,7 +19,11 @@ stale is discarded.
 With an `s3://` fileroot the lock is an object in the bucket, where the trial's checkpoints are, so that heads
 which share only the bucket keep apart too (`BucketLock`): S3's conditional requests stand in for link and rename.
 It is created only where no object is (If-None-Match), and refreshed, discarded or released only while it is the
-very object that was judged or written (If-Match on its ETag).
+very object that was judged or written (If-Match on its ETag). Its heartbeat's age is the store's: the time of
+the answer less the object's last modification, both by the store's clock.
+
+A holder that finds its lock no longer its own (another run took it over, its heartbeat having gone stale during
+an outage) records why in `lost`: the driver then stops its run, so that two runs never write one trial.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 from supervisor.checkpoint.layout import ObjectPath, TrialLayout
@@ -53,16 +58,17 @@ class Holder:
     heartbeat: float       # wall clock of the holder's last refresh
     machine: str | None = None  # the kernel's boot id and the pid namespace (`this_machine`); None in older locks
 
-    def describe(self, now: float) -> str:
-        return (f"pid {self.pid} on {self.host} (heartbeat {max(0.0, now - self.heartbeat):.0f} s ago, "
+    def describe(self, age: float) -> str:
+        """`age`: seconds since its last heartbeat."""
+        return (f"pid {self.pid} on {self.host} (heartbeat {max(0.0, age):.0f} s ago, "
                 f"token {self.token})")
 
 
-def stale_reason(holder: Holder, host: str, now: float, running_since: float | None,
+def stale_reason(holder: Holder, host: str, age: float, running_since: float | None,
                  lease: float = LEASE_SECS, machine: str | None = None) -> str | None:
     """Why `holder`'s lock is left by a dead run, or None while it may be alive. Pure.
 
-    `running_since`: the start time of the process that has `holder.pid` on this host now (None: no such
+    `age`: seconds since the holder's last heartbeat. `running_since`: the start time of the process that has `holder.pid` on this host now (None: no such
     process); it only counts when the holder is on this host, and on this `machine` when its lock names one."""
     if holder.host == host and (holder.machine is None or holder.machine == machine):
         if running_since is None:
@@ -70,8 +76,8 @@ def stale_reason(holder: Holder, host: str, now: float, running_since: float | N
         if holder.started is not None and running_since != holder.started:
             return f"its pid {holder.pid} now belongs to another process"
         return None
-    if now - holder.heartbeat > lease:
-        return f"its heartbeat is {now - holder.heartbeat:.0f} s old (lease {lease:.0f} s)"
+    if age > lease:
+        return f"its heartbeat is {age:.0f} s old (lease {lease:.0f} s)"
     return None
 
 
@@ -113,9 +119,10 @@ class TrialLock:
     """The lock of one trial's directory: `acquire` (or TrialLocked naming the holder), `release`, and a
     heartbeat thread while held."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, lease: float = LEASE_SECS):
+        self.path, self.lease = path, lease
         self.holder: Holder | None = None
+        self.lost: str | None = None  # why the lock is no longer this run's, once the heartbeat found it so
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -135,8 +142,8 @@ class TrialLock:
         holder = self.read()
         if holder is None:
             return None
-        reason = stale_reason(holder, socket.gethostname(), time.time(), process_start(holder.pid),
-                              machine=this_machine())
+        reason = stale_reason(holder, socket.gethostname(), self._age(holder), process_start(holder.pid),
+                              self.lease, this_machine())
         return None if reason else holder
 
     def check_free(self) -> None:
@@ -146,7 +153,7 @@ class TrialLock:
             raise self._refusal(holder)
 
     def _refusal(self, holder: Holder) -> TrialLocked:
-        return TrialLocked(f"trial is already running: {self.path} is held by {holder.describe(time.time())}")
+        return TrialLocked(f"trial is already running: {self.path} is held by {holder.describe(self._age(holder))}")
 
     def acquire(self) -> str | None:
         """Take the lock; return why a stale lock was taken over (None: there was none). TrialLocked when a live
@@ -161,11 +168,12 @@ class TrialLock:
                 if holder.token == me.token:  # our own create landed though its answer was lost, and was retried
                     self._claim(me)
                     return taken_over
-                reason = stale_reason(holder, me.host, time.time(), process_start(holder.pid), machine=me.machine)
+                age = self._age(holder)
+                reason = stale_reason(holder, me.host, age, process_start(holder.pid), self.lease, me.machine)
                 if reason is None:
                     raise self._refusal(holder)
                 if self._discard(holder):
-                    taken_over = f"took over the lock of {holder.describe(time.time())}: {reason}"
+                    taken_over = f"took over the lock of {holder.describe(age)}: {reason}"
             if self._create(me):
                 self._claim(me)
                 return taken_over
@@ -188,6 +196,10 @@ class TrialLock:
         self.release()
 
     # ---- file operations ----------------------------------------------------------------------
+    def _age(self, holder: Holder) -> float:
+        """Seconds since `holder`'s last heartbeat (the lock as last read)."""
+        return time.time() - holder.heartbeat
+
     def _load(self) -> str | None:
         try:
             return self.path.read_text()
@@ -244,11 +256,15 @@ class TrialLock:
         return moved is not None and moved.token == stale.token
 
     def _ours(self) -> bool:
-        try:
-            holder = self.read()
-        except TrialLocked:
-            return False
+        holder = self._read_quietly()
         return holder is not None and self.holder is not None and holder.token == self.holder.token
+
+    def _read_quietly(self) -> Holder | None:
+        """The holder, None also when the lock is not a relaunch lock."""
+        try:
+            return self.read()
+        except TrialLocked:
+            return None
 
     def _claim(self, me: Holder) -> None:
         """The lock is ours: hold it, and keep its heartbeat."""
@@ -264,8 +280,10 @@ class TrialLock:
         while not self._stop.wait(REFRESH_SECS):
             try:
                 if not self._ours():
-                    print(f"relaunch: warning: {self.path} is no longer held by this run", flush=True)
-                    return
+                    holder = self._read_quietly()
+                    self.lost = f"{self.path} is no longer held by this run" + \
+                        (f": it is held by {holder.describe(self._age(holder))}" if holder else "")
+                    return  # the driver stops its run and says why
                 self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
                 self._refresh(self.holder)
             except Exception as e:  # noqa: BLE001 - a full or unreachable disk or store: the next beat tries again
@@ -278,14 +296,15 @@ class TrialLock:
 class BucketLock(TrialLock):
     """The trial's lock as an object in an S3 bucket, taken and given up with conditional requests."""
 
-    def __init__(self, path: ObjectPath):
+    def __init__(self, path: ObjectPath, lease: float = LEASE_SECS):
         from supervisor.checkpoint.storage import filesystem
 
-        super().__init__(path)
+        super().__init__(path, lease)
         self.s3 = filesystem(path.protocol, timeout=10)
         self.bucket, self.key = path.key.split("/", 1)
         self._judged: str | None = None   # the ETag of the lock object as last read
         self._written: str | None = None  # the ETag of the lock object as this run last wrote it
+        self._judged_age = 0.0            # its age as last read, by the store's clock
 
     def _call(self, method: str, **kwargs) -> dict:
         return self._store(lambda: self.s3.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
@@ -301,11 +320,17 @@ class BucketLock(TrialLock):
 
     def _load(self) -> str | None:
         try:  # the ETag first: a discard then matches only the object read, or an older one, never a newer
-            self._judged = self._call("head_object")["ETag"]
+            head = self._call("head_object")
+            self._judged = head["ETag"]
+            answered = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+            self._judged_age = (answered - head["LastModified"]).total_seconds()
             return self._store(lambda: self.s3.cat_file(self.path.key)).decode()
         except FileNotFoundError:
             self._judged = None
             return None
+
+    def _age(self, holder: Holder) -> float:
+        return self._judged_age  # the object's, by the store's clock: no host's clock enters
 
     def _claim(self, me: Holder) -> None:
         if self._written is None:  # our object, found on a read: its ETag is the one read

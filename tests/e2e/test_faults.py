@@ -55,6 +55,29 @@ def test_an_engine_that_cannot_be_built_fails_the_first_start_at_once_naming_why
 
 
 @pytest.mark.quick
+def test_a_run_whose_lock_another_run_took_over_stops_and_says_so(cluster, trial, tmp_path):
+    """Its heartbeat late past the lease (a store outage, a frozen head), a run's lock was taken over: within a
+    heartbeat it stops, naming the new holder, whose lock it leaves alone, so that two runs never write one trial."""
+    proc = start_relaunch("run", str(CONFIG), *SHORT, "total_train_epochs=40", *trial.overrides,
+                          "recover.spare_workers=0", "--address", cluster.address, env=job_env(),
+                          log=tmp_path / "job.log")
+    try:
+        trial.wait_for_step(1, proc)
+        lock = trial.root / "run.lock"
+        holder = {**json.loads(lock.read_text()), "host": "elsewhere", "pid": 42, "token": "other"}
+        lock.write_text(json.dumps(holder))
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    last = (tmp_path / "job.log").read_text().strip().splitlines()[-1]
+    assert last.startswith(f"relaunch: failed: stopped: {lock} is no longer held by this run: it is held by pid 42 "
+                           "on elsewhere"), last
+    assert json.loads(lock.read_text())["token"] == "other"
+    assert trial.stats()[-1]["global_step"] < 40 * 12 - 1  # stopped, not finished
+
+
+@pytest.mark.quick
 def test_user_code_error_fails_fast_with_its_traceback(cluster, trial):
     r = relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "reward.fn=tests.e2e.faulty_reward:reward",
                  "--address", cluster.address)

@@ -568,6 +568,23 @@ def test_the_logs_reach_the_bucket_after_a_commit_and_at_the_end_and_status_read
     assert {n: mirror.fs.read_bytes(layout.log_mirror / n) for n in head_copy} == head_copy
 
 
+def test_a_run_interrupted_by_ctrl_c_says_so_in_the_buckets_copy_of_its_logs(s3_server, tmp_path):
+    """The driver writes `interrupted` itself (the Supervisor is gone by then), and copies the logs once more."""
+    from supervisor.control.events import Event, EventLog
+    from supervisor.control.log_mirror import read_log
+    from supervisor.progress import RunProgress
+
+    layout = TrialLayout(as_path(s3_server.url(tmp_path.name)), "u", "exp", "t0", local_root=tmp_path / "head")
+    layout.log_root.mkdir(parents=True)
+    EventLog(layout.events_log, job="j1").emit(Event.COMMIT, global_step=4)
+    progress = RunProgress(layout, "j1")
+    progress.interrupted()
+    progress.close()
+    elsewhere = TrialLayout(as_path(s3_server.url(tmp_path.name)), "u", "exp", "t0", local_root=tmp_path / "other")
+    assert [(e["event"], e["global_step"]) for e in read_log(elsewhere, "events.jsonl")] == [
+        ("commit", 4), ("interrupted", 4)]
+
+
 def test_a_run_from_another_head_is_refused_by_the_lock_in_the_bucket(s3_server, tmp_path):
     """Two heads that share only the bucket: while one holds the trial, `relaunch run` on the other (a local_root
     of its own) exits 2 naming the lock in the bucket, before it starts anything."""

@@ -36,7 +36,7 @@ def holder(host="here", pid=42, started=7.0, heartbeat=NOW, machine=None) -> Hol
      f"its heartbeat is {LEASE_SECS + 1:.0f} s old (lease {LEASE_SECS:.0f} s)"),
 ])
 def test_stale_reason(h, running_since, stale):
-    assert stale_reason(h, "here", NOW, running_since) == stale
+    assert stale_reason(h, "here", NOW - h.heartbeat, running_since) == stale
 
 
 def test_a_zombie_holds_nothing():
@@ -61,9 +61,10 @@ class Room:
         self.path = path
         self.bucket = not isinstance(path, Path)
         self.fs = storage_for(path, retry_secs=5)
+        self.lease = LEASE_SECS
 
     def lock(self) -> TrialLock:
-        return BucketLock(self.path) if self.bucket else TrialLock(self.path)
+        return BucketLock(self.path, self.lease) if self.bucket else TrialLock(self.path, self.lease)
 
     def read(self) -> dict | None:
         return json.loads(self.fs.read_bytes(self.path)) if self.fs.is_file(self.path) else None
@@ -71,6 +72,16 @@ class Room:
     def plant(self, h: Holder) -> None:
         self.fs.mkdir(self.path.parent)
         self.fs.write_bytes(self.path, json.dumps(asdict(h)).encode())
+
+    def plant_stale(self, host="elsewhere") -> None:
+        """Another host's lock whose heartbeat is past its lease: in a file, by its heartbeat; in a bucket, by the
+        store's clock only (its heartbeat field says now), with a lease of 1 s."""
+        if self.bucket:
+            self.plant(holder(host=host, heartbeat=time.time()))
+            self.lease = 1.0
+            time.sleep(2.1)  # the store's clock counts whole seconds
+        else:
+            self.plant(holder(host=host, heartbeat=time.time() - LEASE_SECS - 5))
 
     def siblings(self) -> list[str]:
         return sorted(p.name for p in self.fs.iterdir(self.path.parent))
@@ -100,10 +111,10 @@ def test_a_live_holder_is_refused_and_named(room):
     (lambda: holder(host=socket.gethostname(), pid=dead_pid(), heartbeat=time.time()), "is gone"),
     (lambda: holder(host=socket.gethostname(), pid=os.getpid(), started=-1.0, heartbeat=time.time()),
      "now belongs to another process"),
-    (lambda: holder(host="elsewhere", heartbeat=time.time() - LEASE_SECS - 5), "heartbeat is"),
+    (None, "heartbeat is"),  # another host's, past its lease
 ])
 def test_a_dead_holders_lock_is_taken_over(room, planted, why):
-    room.plant(planted())
+    room.plant(planted()) if planted else room.plant_stale()
     lock = room.lock()
     assert why in lock.acquire()
     assert room.read()["pid"] == os.getpid()
@@ -118,6 +129,16 @@ def test_another_hosts_live_lease_is_respected(room):
     assert room.read()["host"] == "elsewhere"
 
 
+def test_a_bucket_lock_is_judged_by_the_stores_clock_not_its_holders(s3_server, tmp_path):
+    """A holder whose clock runs an hour behind writes heartbeats that look an hour old: in a bucket its lock,
+    refreshed by the store's clock just now, is live."""
+    room = Room(as_path(s3_server.url(tmp_path.name)) / "trial" / "run.lock")
+    room.plant(holder(host="elsewhere", heartbeat=time.time() - 3600))
+    with pytest.raises(TrialLocked, match=r"held by pid 42 on elsewhere \(heartbeat [01] s ago"):
+        room.lock().acquire()
+    assert room.read()["host"] == "elsewhere"
+
+
 def test_release_leaves_a_lock_that_is_no_longer_ours(room):
     lock = room.lock()
     lock.acquire()
@@ -126,10 +147,24 @@ def test_release_leaves_a_lock_that_is_no_longer_ours(room):
     assert room.read()["host"] == "elsewhere"
 
 
+def test_a_holder_whose_lock_was_taken_over_knows_it_lost_it_and_by_whom(room, monkeypatch):
+    monkeypatch.setattr("supervisor.checkpoint.trial_lock.REFRESH_SECS", 0.05)
+    lock = room.lock()
+    lock.acquire()
+    assert lock.lost is None
+    room.plant(holder(host="elsewhere", heartbeat=time.time()))  # taken over while our heartbeat was stale
+    deadline = time.time() + 10
+    while lock.lost is None and time.time() < deadline:
+        time.sleep(0.05)
+    lock.release()
+    assert lock.lost.startswith(f"{room.path} is no longer held by this run: it is held by pid 42 on elsewhere")
+    assert room.read()["host"] == "elsewhere"
+
+
 def test_a_stale_lock_replaced_by_a_live_one_after_it_was_judged_is_not_discarded(room):
     """Two contenders judge the same stale lock; the first takes it over; the second's discard must not remove
     the first's live lock (a rename aside and back on a file, a delete conditional on the ETag in a bucket)."""
-    room.plant(holder(host="elsewhere", heartbeat=time.time() - LEASE_SECS - 5))
+    room.plant_stale()
     late = room.lock()
     stale = late.read()
     first = room.lock()
