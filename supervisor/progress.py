@@ -6,6 +6,7 @@ own `loaded` event, said once in a line of its own, and the bar (and its rate) s
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from tqdm import tqdm
 
@@ -53,9 +54,11 @@ class RunProgress:
         step = kept_step(events)
         attempt = max((e.get("attempt", 0) for e in events), default=0)
         log = EventLog(self.events_log, attempt=attempt, job=self.job)
-        if self.layout.log_mirror is not None:  # the bucket's copy of the logs gets it too, within a few seconds
-            log.listeners.append(LogMirror(self.layout, log, retry_secs=MIRROR_SECS).on_event)
         log.emit(Event.INTERRUPTED, global_step=step)
+        if self.layout.log_mirror is not None:  # the bucket's copy of the logs gets it too, if the store answers soon
+            copy = threading.Thread(target=LogMirror(self.layout, log, MIRROR_SECS).copy, daemon=True)
+            copy.start()
+            copy.join(MIRROR_SECS)
         if step is None:
             return "relaunch: interrupted before this run loaded or saved a checkpoint; what was on disk is kept"
         return (f"relaunch: interrupted; the last valid checkpoint (global step {step}) is kept, "

@@ -16,7 +16,8 @@ from __future__ import annotations
 import enum
 import hashlib
 
-from supervisor.checkpoint.layout import EXPORT_DIR, EXPORT_MARKER, TMP_PREFIX, StoragePath, replaced_final
+from supervisor.checkpoint.layout import (EXPORT_DIR, EXPORT_MARKER, TMP_PREFIX, StoragePath, replaced_aside,
+                                          replaced_final)
 from supervisor.checkpoint.storage import Storage
 
 
@@ -36,6 +37,7 @@ def tree_digest(fs: Storage, directory: StoragePath) -> str:
 
 def publish_export(fs: Storage, tmp: StoragePath, final: StoragePath) -> ExportOutcome:
     """Make the fully written export `tmp` the one at `final`."""
+    settle(fs, final)
     if not fs.exists(final):
         fs.publish_dir(tmp, final, last=EXPORT_MARKER)
         return ExportOutcome.PUBLISHED
@@ -51,6 +53,7 @@ def prune_exports(fs: Storage, root: StoragePath, keep: int) -> None:
     """Delete all but the newest `keep` published exports under `root`."""
     exports = sorted(whole_exports(fs, root), key=lambda p: int(EXPORT_DIR.match(p.name).group(3)))
     for old in exports[:-keep]:
+        settle(fs, old)  # its aside, if a replacement left one, first: it must not come back
         fs.remove(old, first=EXPORT_MARKER)
 
 
@@ -61,16 +64,24 @@ def whole_exports(fs: Storage, root: StoragePath) -> list[StoragePath]:
 
 
 def restore_cut_short(fs: Storage, root: StoragePath) -> list[StoragePath]:
-    """On an object store: each export that a replacement cut short left partial or absent, while the old one
-    set aside (layout.replaced_aside) is whole, gets the old one back; the exports restored."""
-    restored = []
-    for aside in fs.iterdir(root):
-        final = replaced_final(aside)
-        if final is not None and fs.is_file(aside / EXPORT_MARKER) and not fs.is_file(final / EXPORT_MARKER):
-            fs.remove(final)
-            fs.rename(aside, final, last=EXPORT_MARKER)
-            restored.append(final)
-    return restored
+    """On an object store: settle every export a replacement set aside (`settle`); the exports put back."""
+    finals = [replaced_final(p) for p in fs.iterdir(root)]
+    return [final for final in finals if final is not None and settle(fs, final)]
+
+
+def settle(fs: Storage, final: StoragePath) -> bool:
+    """On an object store: the old export a replacement of `final` set aside goes back into place when `final`
+    is partial or gone (the replacement was cut short), and is deleted otherwise; whether it went back. Done
+    before `final` is replaced again or pruned, so that an aside is never overwritten nor outlives its export."""
+    aside = replaced_aside(final)
+    if fs.renames or not fs.is_file(aside / EXPORT_MARKER):
+        return False  # none (a partial aside is a temporary like the others)
+    if fs.is_file(final / EXPORT_MARKER):
+        fs.remove(aside, first=EXPORT_MARKER)
+        return False
+    fs.remove(final)
+    fs.rename(aside, final, last=EXPORT_MARKER)
+    return True
 
 
 def export_temporaries(fs: Storage, root: StoragePath) -> list[StoragePath]:

@@ -319,7 +319,13 @@ def filesystem(protocol: str, timeout: float | None = None):
     # cache: a client reads the AWS variables as they are when it is made
     fs = fsspec.filesystem(protocol, use_listings_cache=False, skip_instance_cache=True, **options)
     if protocol in ("s3", "s3a"):
+        from botocore.handlers import add_expect_header
+
         fs.retries = 1  # s3fs's own loop around each call: one attempt
+        # botocore asks a PUT's answer first (Expect: 100-continue) and waits for it outside read_timeout: a
+        # store that takes the connection and never answers would hang a write for good
+        fs.connect()
+        fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
     return fs
 
 

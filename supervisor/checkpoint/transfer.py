@@ -16,6 +16,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -30,27 +31,32 @@ PREFIX = "relaunch-rank-"
 def remove_orphans() -> None:
     """Delete the private copies, on this node's disk, whose owner is gone (killed mid-upload or load). An owner
     holds a flock on its copy as long as it lives; the kernel lets go of it with the process, whatever its pid
-    namespace (a pid would be judged in this one only: a rank in another container would look dead)."""
-    for leftover in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+    namespace (a pid would be judged in this one only: a rank in another container would look dead). A copy
+    still under its first name is deleted only once it is a minute old: it is being locked, or never was."""
+    root = Path(tempfile.gettempdir())
+    for leftover in [*root.glob(f"{PREFIX}*"), *root.glob(f".{PREFIX}*")]:
         try:
+            if leftover.name.startswith(".") and time.time() - leftover.stat().st_mtime < 60:
+                continue
             fd = os.open(leftover, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:  # gone meanwhile, or not a directory
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             shutil.rmtree(leftover, ignore_errors=True)
-        except BlockingIOError:
-            pass  # its owner lives
+        except OSError:  # its owner lives (or this filesystem has no flock: then nothing is ever taken for dead)
+            pass
         finally:
             os.close(fd)
 
 
 def private_dir() -> tuple[Path, int]:
     """A new private directory, and the descriptor that holds its flock: made under another name and renamed
-    once locked, so that no `remove_orphans` ever finds it unlocked."""
+    once locked, so that no `remove_orphans` finds it unlocked."""
     made = Path(tempfile.mkdtemp(prefix=f".{PREFIX}"))
     fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    with contextlib.suppress(OSError):  # no flock on this filesystem (some NFS mounts): no copy is taken for dead
+        fcntl.flock(fd, fcntl.LOCK_EX)
     final = made.with_name(made.name[1:])
     os.rename(made, final)
     return final, fd

@@ -160,6 +160,29 @@ def test_a_server_down_for_a_while_is_survived_by_retries(s3_server, tmp_path):
     assert fs.read_bytes(path) == b"after" and fs.retries >= 1 and time.monotonic() - started >= 1.5
 
 
+def test_a_store_that_takes_the_connection_and_never_answers_fails_a_write_within_its_bounds(monkeypatch):
+    """botocore waits for a PUT's `100 Continue` outside its read timeout: without that wait turned off, this
+    write hung for good."""
+    import socket
+    import threading
+
+    from supervisor.checkpoint.storage import filesystem
+
+    server, held = socket.socket(), []
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(16)], daemon=True).start()
+    for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.getsockname()[1]}"),
+                        ("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    fs = FsspecStorage("s3", retry_secs=1, fs=filesystem("s3", timeout=2))
+    started = time.monotonic()
+    with pytest.raises(OSError, match="write failed after"):
+        fs.write_bytes(as_path("s3://relaunch/x/run.lock"), b"{}")
+    assert time.monotonic() - started < 15
+    server.close()
+
+
 def test_a_delete_that_left_objects_behind_without_an_error_is_retried(s3_server, tmp_path):
     """S3's bulk delete answers 200 with per-key errors, which s3fs drops: a delete is checked, and retried."""
     fs = FsspecStorage("s3", retry_secs=10)
@@ -459,6 +482,38 @@ def test_an_export_on_an_object_store_is_whole_to_a_reader_or_not_there(s3_serve
     assert exports.publish_export(fs, write(".tmp.b", b"new"), final) is exports.ExportOutcome.REPLACED
     assert set(seen) <= {None, (b"old", b"old"), (b"new", b"new")} and seen[-1] == (b"new", b"new")
     assert [p.name for p in fs.iterdir(root)] == [final.name]
+
+
+def test_a_second_replacement_after_one_cut_short_never_publishes_a_mix(s3_server, tmp_path):
+    """A replacement cut short with no cleanup after it (the store was down for it), then the step exported again
+    and cut short too: the second first settles the first's aside, so the next start finds one whole export."""
+    from supervisor.checkpoint import exports
+
+    layout = trial(as_path(s3_server.url(tmp_path.name)))
+    store = RecoverStore(layout, keep_last=2)
+    root, final = layout.export_root, layout.export_dir(0, 3, 3)
+    files = ("config.json", "m1.safetensors", "m2.safetensors")
+    for name, weights in ((final, b"old"), (root / ".tmp.new1", b"new1"), (root / ".tmp.new2", b"new2")):
+        for f in files:
+            store.fs.write_bytes(name / f, b"{}" if f == "config.json" else weights)
+    real = store.fs.fs.copy
+    for tmp, cut in ((".tmp.new1", 4), (".tmp.new2", 2)):  # into place, after its first object; then sooner
+        calls = []
+
+        def copy(*args, cut=cut, calls=calls, **kwargs):
+            real(*args, **kwargs)
+            calls.append(args)
+            if len(calls) == cut:
+                raise Cut()
+
+        store.fs.fs.copy = copy
+        with pytest.raises(Cut):
+            exports.publish_export(store.fs, root / tmp, final)
+    store.fs.fs.copy = real
+    store.remove_temporaries()  # the next start
+    weights = {store.fs.read_bytes(final / f) for f in files[1:]}
+    assert store.fs.is_file(final / "config.json") and len(weights) == 1, weights
+    assert [p.name for p in store.fs.iterdir(root)] == [final.name]
 
 
 def test_an_export_copy_cut_short_on_an_object_store_is_partial_never_kept(s3_server, tmp_path):
