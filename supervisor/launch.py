@@ -125,7 +125,7 @@ def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
         supervisor = Supervisor.options(
             name=name, namespace=NAMESPACE, max_restarts=backstop, max_task_retries=backstop,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(config, job)
+        ).remote(config, job, lock.holder.token)
         progress = RunProgress(TrialLayout.from_config(config), job)
         try:
             # Ray spends a task's retries on each restart of its actor and on each push its stopped actor left

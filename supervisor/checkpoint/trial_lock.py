@@ -22,8 +22,9 @@ It is created only where no object is (If-None-Match), and refreshed, discarded 
 very object that was judged or written (If-Match on its ETag). Its heartbeat's age is the store's: the time of
 the answer less the object's last modification, both by the store's clock.
 
-A holder that finds its lock no longer its own (another run took it over, its heartbeat having gone stale during
-an outage) records why in `lost`: the driver then stops its run, so that two runs never write one trial.
+A holder that finds its lock no longer its own (another run took it over, its heartbeat having gone stale), or
+that could not refresh it for `FENCE_SECS` less than the lease (its disk or store cut off), records why in `lost`:
+the driver then stops its run before another may start, so that two runs never write one trial.
 """
 from __future__ import annotations
 
@@ -43,10 +44,15 @@ from supervisor.checkpoint.layout import ObjectPath, TrialLayout
 
 LEASE_SECS = 60.0    # another host's lock without a heartbeat for this long is stale
 REFRESH_SECS = 10.0  # how often the holder refreshes its heartbeat
+FENCE_SECS = 20.0    # a holder that could not refresh for its lease less this gives the trial up first
 
 
 class TrialLocked(Exception):
     """The trial is run by a live holder; the message names it."""
+
+
+class LockLost(Exception):
+    """This run's lock is no longer surely its own: it must write nothing more to the trial."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,18 @@ class TrialLock:
         reason = stale_reason(holder, socket.gethostname(), self._age(holder), process_start(holder.pid),
                               self.lease, this_machine())
         return None if reason else holder
+
+    def check_held(self, token: str) -> None:
+        """LockLost unless the lock names `token` and its heartbeat is younger than the lease less FENCE_SECS: the
+        Supervisor asks before each commit, so that a run whose driver is frozen (its heartbeat stopped while
+        the Supervisor trains on) stops committing before another run may take the trial over."""
+        holder = self._read_quietly()
+        if holder is None or holder.token != token:
+            raise LockLost(f"{self.path} is no longer held by this run: " +
+                           (f"it is held by {holder.describe(self._age(holder))}" if holder else "it is gone"))
+        if (age := self._age(holder)) > self.lease - FENCE_SECS:
+            raise LockLost(f"{self.path} was not refreshed by this run's driver for {age:.0f} s (frozen, or cut off "
+                           f"from the store): after {self.lease:.0f} s another run may take the trial over")
 
     def check_free(self) -> None:
         """TrialLocked, naming the holder, when a live run holds the trial; writes nothing."""
@@ -277,17 +295,28 @@ class TrialLock:
         self._thread.start()
 
     def _beat(self) -> None:
+        refreshed, missing = time.monotonic(), 0
         while not self._stop.wait(REFRESH_SECS):
             try:
-                if not self._ours():
-                    holder = self._read_quietly()
-                    self.lost = f"{self.path} is no longer held by this run" + \
-                        (f": it is held by {holder.describe(self._age(holder))}" if holder else "")
-                    return  # the driver stops its run and says why
+                holder = self._read_quietly()
+                if holder is None or holder.token != self.holder.token:
+                    # gone twice in a row (not once: a contender's discard renames it aside and back), or another's
+                    missing = missing + 1 if holder is None else 2
+                    if missing >= 2:
+                        self.lost = f"{self.path} is no longer held by this run: " + \
+                            (f"it is held by {holder.describe(self._age(holder))}" if holder else "it is gone")
+                        return  # the driver stops its run and says why
+                    continue
+                missing = 0
                 self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
                 self._refresh(self.holder)
+                refreshed = time.monotonic()
             except Exception as e:  # noqa: BLE001 - a full or unreachable disk or store: the next beat tries again
                 print(f"relaunch: warning: cannot refresh {self.path}: {type(e).__name__}: {e}", flush=True)
+                if time.monotonic() - refreshed > self.lease - FENCE_SECS:  # give up before anyone may take over
+                    self.lost = f"{self.path} could not be refreshed for {time.monotonic() - refreshed:.0f} s; " \
+                                f"after {self.lease:.0f} s another run may take the trial over"
+                    return
 
     def _refresh(self, holder: Holder) -> None:
         os.replace(self._write_tmp(holder), self.path)

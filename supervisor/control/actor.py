@@ -8,6 +8,7 @@ from this job's events, decides, backs off or gives up) and rebuilds everything 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 
@@ -15,6 +16,7 @@ import ray
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.storage import retry_budget
+from supervisor.checkpoint.trial_lock import trial_lock
 from supervisor.cluster.memory_copies import MemoryCopies
 from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
@@ -44,7 +46,8 @@ def supervisor_name(config: Config) -> str:
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Supervisor:
-    def __init__(self, config: Config, job_id: str):
+    def __init__(self, config: Config, job_id: str, lock_token: str | None = None):
+        """`lock_token`: the token of the trial's lock the driver holds; each commit checks it is still held."""
         self.config, self.job_id = config, job_id
         layout = TrialLayout.from_config(config)
         prior = [e for e in read_jsonl(layout.events_log) if e.get("job") == job_id]
@@ -57,12 +60,16 @@ class Supervisor:
         self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
                                    config.data.shuffle)
         self.stats = StatsLog(layout.stats_log, guard=append)
-        self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits)
+        lock = trial_lock(layout)
+        fence = (lambda: lock.check_held(lock_token)) if lock_token else None  # noqa: E731
+        self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits, fence)
         if layout.log_mirror is not None:
             self.events.listeners.append(LogMirror(layout, self.events, retry_budget(config)).on_event)
         self.controller: Controller | None = None
         self.trackers: Trackers | None = None
         self.created = time.monotonic()
+        self._run_once = threading.Lock()
+        self._result: dict | None = None
 
     # ---- queries (served concurrently with run) -------------------------------------------------
     def progress(self) -> dict:
@@ -85,6 +92,15 @@ class Supervisor:
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> dict:
+        """The run, once per life of this actor: the driver's call is retried when a push goes unanswered and may
+        have reached it already (ActorUnavailableError), and a second controller must never start beside the
+        first: a second call waits for the first's result."""
+        with self._run_once:
+            if self._result is None:
+                self._result = self._run()
+            return self._result
+
+    def _run(self) -> dict:
         cfg = self.config
         self.events.emit(Event.START, experiment=cfg.experiment_name, trial=cfg.trial_name,
                          total_steps=self.loader.steps_per_epoch * cfg.total_train_epochs,

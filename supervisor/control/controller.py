@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
+from supervisor.checkpoint.trial_lock import LockLost
 from supervisor.cluster.errors import CapacityError, Group, first_line
 from supervisor.config import Config
 from supervisor.control.classify import Fault, FaultKind, classify
@@ -165,7 +166,7 @@ class Controller:
             raise UnexpectedState(f"no work in state {self.state.value}")
         except CheckpointError as e:  # every checkpoint damaged, or one that cannot fit this run
             return Result(Outcome.FATAL, exit_code=ExitCode.BAD_INPUT, message=str(e))
-        except CapacityError as e:
+        except (CapacityError, LockLost) as e:
             return Result(Outcome.FATAL, exit_code=ExitCode.FAILED, message=str(e))
         except UnexpectedState:
             raise

@@ -91,8 +91,10 @@ CLEANUP_RETRY_SECS = 1.0  # how long the cleanup after a failed save retries a s
 
 
 class CheckpointCoordinator:
-    def __init__(self, config: Config, layout: TrialLayout, events: EventLog, waits: Waits | None = None):
+    def __init__(self, config: Config, layout: TrialLayout, events: EventLog, waits: Waits | None = None,
+                 fence: Callable[[], None] | None = None):
         self.config, self.layout, self.events = config, layout, events
+        self.fence = fence  # raises LockLost when the trial's lock is no longer surely this run's
         # the Supervisor's own file work, each bounded for the driver's watchdog (a hung mount blocks in the kernel)
         self.waits = waits or Waits()
         self.fs = storage_for(layout.checkpoint_root, retry_budget(config))  # a local directory or an object store
@@ -242,6 +244,8 @@ class CheckpointCoordinator:
         """Publish and commit a fully written save with the recover_info captured at its step."""
         s, started = staged.global_step, time.monotonic()
         with self.waits.on(f"the commit of step {s}", self.config.recover.step_timeout_secs):
+            if self.fence is not None:
+                self.fence()
             path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
                                      staged.files, staged.infos, engine=self.config.actor.backend.value)
         secs = (started - staged.started if staged.background else staged.secs) + time.monotonic() - started

@@ -674,6 +674,29 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(tmp_path
     assert world.train_groups == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_whose_lock_is_no_longer_surely_its_own_commits_nothing_more_and_stops(tmp_path, mode):
+    """The Supervisor checks the trial's lock before each commit (its driver frozen, say): once the check fails,
+    the run ends at once, failed, naming why, with no restart and no later commit."""
+    from supervisor.checkpoint.trial_lock import LockLost
+
+    world = World()
+    controller, layout, _ = make_controller(tmp_path, world, f"recover.write_mode={mode}")
+    commits = []
+
+    def fence():
+        commits.append(1)
+        if len(commits) == 3:
+            raise LockLost("run.lock was not refreshed by this run's driver for 45 s")
+
+    controller.checkpoints.fence = fence
+    result = controller.run()
+    assert result.exit_code == ExitCode.FAILED and "not refreshed by this run's driver" in result.message
+    events = read_jsonl(layout.events_log)
+    assert len([e for e in events if e["event"] == "commit"]) == 2
+    assert not [e for e in events if e["event"] in ("restart", "failure")]
+
+
 def test_the_supervisors_own_commit_failing_on_a_full_disk_skips_that_background_save(tmp_path):
     """The ranks wrote the background save, but publishing it (recover_info, manifest: the Supervisor's own
     writes) hits a full disk: that save is skipped as a failed background save, and the run trains on."""
