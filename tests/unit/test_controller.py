@@ -177,6 +177,7 @@ class FakeEngines:
         self.world = world
         self.held = [None] * n          # (ref, version) of each engine
         self.generated: list[tuple[int, int, bool]] = []
+        self.spares, self.from_spares = [], 0  # no warm spare engine (rollout.spare_engines 0)
 
     @property
     def nodes(self):
