@@ -135,6 +135,45 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(cluster, referenc
             assert nxt["what"] == "restart_engines"
 
 
+def signal_monkey(progress, proc, rng: random.Random, signals: int, targets, pause: tuple[float, float],
+                  stopped: list[int]) -> list[tuple]:
+    """Up to `signals` SIGKILLs or SIGSTOPs (as likely, drawn from `rng`) of processes drawn from
+    `targets(progress())` (the live Supervisor's answer), each after a pause drawn from `pause`, while the job
+    runs; the pids it stopped go to `stopped`. Returns what it did."""
+    done = []
+    while len(done) < signals and proc.poll() is None:
+        time.sleep(rng.uniform(*pause))
+        try:
+            p = progress()
+        except Exception:  # noqa: BLE001 - the Supervisor is being restarted, or the job is ending
+            continue
+        candidates = targets(p)
+        if not candidates:  # being replaced
+            continue
+        target = rng.choice(candidates)
+        sig = signal.SIGKILL if rng.random() < 0.5 else signal.SIGSTOP
+        try:
+            os.kill(target["pid"], sig)
+        except ProcessLookupError:
+            continue
+        if sig == signal.SIGSTOP:
+            stopped.append(target["pid"])
+        done.append((round(time.time(), 1), p["global_step"], target["name"], sig.name))
+    return done
+
+
+def end(proc, stopped: list[int]) -> None:
+    """The job's process, if still running, and the processes a monkey stopped that the Supervisor has not
+    killed yet: ours to end."""
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+
+
 @pytest.mark.timeout(900)
 def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_path):
     """Up to 6 SIGKILLs and SIGSTOPs of random actors and the Supervisor at random moments (a stopped
@@ -158,32 +197,13 @@ def test_seeded_random_chaos_ends_bit_identical(cluster, reference, trial, tmp_p
     try:
         trial.wait_for_step(0, proc)
         supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
-        while len(done) < signals and proc.poll() is None:
-            time.sleep(rng.uniform(0.5, 3.0))
-            try:
-                p = ray.get(supervisor.progress.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - the Supervisor is being restarted
-                continue
-            targets = [w for w in p["workers"] if w["pid"]] + [{"name": "Supervisor", "pid": p["supervisor_pid"]}]
-            target = rng.choice(targets)
-            sig = signal.SIGKILL if rng.random() < 0.5 else signal.SIGSTOP
-            try:
-                os.kill(target["pid"], sig)
-            except ProcessLookupError:
-                continue
-            if sig == signal.SIGSTOP:
-                stopped.append(target["pid"])
-            done.append((round(time.time(), 1), p["global_step"], target["name"], sig.name))
+        done = signal_monkey(lambda: ray.get(supervisor.progress.remote(), timeout=10), proc, rng, signals,
+                             lambda p: [w for w in p["workers"] if w["pid"]] +
+                             [{"name": "Supervisor", "pid": p["supervisor_pid"]}], (0.5, 3.0), stopped)
         code = proc.wait(timeout=600)
     finally:
         ray.shutdown()
-        for pid in stopped:  # a stopped process the Supervisor has not killed yet: ours to end
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
+        end(proc, stopped)
     log = (tmp_path / "job.log").read_text()
     assert code == 0, f"seed {seed}, faults {done}\n{log[-4000:]}"
     assert len(done) >= 3, f"seed {seed}: the job ended after {done}"

@@ -8,14 +8,13 @@ import importlib.util
 import multiprocessing
 import os
 import random
-import signal
 import time
 
 import pytest
 import torch
 
 from conftest import CONFIG, REPO, Trial, job_env, relaunch, start_relaunch, status_json
-from test_any_moment import assert_exact
+from test_any_moment import assert_exact, end, signal_monkey
 
 from supervisor.config import load_config
 from supervisor.testing.processes import command_line, process_tree
@@ -155,28 +154,9 @@ def engine_processes(cluster) -> int:
                for node in cluster.workers for pid in process_tree(node.all_processes["raylet"][0].process.pid))
 
 
-def engine_monkey(progress, proc, rng: random.Random, signals: int, stopped: list[int]) -> list[tuple]:
-    """Up to `signals` SIGKILLs or SIGSTOPs (drawn from `rng`) of serving engines (drawn too, from the live
-    Supervisor's `progress()`), each after a random pause, while the job runs; the pids it stopped go to
-    `stopped`. Returns what it did. vLLM's engine core runs in the engine's process: the one process to break."""
-    done = []
-    while len(done) < signals and proc.poll() is None:
-        time.sleep(rng.uniform(0.2, 1.5))  # a tiny step takes ~0.3 s: any phase of one, or of a repair
-        try:
-            p = progress()
-        except Exception:  # noqa: BLE001 - the job is ending
-            continue
-        engines = [w for w in p["workers"] if w["name"].startswith("RolloutWorker") and w["pid"]]
-        if not engines:  # being replaced
-            continue
-        target, sig = rng.choice(engines), rng.choice([signal.SIGKILL, signal.SIGSTOP])
-        try:
-            os.kill(target["pid"], sig)
-        except ProcessLookupError:
-            continue
-        stopped += [target["pid"]] if sig == signal.SIGSTOP else []
-        done.append((p["global_step"], target["name"], sig.name))
-    return done
+def serving_engines(progress: dict) -> list[dict]:
+    """The engines the live Supervisor serves from (not the spares), with their pids."""
+    return [w for w in progress["workers"] if w["name"].startswith("RolloutWorker") and w["pid"]]
 
 
 @pytest.mark.quick
@@ -219,17 +199,13 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
         cluster.kill_node(node)
         trial.wait_for_step(16, proc)  # past the hang at 14
         monkey = time.time()
-        done = engine_monkey(progress, proc, random.Random(seed), 2, stopped)
+        # a tiny step takes ~0.3 s: a pause of 0.2-1.5 s lands in any phase of one, or of a repair. vLLM's engine
+        # core runs in the engine's process: the one process to break.
+        done = signal_monkey(progress, proc, random.Random(seed), 2, serving_engines, (0.2, 1.5), stopped)
         assert proc.wait(timeout=600) == 0, f"seed {seed}, {done}: " + (tmp_path / "job.log").read_text()[-3000:]
     finally:
         ray.shutdown()
-        for pid in stopped:  # a stopped engine the Supervisor has not killed yet: ours to end
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
+        end(proc, stopped)
         if killed is not None:
             cluster.add_node()
     # at most one restart per fault: the kill, the node (one incident, whatever else the node held), the hang, and
