@@ -143,8 +143,9 @@ def engine_kills(address: str, fileroot: Path, size: str, overrides: list[str], 
     runs = {}
     for label in columns:
         trial = "engine-killed-" + label.replace(", ", "-").replace(" ", "-")
-        secs, layout = killed_run(address, fileroot, trial, [*SIZES[size].vllm, *ENGINES[label], *overrides], kill_at,
-                                  SIZES[size].config, warm_spares=True, point=ENGINE_KILL_POINT)
+        overrides_here = [*SIZES[size].vllm, *ENGINES[label], *overrides]
+        secs, layout = killed_run(address, fileroot, trial, overrides_here, kill_at, SIZES[size].config,
+                                  warm_spares=True, point=ENGINE_KILL_POINT)
         events = read_jsonl(layout.events_log)
         recovery = next(e for e in events if e["event"] == Event.RECOVERY)
         restarted = next(e for e in events if e["event"] == Event.ENGINES_RESTARTED)

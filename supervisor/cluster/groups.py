@@ -344,8 +344,9 @@ class RolloutGroup(_Members):
     def refill(self) -> int:
         """Start spare engines up to rollout.spare_engines on nodes with room, away from the engines' nodes where
         possible (a node's loss then takes no spare with its engines); not waited for. Returns how many."""
+        missing = self.config.rollout.spare_engines - len(self.spares)
         nodes = choose_nodes(available_resources_per_node(), {n for n in self.nodes if n},
-                             engine_resources(self.config.cluster), self.config.rollout.spare_engines - len(self.spares))
+                             engine_resources(self.config.cluster), missing)
         for node in nodes:
             index = len(self.members) + len(self.spares)
             handle, where = self._start(index, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))

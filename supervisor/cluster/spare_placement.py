@@ -1,4 +1,4 @@
-"""How many warm spare TrainWorkers to keep, and on which nodes; which spare engines replace dead ones (pure: no Ray).
+"""How many warm spare TrainWorkers to keep, and on which nodes; which spare engine replaces which (pure: no Ray).
 
 A spare holds the resources of one rank (`cluster.cpus_per_worker`, `cluster.gpus_per_worker`) from the
 moment it starts, so it is kept only where the cluster has room for it beside the TrainGroup and the
@@ -29,9 +29,10 @@ def engine_resources(cluster) -> Resources:
 
 def spare_count(setting: int | str, total: Resources, cluster, spare_engines: int = 0) -> int:
     """The pool's size: `recover.spare_workers` as given, or for `auto` on CPU one spare per rank as far as the
-    cluster's total resources hold them beside the TrainGroup, the engines and the `spare_engines` (a restart is only as fast as
-    its slowest rank: one rank started cold sets the pace). On GPU `auto` is 0: a spare idles whole GPUs for
-    the whole job to save one rank's start-up at a rare restart, a trade only its owner can make (set a number)."""
+    cluster's total resources hold them beside the TrainGroup, the engines and the `spare_engines` (a restart is
+    only as fast as its slowest rank: one rank started cold sets the pace). On GPU `auto` is 0: a spare idles whole
+    GPUs for the whole job to save one rank's start-up at a rare restart, a trade only its owner can make (set a
+    number)."""
     if setting != AUTO:
         return int(setting)
     if cluster.gpus_per_worker:

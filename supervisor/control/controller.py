@@ -255,9 +255,9 @@ class Controller:
 
     def _refill_spares(self) -> None:
         """Once the step that was in flight at the last fault has completed again: start spare engines up to
-        rollout.spare_engines, and spares up to the pool's size, away from the ranks. Not earlier, so that building their models never competes for the CPUs
-        with the repair or the steps it trains again; tried again after every step while the cluster has no room
-        for them."""
+        rollout.spare_engines, and spares up to the pool's size, away from the ranks. Not earlier, so that building
+        their models never competes for the CPUs with the repair or the steps it trains again; tried again after
+        every step while the cluster has no room for them."""
         if self.runner.finished or self.clock.running:
             return
         engines = self.runner.engines
