@@ -226,7 +226,8 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
     # after the node's loss: the engine replaced, then refitted (pushed to) and checked before the next rollout
     replaced = [e for e in trial.events() if e["time"] > killed and e["event"] in ("engines_restarted", "resync")]
     assert replaced[0]["event"] == "engines_restarted" and len(replaced[0]["replaced"]) == engines
-    assert (replaced[1]["event"], replaced[1]["engines"], replaced[1]["pushed"]) == ("resync", 2, engines)
+    # pushed to: every replaced engine, and the survivor too when a rank lost with the node rolled the weights back
+    assert (replaced[1]["event"], replaced[1]["engines"]) == ("resync", 2) and engines <= replaced[1]["pushed"] <= 2
     deadline = time.monotonic() + 10  # the engines and the spare are killed as the job ends; their processes exit
     while engine_processes(cluster) and time.monotonic() < deadline:
         time.sleep(0.5)
