@@ -30,6 +30,7 @@ from sizes import SIZES
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
 from supervisor.control.events import Event, read_jsonl
+from supervisor.control.policy import Action
 from supervisor.control.repair_clock import PARTS
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
@@ -147,7 +148,7 @@ def engine_kills(address: str, fileroot: Path, size: str, overrides: list[str], 
         secs, layout = killed_run(address, fileroot, trial, overrides_here, kill_at, SIZES[size].config,
                                   warm_spares=True, point=ENGINE_KILL_POINT)
         events = read_jsonl(layout.events_log)
-        recovery = next(e for e in events if e["event"] == Event.RECOVERY)
+        recovery = next(e for e in events if e["event"] == Event.RECOVERY and e["what"] == Action.RESTART_ENGINES)
         restarted = next(e for e in events if e["event"] == Event.ENGINES_RESTARTED)
         runs[label] = {"engine": label, "wall_secs": secs, "recovery": recovery,
                        "from_spares": restarted["from_spares"],
