@@ -4,9 +4,9 @@
                                            [--json FILE]
 
 Each (size, engine) runs in a process of its own, as a RolloutWorker's engine does (one thread, on one core),
-without Ray. `tiny` is the tiny config at the smallest shape vLLM's CPU attention runs (hidden 128, 4 heads),
-`100m` configs/grpo_100m.yaml. Start: the tokenizer and model build, and for vLLM its import and engine
-start (import shown apart). Generation: `--samples` completions of `--new-tokens` tokens (no EOS: all run to
+without Ray. The sizes are benchmarks/sizes.py's, both engines at the shape vLLM's CPU attention runs (tiny:
+hidden 128, 4 heads). Start: the tokenizer and model build, and for vLLM its import and engine start (import
+shown apart). Generation: `--samples` completions of `--new-tokens` tokens (no EOS: all run to
 the full length), each seeded by its sample, after one warm-up call. Weight sync, the RolloutWorker's path
 once the transfer's bytes arrive: new weights received into the engine's parameters (the built-in engine's
 model, vLLM's staging copy: one copy, as the ranks' writes into its shared weights are), for vLLM fed through
@@ -24,10 +24,6 @@ import subprocess
 import sys
 import time
 
-SIZES = {
-    "tiny": ["configs/tiny_grpo.yaml", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"],
-    "100m": ["configs/grpo_100m.yaml"],
-}
 ENGINES = ("hf", "vllm")
 
 
@@ -54,8 +50,9 @@ def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
     from workers.model import build_model, build_tokenizer
     from workers.weight_sync import local_digest
 
-    path, *overrides = SIZES[size]
-    config = load_config(path, [*overrides, f"rollout.engine={engine}"])
+    from sizes import SIZES
+
+    config = load_config(SIZES[size].config, [*SIZES[size].vllm, f"rollout.engine={engine}"])
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(config.model)

@@ -2,9 +2,13 @@
 uninterrupted and then with a TrainWorker SIGKILLed mid-update, once per warm spare pool size
 (`recover.spare_workers`, default 0, 1 and 2), and the figures from their events. It measures the restart
 from disk (`recover.memory=off`): what spares buy there; benchmarks/baselines.py sets the memory tier beside it.
+With `--engine-kill`, the engine is killed instead (SIGKILLed as its rollout of step 6 begins; vLLM's engine core
+runs in the engine's process, so this is the engine core's death), once per engine, side by side: the built-in
+engine, vLLM, and vLLM with a warm spare engine (`rollout.spare_engines=1`), each at the shape vLLM runs
+(`--quick`: tiny, the built-in engine and vLLM with its spare).
 
     .venv/bin/python benchmarks/recovery.py [--size tiny|100m|0.5b] [--kill-at-step 30] [--spares 0,1,2]
-                                            [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
+                                            [--engine-kill] [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
 
 Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took,
 the time from the fault to the completion of the killed step and what it lost beyond one steady step, where
@@ -26,6 +30,7 @@ from sizes import SIZES
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
 from supervisor.control.events import Event, read_jsonl
+from supervisor.control.policy import Action
 from supervisor.control.repair_clock import PARTS
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
@@ -53,17 +58,19 @@ def final_weights(layout: TrialLayout) -> bytes:
 
 
 KILL_POINT = "TrainWorker.train.enter"
+ENGINE_KILL_POINT = "RolloutWorker.generate.enter"
 
 
 def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int,
-               config_path: Path | None = None, warm_spares: bool = False) -> tuple[float, TrialLayout]:
+               config_path: Path | None = None, warm_spares: bool = False,
+               point: str = KILL_POINT) -> tuple[float, TrialLayout]:
     """The job (the default config, or `config_path`) with rank 1 SIGKILLed as it enters the update of step
-    `kill_at` (once). With `warm_spares`, step 1 starts only once the spare pool is warm, so that the memory
-    tier's buddies are linked before the kill, as they are a minute into any job (a short run would otherwise
-    race the spares' start-up)."""
+    `kill_at` (once), or with `point` ENGINE_KILL_POINT engine 0 as it enters the step's rollout. With
+    `warm_spares`, step 1 starts only once the spare pools are warm, so that the memory tier's buddies are linked
+    before the kill, as they are a minute into any job (a short run would otherwise race the spares' start-up)."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
-    faults = [f"{KILL_POINT}:kill:step={kill_at}:rank=1"]
+    faults = [f"{point}:kill:step={kill_at}:rank={0 if point == ENGINE_KILL_POINT else 1}"]
     os.environ.update(RELAUNCH_FAULT=",".join(faults + ["step.begin:wait_spares:step=1"] * warm_spares),
                       RELAUNCH_FAULT_DIR=str(fault_dir))
     try:
@@ -72,9 +79,9 @@ def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], k
         del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
 
 
-def kill_time(fileroot: Path, trial: str) -> float:
+def kill_time(fileroot: Path, trial: str, point: str = KILL_POINT) -> float:
     """When killed_run's kill fired: its fault point's marker file (not the warm-spares wait's, at step 1)."""
-    return next(p.stat().st_mtime for p in (fileroot / f"faults-{trial}").iterdir() if p.name.endswith(KILL_POINT))
+    return next(p.stat().st_mtime for p in (fileroot / f"faults-{trial}").iterdir() if p.name.endswith(point))
 
 
 def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_secs: float) -> dict:
@@ -125,9 +132,53 @@ def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list
     ]
 
 
+ENGINES = {"hf": ["rollout.engine=hf"], "vllm": ["rollout.engine=vllm"],
+           "vllm, warm spare": ["rollout.engine=vllm", "rollout.spare_engines=1"]}
+
+
+def engine_kills(address: str, fileroot: Path, size: str, overrides: list[str], kill_at: int,
+                 columns: list[str]) -> dict[str, dict]:
+    """The job once per ENGINES column with its engine SIGKILLed at step `kill_at`; each column's figures from
+    its `recovery` event, beside the time from the kill's marker to that event (the same clock, read from
+    outside)."""
+    runs = {}
+    for label in columns:
+        trial = "engine-killed-" + label.replace(", ", "-").replace(" ", "-")
+        overrides_here = [*SIZES[size].vllm, *ENGINES[label], *overrides]
+        secs, layout = killed_run(address, fileroot, trial, overrides_here, kill_at, SIZES[size].config,
+                                  warm_spares=True, point=ENGINE_KILL_POINT)
+        events = read_jsonl(layout.events_log)
+        recovery = next(e for e in events if e["event"] == Event.RECOVERY and e["what"] == Action.RESTART_ENGINES)
+        restarted = next(e for e in events if e["event"] == Event.ENGINES_RESTARTED)
+        runs[label] = {"engine": label, "wall_secs": secs, "recovery": recovery,
+                       "from_spares": restarted["from_spares"],
+                       "kill_to_done_secs": recovery["time"] - kill_time(fileroot, trial, ENGINE_KILL_POINT)}
+    return runs
+
+
+def engine_table(runs: dict[str, dict]) -> list[tuple[str, ...]]:
+    """One row per figure, one column per engine."""
+    cols = list(runs.values())
+
+    def row(label: str, fmt) -> tuple[str, ...]:
+        return (label, *(fmt(f) for f in cols))
+
+    return [
+        ("rollout.engine", *runs),
+        row("wall time, job with its engine killed", lambda f: f"{f['wall_secs']:.1f} s"),
+        row("engines from the warm spares", lambda f: str(f["from_spares"])),
+        row("fault -> killed step completed", lambda f: f"{f['recovery']['total']:.1f} s"),
+        row("  lost beyond one steady step", lambda f: f"{f['recovery']['lost']:.1f} s "
+                                                     f"(step {f['recovery']['steady_step']:.2f} s)"),
+        *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
+        row("steps trained again", lambda f: str(f["recovery"]["replayed_steps"])),
+    ]
+
+
 def main() -> None:
     parser = arguments(__doc__, "one epoch, the kill at step 10, spares 0 and 2")
-    parser.add_argument("--kill-at-step", type=int, default=30)
+    parser.add_argument("--kill-at-step", type=int, default=None, help="default 30 (--engine-kill: 6)")
+    parser.add_argument("--engine-kill", action="store_true", help="kill an engine (hf, vllm, vllm with a spare)")
     parser.add_argument("--spares", default="0,1,2",
                         help="recover.spare_workers of each killed run, side by side (--quick: 0,2)")
     parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model (benchmarks/sizes.py)")
@@ -136,12 +187,15 @@ def main() -> None:
     config = SIZES[args.size].config
     # quick: the kill at step 10 gives the spares, started after step 0, time to warm up on a small machine
     overrides, kill_at = (["total_train_epochs=1", *args.overrides], 10) if args.quick else \
-        (args.overrides, args.kill_at_step)
+        (args.overrides, args.kill_at_step or 30)
     spares = [int(n) for n in ("0,2" if args.quick and args.spares == parser.get_default("spares")
                                else args.spares).split(",")]
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
     cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
     address = args.address or cluster.address
+    if args.engine_kill:
+        engine_main(args, fileroot, address, cluster)
+        return
     runs = {}
     try:
         clean_secs, clean = run(address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"], config)
@@ -160,6 +214,23 @@ def main() -> None:
     report(rows, {"benchmark": "recovery", "size": args.size, "uninterrupted_secs": clean_secs,
                   "killed_secs": first["killed_secs"], "recovery": first["recovery"], "identical": all(r["identical"] for r in runs.values()),
                   "runs": [{"spare_workers": n, **r} for n, r in runs.items()]}, args.json)
+    print(f"(runs under {fileroot})")
+
+
+def engine_main(args, fileroot: Path, address: str, cluster: LocalCluster | None) -> None:
+    """--engine-kill: one epoch, no warm spare TrainWorker or memory tier (an engine's repair uses neither, and
+    they would hold memory a ~100M job with two vLLM engines needs). --quick: tiny, the built-in engine and vLLM
+    with its spare only."""
+    overrides = ["total_train_epochs=1", "recover.spare_workers=0", "recover.memory=off", *args.overrides]
+    columns, size = (["hf", "vllm, warm spare"], "tiny") if args.quick else (list(ENGINES), args.size)
+    try:
+        runs = engine_kills(address, fileroot, size, overrides, args.kill_at_step or 6, columns)
+    finally:
+        if cluster:
+            cluster.shutdown()
+    print(f"model: {size} ({SIZES[size].config.name}, {' '.join(SIZES[size].vllm) or 'as shipped'})")
+    report(engine_table(runs), {"benchmark": "recovery", "size": size, "kill": "engine",
+                                "runs": list(runs.values())}, args.json)
     print(f"(runs under {fileroot})")
 
 

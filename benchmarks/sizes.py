@@ -14,10 +14,12 @@ from supervisor.config import REPO_ROOT, load_config
 class Size:
     config: Path
     object_store: int  # bytes: two versions of the fp32 weights in flight, and room for the rest
+    vllm: tuple[str, ...] = ()  # overrides a vLLM engine needs at this size: vLLM's CPU attention, head_dim >= 32
 
 
 SIZES = {
-    "tiny": Size(REPO_ROOT / "configs" / "tiny_grpo.yaml", 150 * 1024**2),
+    "tiny": Size(REPO_ROOT / "configs" / "tiny_grpo.yaml", 150 * 1024**2,
+                 ("model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4")),
     "100m": Size(REPO_ROOT / "configs" / "grpo_100m.yaml", 2 * 1024**3),
     "0.5b": Size(REPO_ROOT / "configs" / "grpo_0.5b.yaml", 4 * 1024**3),
 }

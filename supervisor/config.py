@@ -201,6 +201,9 @@ class RolloutConfig(_Strict):
     _builtin = field_validator("engine", mode="before")(lambda v: RolloutEngine.HF if v == "builtin" else v)
     kv_cache_mb: int = Field(256, gt=0, description="rollout.engine vllm: the KV cache each engine reserves, in MiB "
                                                     "(vLLM would take most of the host's memory otherwise)")
+    spare_engines: int = Field(0, ge=0, description="warm spare engines kept ready (started, weights not yet "
+                                                     "synced) to replace a dead or hung engine without its start "
+                                                     "(10-20 s for vllm); each holds an engine's CPUs and memory")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
     weight_bucket_mb: int = Field(
         64, gt=0, description="the weight stream's bucket size, in MiB of the engine's dtype: each side holds two "

@@ -15,10 +15,12 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray._private.state import available_resources_per_node
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from supervisor.cluster.blame import Call, Outcome, blame, group_error, outcome_of
 from supervisor.cluster.errors import CapacityError, Group, GroupError
+from supervisor.cluster.spare_placement import choose_nodes, engine_resources, take_spares
 from supervisor.cluster.weights import WeightStream
 from supervisor.config import Config
 from workers.rollout_worker import RolloutWorker, merge_rollouts
@@ -313,7 +315,8 @@ class TrainGroup(_Members):
 
 
 class RolloutGroup(_Members):
-    """M independent inference engines; each can be replaced alone."""
+    """M independent inference engines; each can be replaced alone, by a warm spare engine when one is ready
+    (rollout.spare_engines: started ahead, holding no version, so refitted by the resync like a new engine)."""
 
     group = Group.ROLLOUT
 
@@ -322,16 +325,38 @@ class RolloutGroup(_Members):
         self.config = config
         self._where: dict[int, ray.ObjectRef] = {}
         self.members = [self._spawn(i) for i in range(config.cluster.n_rollout_workers)]
+        self.spares: list[tuple[Member, ray.ObjectRef]] = []  # each with its start's `where` call
+        self.from_spares = 0  # how many engines the last `replace` took from the spares
+
+    def _start(self, index: int, **options) -> tuple[ray.actor.ActorHandle, ray.ObjectRef]:
+        """A new engine (`index` sets the cores it binds), and its `where` call, done once it is up."""
+        cluster = self.config.cluster
+        handle = RolloutWorker.options(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_engine,
+                                       max_restarts=0, **options).remote(self.config, index)
+        return handle, handle.where.remote()
 
     def _spawn(self, i: int) -> Member:
         # Not waited for: the engine starts while the TrainGroup does; its first call gets the start-up bound.
-        cluster = self.config.cluster
-        handle = RolloutWorker.options(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_engine,
-                                       max_restarts=0).remote(self.config, i)
-        if i in self._where:
-            self.orphans.append(self._where[i])
-        self._where[i] = handle.where.remote()
+        handle, where = self._start(i)
+        self._where[i] = where
         return Member(handle, f"RolloutWorker[{i}]")
+
+    def refill(self) -> int:
+        """Start spare engines up to rollout.spare_engines on nodes with room, away from the engines' nodes where
+        possible (a node's loss then takes no spare with its engines); not waited for. Returns how many."""
+        missing = self.config.rollout.spare_engines - len(self.spares)
+        nodes = choose_nodes(available_resources_per_node(), {n for n in self.nodes if n},
+                             engine_resources(self.config.cluster), missing)
+        for node in nodes:
+            index = len(self.members) + len(self.spares)
+            handle, where = self._start(index, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
+            self.spares.append((Member(handle, f"RolloutWorker[spare {index}]"), where))
+        return len(nodes)
+
+    def warm_spares(self) -> int:
+        """How many spare engines are up, without waiting."""
+        starts = [where for _, where in self.spares]
+        return len(ray.wait(starts, num_returns=len(starts), timeout=0)[0]) if starts else 0
 
     def wait_started(self, only: list[int] | None = None) -> None:
         """Wait (with the start-up bound) until the engines still starting, of those in `only`, are up."""
@@ -369,21 +394,42 @@ class RolloutGroup(_Members):
 
     def replace(self, faulty: tuple[str, ...]) -> list[str]:
         """Replace the faulty engines, and any other engine that is dead or cannot finish the call a fault
-        left behind within PROBE_TIMEOUT_SECS; returns the names of those replaced."""
+        left behind within PROBE_TIMEOUT_SECS, by spare engines where there are (spare_placement.take_spares:
+        those that answer the same probe first), else by new ones; returns the names of those replaced."""
         self._kill([m for m in self.members if m.name in faulty])
         # engines still starting are left alone: their first call has the start-up bound
         survivors = [m for i, m in enumerate(self.members) if m.name not in faulty and i not in self._where]
-        probes = {m.name: m.handle.where.remote() for m in survivors}
+        up = set(ray.wait([w for _, w in self.spares], num_returns=len(self.spares), timeout=0)[0]) \
+            if self.spares else set()
+        probes = {m.name: m.handle.where.remote() for m in survivors + [m for m, w in self.spares if w in up]}
         running, errors = drain(list(probes.values()), PROBE_TIMEOUT_SECS)
-        broken = set(faulty) | {name for name, ref in probes.items() if ref in running or ref in errors}
+        answered = {name: ray.get(ref) for name, ref in probes.items() if ref not in running and ref not in errors}
+        broken = set(faulty) | {m.name for m in survivors if m.name not in answered}
         self.orphans += running
-        self._kill([m for m in self.members if m.name in broken and m.name not in faulty])
-        for i, m in enumerate(self.members):
-            if m.name in broken:
+        spares = {m.name: (m, w) for m, w in self.spares}
+        lost_spares = {m.name for m, w in self.spares if w in up and m.name not in answered}
+        self._kill([m for m in self.members if m.name in broken and m.name not in faulty] +
+                   [spares.pop(name)[0] for name in lost_spares])
+        slots = [i for i, m in enumerate(self.members) if m.name in broken]
+        taken = take_spares(slots, [m.name for m, w in self.spares if m.name in answered],
+                            [m.name for m, w in self.spares if w not in up])
+        for i in slots:
+            if i in self._where:
+                self.orphans.append(self._where.pop(i))
+            if i not in taken:
                 self.members[i] = self._spawn(i)
+                continue
+            spare, where = spares.pop(taken[i])
+            self.members[i] = Member(spare.handle, f"RolloutWorker[{i}]")
+            if spare.name in answered:
+                self.members[i].node_id, self.members[i].pid = (answered[spare.name][k] for k in ("node_id", "pid"))
+            else:  # still starting: its first call waits for it, with the start-up bound
+                self._where[i] = where
+        self.spares = list(spares.values())
+        self.from_spares = len(taken)
         return sorted(broken)
 
     def shutdown(self) -> None:
-        self.orphans += list(self._where.values())
-        self._kill(self.members)
-        self.orphans, self._where = [], {}
+        self.orphans += list(self._where.values()) + [w for _, w in self.spares]
+        self._kill(self.members + [m for m, _ in self.spares])
+        self.orphans, self._where, self.spares = [], {}, []

@@ -1,4 +1,4 @@
-"""How many warm spare TrainWorkers to keep, and on which nodes (pure: no Ray).
+"""How many warm spare TrainWorkers to keep, and on which nodes; which spare engine replaces which (pure: no Ray).
 
 A spare holds the resources of one rank (`cluster.cpus_per_worker`, `cluster.gpus_per_worker`) from the
 moment it starts, so it is kept only where the cluster has room for it beside the TrainGroup and the
@@ -19,11 +19,20 @@ def rank_resources(cluster) -> Resources:
     return need
 
 
-def spare_count(setting: int | str, total: Resources, cluster) -> int:
+def engine_resources(cluster) -> Resources:
+    """What one engine (serving or spare) holds."""
+    need = {"CPU": float(cluster.cpus_per_worker)}
+    if cluster.gpus_per_engine:
+        need["GPU"] = float(cluster.gpus_per_engine)
+    return need
+
+
+def spare_count(setting: int | str, total: Resources, cluster, spare_engines: int = 0) -> int:
     """The pool's size: `recover.spare_workers` as given, or for `auto` on CPU one spare per rank as far as the
-    cluster's total resources hold them beside the TrainGroup and the engines (a restart is only as fast as
-    its slowest rank: one rank started cold sets the pace). On GPU `auto` is 0: a spare idles whole GPUs for
-    the whole job to save one rank's start-up at a rare restart, a trade only its owner can make (set a number)."""
+    cluster's total resources hold them beside the TrainGroup, the engines and the `spare_engines` (a restart is
+    only as fast as its slowest rank: one rank started cold sets the pace). On GPU `auto` is 0: a spare idles whole
+    GPUs for the whole job to save one rank's start-up at a rare restart, a trade only its owner can make (set a
+    number)."""
     if setting != AUTO:
         return int(setting)
     if cluster.gpus_per_worker:
@@ -31,8 +40,9 @@ def spare_count(setting: int | str, total: Resources, cluster) -> int:
 
     def fits(spares: int) -> bool:
         ranks = cluster.n_train_workers + spares
-        need = {"CPU": ranks * cluster.cpus_per_worker + cluster.n_rollout_workers * cluster.cpus_per_worker,
-                "GPU": ranks * cluster.gpus_per_worker + cluster.n_rollout_workers * cluster.gpus_per_engine}
+        engines = cluster.n_rollout_workers + spare_engines
+        need = {"CPU": (ranks + engines) * cluster.cpus_per_worker,
+                "GPU": ranks * cluster.gpus_per_worker + engines * cluster.gpus_per_engine}
         return all(total.get(k, 0.0) >= v for k, v in need.items() if v)
 
     return max((n for n in range(cluster.n_train_workers + 1) if fits(n)), default=0)
@@ -53,3 +63,9 @@ def choose_nodes(free: dict[str, Resources], avoid: set[str], need: Resources, n
             free[node][k] -= v
         picks.append(node)
     return picks
+
+
+def take_spares(slots: list[int], answering: list[str], starting: list[str]) -> dict[int, str]:
+    """Which spare engine takes which dead engine's slot: those that answered a probe first (warm), then those
+    still starting (sooner than a cold start); slots left over start cold."""
+    return dict(zip(slots, answering + starting))

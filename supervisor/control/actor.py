@@ -115,7 +115,7 @@ class Supervisor:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
-        size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster)
+        size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster, cfg.rollout.spare_engines)
         pool = SparePool(cfg, size) if size else None
         memory_off = cfg.memory_tier_off(size)
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
@@ -137,11 +137,14 @@ class Supervisor:
         return result.__dict__
 
     def _wait_spares(self, point: str, bound: float = 300.0) -> None:
-        pool, deadline = self.controller.spares, time.monotonic() + bound
-        while pool is not None and len(pool.warm()) < pool.size:
+        pool, engines, deadline = self.controller.spares, self.controller.runner.engines, time.monotonic() + bound
+        while (pool is not None and len(pool.warm()) < pool.size) or \
+                engines.warm_spares() < self.config.rollout.spare_engines:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"fault point {point}: the spare pool was not warm after {bound:.0f}s")
-            pool.refill(self.controller.runner.trainers.nodes)
+                raise RuntimeError(f"fault point {point}: the spare pools were not warm after {bound:.0f}s")
+            if pool is not None:
+                pool.refill(self.controller.runner.trainers.nodes)
+            engines.refill()
             time.sleep(0.2)
 
     def _attach_trackers(self) -> None:
@@ -154,7 +157,8 @@ class Supervisor:
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation at the step's phase boundaries: besides the usual actions, `kill_rank` and
         `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine, and
-        `wait_spares` waits until the spare pool is full and warm (so that the memory tier links at this step)."""
+        `wait_spares` waits until the spare pools (TrainWorkers, engines) are full and warm (so that the memory
+        tier links at this step)."""
         action = fault_points.armed(point, step=s.global_step)
         if action is None:
             return

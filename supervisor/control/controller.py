@@ -255,11 +255,19 @@ class Controller:
         return Result(Outcome.OK)
 
     def _refill_spares(self) -> None:
-        """Once the step that was in flight at the last fault has completed again: start spares up to the
-        pool's size, away from the ranks. Not earlier, so that building their models never competes for the CPUs
-        with the repair or the steps it trains again; tried again after every step while the cluster has no room
-        for them."""
-        if not self.refill_due or self.spares is None or self.runner.finished or self.clock.running:
+        """Once the step that was in flight at the last fault has completed again: start spare engines up to
+        rollout.spare_engines, and spares up to the pool's size, away from the ranks. Not earlier, so that building
+        their models never competes for the CPUs with the repair or the steps it trains again; tried again after
+        every step while the cluster has no room for them."""
+        if self.runner.finished or self.clock.running:
+            return
+        engines = self.runner.engines
+        if len(engines.spares) < self.config.rollout.spare_engines:
+            started = self._best_effort("starting spare engines", engines.refill)
+            if started:
+                self.events.emit(Event.SPARES, action="refilled", kind="engine", started=started,
+                                 pool=len(engines.spares), size=self.config.rollout.spare_engines)
+        if not self.refill_due or self.spares is None:
             return
         if len(self.spares) < self.spares.size:
             nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.runner.trainers.nodes)
@@ -400,7 +408,8 @@ class Controller:
         with self.clock.part("resync"):
             replaced = self.runner.engines.replace(())
             if replaced:
-                self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
+                self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced,
+                                 from_spares=self.runner.engines.from_spares)
             self.runner.sync_engines(gate=True)
         self.clock.resumed()
 
@@ -414,11 +423,11 @@ class Controller:
         with self.clock.part("teardown"):
             faulty = engines_to_replace(fault)
             if self.spares is not None and self._best_effort("making room for the engines", self.spares.make_room,
-                                                             len(faulty)):
+                                                             len(faulty) - len(r.engines.spares)):
                 self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
                 self.refill_due = True
             replaced = r.engines.replace(faulty)
-            self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced)
+            self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=r.engines.from_spares)
         with self.clock.part("resync"):
             r.sync_engines(gate=True)  # a new engine starts in its sync
         self.clock.resumed()

@@ -18,7 +18,7 @@ Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, se
 (sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole
 embedded Ray cluster), `enospc` (raise a disk-full OSError). At the Supervisor's points, `kill_rank`,
 `stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead, and
-`wait_spares` waits until the spare pool is full and warm.
+`wait_spares` waits until the spare pools (TrainWorkers, and engines) are full and warm.
 Each armed fault fires once: a marker file in `RELAUNCH_FAULT_DIR` remembers it across restarts, so a
 restarted process goes on. Nothing is armed unless both variables are set; the driver forwards them.
 """

@@ -124,6 +124,22 @@ def test_weight_sync_benchmark(cluster, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (./dev.sh installs it)")
+def test_engine_kill_benchmark(cluster, tmp_path):
+    """An engine SIGKILLed at step 6, the built-in engine and vLLM with a warm spare side by side: each timed to
+    the killed step (the event's clock agrees with the kill's marker), nothing trained again, and vLLM's engine
+    taken from the spare."""
+    figures = bench("recovery", "--engine-kill", "--address", cluster.address, tmp_path=tmp_path)
+    runs = {r["engine"]: r for r in figures["runs"]}
+    assert list(runs) == ["hf", "vllm, warm spare"] and figures["size"] == "tiny"
+    for run in runs.values():
+        rec = run["recovery"]
+        assert (rec["cause"], rec["global_step"], rec["replayed_steps"]) == ("engine_died", 6, 0)
+        assert rec["total"] > rec["lost"] > 0 and abs(run["kill_to_done_secs"] - rec["total"]) < 1.0, rec
+    assert [r["from_spares"] for r in runs.values()] == [0, 1]
+    assert "lost beyond one steady step" in figures["stdout"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (./dev.sh installs it)")
 def test_engines_benchmark(tmp_path):
     """Both engines at tiny: generation, and the weight sync (for vLLM into its model and read back) with its
     bandwidth beside a memcpy of the same bytes."""

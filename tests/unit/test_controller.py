@@ -177,6 +177,7 @@ class FakeEngines:
         self.world = world
         self.held = [None] * n          # (ref, version) of each engine
         self.generated: list[tuple[int, int, bool]] = []
+        self.spares, self.from_spares = [], 0  # no warm spare engine (rollout.spare_engines 0)
 
     @property
     def nodes(self):
@@ -719,3 +720,39 @@ def test_the_supervisors_own_commit_failing_on_a_full_disk_skips_that_background
     assert [e["global_step"] for e in events if e["event"] == "commit"] == [1, 5, 7]
     assert not [e for e in events if e["event"] == "restart"]
     assert final_history(layout) == list(range(STEPS))
+
+
+class SparedEngines(FakeEngines):
+    """Engines with a warm spare pool: `refill` starts one spare (noting the step of the last rollout), a
+    replacement takes spares first."""
+
+    def __init__(self, world: World):
+        super().__init__(world)
+        self.refills: list[int] = []
+
+    def refill(self) -> int:
+        self.refills.append(self.generated[-1][0])
+        self.spares.append("spare")
+        return 1
+
+    def replace(self, faulty):
+        replaced = super().replace(faulty)
+        self.from_spares = min(len(replaced), len(self.spares))
+        del self.spares[:self.from_spares]
+        return replaced
+
+
+def test_spare_engines_start_after_the_first_step_and_after_a_repair_never_during_one(tmp_path, clean):
+    world = World()
+    world.armed[("rollout", 5)] = "engine_death"
+    controller, layout, _ = make_controller(tmp_path, world, "rollout.spare_engines=1")
+    engines = SparedEngines(world)
+    controller.make_rollout_group = lambda: engines
+    assert controller.run().exit_code == 0
+    assert_complete_and_exact(layout, clean[0])
+    # once step 0 completed, then once step 5 (in flight at the fault) completed again: not while repairing
+    assert engines.refills == [0, 5]
+    events = read_jsonl(layout.events_log)
+    assert [e["from_spares"] for e in events if e["event"] == "engines_restarted"] == [1]
+    assert [(e["kind"], e["started"], e["pool"], e["size"]) for e in events if e["event"] == "spares"] == \
+        [("engine", 1, 1, 1)] * 2

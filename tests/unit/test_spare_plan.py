@@ -1,9 +1,10 @@
-"""The warm spare pool's pure decisions: how many spares, and on which nodes."""
+"""The warm spare pools' pure decisions: how many spares, on which nodes, and which spare engine replaces which."""
 from __future__ import annotations
 
 import pytest
 
-from supervisor.cluster.spare_placement import choose_nodes, rank_resources, spare_count
+from supervisor.cluster.spare_placement import (choose_nodes, engine_resources, rank_resources, spare_count,
+                                                take_spares)
 from supervisor.config import ClusterConfig
 
 # the e2e cluster: a head of 1 CPU and two worker nodes of 3
@@ -26,6 +27,28 @@ E2E_TOTAL = {"CPU": 7.0, "memory": 1e9}
 ])
 def test_spare_count(setting, total, cluster, expected):
     assert spare_count(setting, total, ClusterConfig(**cluster)) == expected
+
+
+@pytest.mark.parametrize("spare_engines, expected", [(0, 2), (2, 2), (3, 1), (4, 0)])
+def test_spare_engines_take_room_from_auto_spares(spare_engines, expected):
+    """On the e2e cluster (7 CPUs): 2 ranks and 1 engine, then the spare engines, then as many spares as fit."""
+    assert spare_count("auto", E2E_TOTAL, ClusterConfig(), spare_engines) == expected
+
+
+def test_engine_resources_name_gpus_only_when_asked():
+    assert engine_resources(ClusterConfig(cpus_per_worker=2, gpus_per_worker=1)) == {"CPU": 2.0}
+    assert engine_resources(ClusterConfig(gpus_per_engine=1)) == {"CPU": 1.0, "GPU": 1.0}
+
+
+@pytest.mark.parametrize("slots, answering, starting, expected", [
+    ([0], ["s1"], ["s2"], {0: "s1"}),                        # a warm spare before one still starting
+    ([0, 2], ["s1"], ["s2"], {0: "s1", 2: "s2"}),            # then one still starting: sooner than a cold start
+    ([0, 1, 2], [], ["s2"], {0: "s2"}),                      # slots left over start cold
+    ([1], [], [], {}),                                       # no spare (or only dead ones, not offered): cold
+    ([], ["s1"], [], {}),                                    # nothing to replace: the spares stay
+])
+def test_take_spares(slots, answering, starting, expected):
+    assert take_spares(slots, answering, starting) == expected
 
 
 def test_rank_resources_name_gpus_only_when_asked():
