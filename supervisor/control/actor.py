@@ -25,6 +25,7 @@ from supervisor.config import Config
 from supervisor.control.controller import Controller, JobResult, State
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
+from supervisor.control.fleet import Fleet
 from supervisor.control.log_mirror import LogMirror
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
@@ -74,20 +75,20 @@ class Supervisor:
     # ---- queries (served concurrently with run) -------------------------------------------------
     def progress(self) -> dict:
         c = self.controller
-        r = c.runner if c else None
+        r, f = (c.runner, c.fleet) if c else (None, None)
         return {
             "phase": c.phase if c else State.STARTING.value,
             "global_step": r.state.step.global_step if r else -1,
             "total_steps": self.loader.steps_per_epoch * self.config.total_train_epochs,
             "reward": r.last_reward if r else None, "restarts": self.policy.restarts, "attempt": self.attempt,
-            "weights_version": r.engine_version if r else None,
-            "train_nodes": r.trainers.nodes if r and r.trainers else [],
-            "rollout_nodes": r.engines.nodes if r and r.engines else [],
+            "weights_version": f.engine_version if f else None,
+            "train_nodes": f.trainers.nodes if f and f.trainers else [],
+            "rollout_nodes": f.engines.nodes if f and f.engines else [],
             "supervisor_pid": os.getpid(),
             "since_transition_secs": time.monotonic() - (c.transitioned if c else self.created),
             "waits": self.waits.report(),
-            "workers": (r.trainers.describe() if r and r.trainers else []) +
-                       (r.engines.describe() if r and r.engines else []),
+            "workers": (f.trainers.describe() if f and f.trainers else []) +
+                       (f.engines.describe() if f and f.engines else []),
         }
 
     # ---- the run --------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class Supervisor:
         linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
         memory = MemoryCopies(pool, warn, linked) if memory_off is None else None
         runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point,
-                            pool, memory)
+                            Fleet(self.events), pool, memory)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
@@ -137,13 +138,14 @@ class Supervisor:
         return result.__dict__
 
     def _wait_spares(self, point: str, bound: float = 300.0) -> None:
-        pool, engines, deadline = self.controller.spares, self.controller.runner.engines, time.monotonic() + bound
+        pool, fleet, deadline = self.controller.spares, self.controller.fleet, time.monotonic() + bound
+        engines = fleet.engines
         while (pool is not None and len(pool.warm()) < pool.size) or \
                 engines.warm_spares() < self.config.rollout.spare_engines:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"fault point {point}: the spare pools were not warm after {bound:.0f}s")
             if pool is not None:
-                pool.refill(self.controller.runner.trainers.nodes)
+                pool.refill(fleet.trainers.nodes)
             engines.refill()
             time.sleep(0.2)
 
@@ -162,12 +164,12 @@ class Supervisor:
         action = fault_points.armed(point, step=s.global_step)
         if action is None:
             return
-        r = self.controller.runner
+        fleet = self.controller.fleet
         verb, _, target = action.partition("_")
         if action == "wait_spares":
             self._wait_spares(point)
         elif target in ("rank", "engine"):
-            pid = r.trainers.members[-1].pid if target == "rank" else r.engines.members[0].pid
+            pid = fleet.trainers.members[-1].pid if target == "rank" else fleet.engines.members[0].pid
             if pid is None:
                 raise RuntimeError(f"fault point {point}: the {target}'s pid is not known yet")
             fault_points.apply(verb, point, pid=pid)

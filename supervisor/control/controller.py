@@ -110,6 +110,7 @@ class Controller:
                  sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None,
                  memory_off: str | None = None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
+        self.fleet = runner.fleet  # the groups it replaces, the ones the runner steps on
         self.events, self.stats, self.sleep = events, stats, sleep
         self.make_train_group, self.make_rollout_group = make_train_group, make_rollout_group
         self.supervisor_restarted = supervisor_restarted
@@ -261,7 +262,7 @@ class Controller:
         every step while the cluster has no room for them."""
         if self.runner.finished or self.clock.running:
             return
-        engines = self.runner.engines
+        engines = self.fleet.engines
         if len(engines.spares) < self.config.rollout.spare_engines:
             started = self._best_effort("starting spare engines", engines.refill)
             if started:
@@ -270,7 +271,7 @@ class Controller:
         if not self.refill_due or self.spares is None:
             return
         if len(self.spares) < self.spares.size:
-            nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.runner.trainers.nodes)
+            nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.fleet.trainers.nodes)
             if nodes:
                 self.events.emit(Event.SPARES, action="refilled", started=len(nodes), nodes=nodes,
                                  pool=len(self.spares), size=self.spares.size)
@@ -321,24 +322,24 @@ class Controller:
 
     def _recovery_source(self, fault: Fault) -> Choice:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
-        r = self.runner
+        r, trainers = self.runner, self.fleet.trainers
         if r.memory is None or r.memory.off is not None:
             return Choice(Source.DISK, self.memory_off or r.memory.off)
-        if r.trainers is None:  # a restarted Supervisor, or a start that failed
+        if trainers is None:  # a restarted Supervisor, or a start that failed
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
         if fault.kind is FaultKind.HANG:
             self._kill_hang_culprits(fault)
-        alive = r.trainers.answering(ANSWER_SECS)
-        return recovery_source(enabled=None, kind=fault.kind, world_size=r.trainers.world_size,
-                               lost=set(range(r.trainers.world_size)) - alive, buddies=r.memory.buddies,
+        alive = trainers.answering(ANSWER_SECS)
+        return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size,
+                               lost=set(range(trainers.world_size)) - alive, buddies=r.memory.buddies,
                                holding=r.memory.holding(), staged=r.memory.staged, snapshots=set(r.snapshots))
 
     def _kill_hang_culprits(self, fault: Fault) -> None:
         """Turn a hang into deaths: kill the ranks the others wait on (recovery_source.hang_culprits), so that
         the others' collectives fail and they can roll back in place. Gloo cannot abort a collective; a killed
         peer ends it within a tenth of a second (measured). Nothing is killed when no culprit can be named."""
-        trainers = self.runner.trainers
+        trainers = self.fleet.trainers
         pending = {rank for rank, m in enumerate(trainers.members) if m.name in fault.actors}
         culprits = hang_culprits(pending, trainers.progress(PROGRESS_SECS))
         if culprits and len(culprits) < trainers.world_size:
@@ -350,14 +351,14 @@ class Controller:
         """Restart only the dead: their buddies take their places with their state, the survivors roll back in
         place, the Supervisor rolls back to the same step from its own memory; engines that already hold that
         step's weights are not resynced. Nothing is read from disk."""
-        r, lost = self.runner, sorted(choice.adopters)
+        r, trainers, lost = self.runner, self.fleet.trainers, sorted(choice.adopters)
         with self.clock.part("teardown"):
-            r.close_stream()
+            self.fleet.close_stream()
             self.checkpoints.drop_in_flight(keep_export=0 not in lost)
         adopters = self.spares.claim(list(choice.adopters.values()))
-        r.trainers.rejoin(lost, {rank: adopters[name] for rank, name in choice.adopters.items()}, choice.step)
+        trainers.rejoin(lost, {rank: adopters[name] for rank, name in choice.adopters.items()}, choice.step)
         r.memory.adopted()
-        for part, part_secs in r.trainers.timings.items():
+        for part, part_secs in trainers.timings.items():
             self.clock.add(part, part_secs)
         self.events.emit(Event.SPARES, action="taken", taken=len(lost), cold=0, pool=len(self.spares),
                          size=self.spares.size)
@@ -365,38 +366,38 @@ class Controller:
         r.restore(choice.step)
         self.clock.loaded(choice.step, Source.MEMORY)
         self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
-                         nodes=r.trainers.nodes, missing_state=[], secs=round(sum(r.trainers.timings.values()), 3))
+                         nodes=trainers.nodes, missing_state=[], secs=round(sum(trainers.timings.values()), 3))
         self._resync()
 
     def _restart_train_group(self) -> None:
         """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
         its step, replace dead engines, and resync every engine to the checkpoint's weights."""
-        r = self.runner
+        r, fleet = self.runner, self.fleet
         with self.clock.part("teardown"):
             r.drop_group()
-        if r.engines is None:
-            r.engines = self.make_rollout_group()  # starts while the TrainGroup does
+        if fleet.engines is None:
+            fleet.engines = self.make_rollout_group()  # starts while the TrainGroup does
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate") as pool:
             # the checkpoint is validated (hashed, unless this Supervisor committed it) while the new group
             # starts; it cleans up interrupted saves, which is safe: no rank of either group writes now
             validated = pool.submit(self._validate)
-            r.trainers = self._new_train_group()
+            fleet.trainers = self._new_train_group()
             ckpt, secs = validated.result()
         if self.spares is not None:
-            taken = r.trainers.from_spares
-            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(r.trainers.nodes) - taken,
+            taken = fleet.trainers.from_spares
+            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(fleet.trainers.nodes) - taken,
                              pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
-        for part, part_secs in [*r.trainers.timings.items(), ("validate", secs)]:
+        for part, part_secs in [*fleet.trainers.timings.items(), ("validate", secs)]:
             self.clock.add(part, part_secs)
         with self.clock.part("load"):
-            missing = r.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
+            missing = fleet.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
         r.roll_back(self._state_of(ckpt, warn=True))
         self.clock.loaded(r.state.step.global_step, Source.DISK)
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          source=Source.DISK.value,
-                         nodes=r.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
+                         nodes=fleet.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
         if missing:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
@@ -406,11 +407,11 @@ class Controller:
         """After the TrainGroup's repair: replace the engines found dead, and bring every engine to the trainer's
         weights (those that hold them already are not pushed to); the repair is over."""
         with self.clock.part("resync"):
-            replaced = self.runner.engines.replace(())
+            replaced = self.fleet.engines.replace(())
             if replaced:
                 self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced,
-                                 from_spares=self.runner.engines.from_spares)
-            self.runner.sync_engines(gate=True)
+                                 from_spares=self.fleet.engines.from_spares)
+            self.fleet.sync_engines(self.runner.weights_version, gate=True)
         self.clock.resumed()
 
     def _validate(self) -> tuple[Checkpoint | None, float]:
@@ -419,17 +420,17 @@ class Controller:
 
     def _restart_engines(self, fault: Fault) -> None:
         """Replace the faulty engines (and any found dead), then resync; training state is not rolled back."""
-        r = self.runner
+        engines = self.fleet.engines
         with self.clock.part("teardown"):
             faulty = engines_to_replace(fault)
             if self.spares is not None and self._best_effort("making room for the engines", self.spares.make_room,
-                                                             len(faulty) - len(r.engines.spares)):
+                                                             len(faulty) - len(engines.spares)):
                 self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
                 self.refill_due = True
-            replaced = r.engines.replace(faulty)
-            self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=r.engines.from_spares)
+            replaced = engines.replace(faulty)
+            self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=engines.from_spares)
         with self.clock.part("resync"):
-            r.sync_engines(gate=True)  # a new engine starts in its sync
+            self.fleet.sync_engines(self.runner.weights_version, gate=True)  # a new engine starts in its sync
         self.clock.resumed()
 
     def _new_train_group(self):
@@ -465,11 +466,9 @@ class Controller:
         return state
 
     def _shutdown(self) -> None:
-        self.runner.close_stream()
-        for group in (self.runner.trainers, self.runner.engines, self.spares):
-            if group is not None:
-                try:
-                    group.shutdown()
-                except Exception:  # noqa: BLE001 - best effort at the end of the run
-                    pass
-        self.runner.trainers = self.runner.engines = None
+        self.fleet.shutdown()
+        if self.spares is not None:
+            try:
+                self.spares.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at the end of the run
+                pass

@@ -28,16 +28,15 @@ from typing import Callable
 
 import torch
 
-from supervisor.cluster.errors import Group, GroupError
 from supervisor.config import Config
 from supervisor.control.coordinator import CheckpointCoordinator, Staged
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
+from supervisor.control.fleet import Fleet
 from supervisor.control.interval import AutoInterval
 from supervisor.control.memory import memory_fields
 from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
-from workers.errors import StaleWeights
 from workers.grpo import group_advantages
 from workers.rewards import score
 
@@ -70,19 +69,16 @@ class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
     def __init__(self, config: Config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
-                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], spares=None,
-                 memory=None):
+                 checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], fleet: Fleet,
+                 spares=None, memory=None):
         self.config, self.loader, self.reward_fn = config, loader, reward_fn
+        self.fleet = fleet  # the groups it steps on, and the weights between them (the controller replaces them)
         self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
         self.memory = memory  # the memory tier's copies (cluster/memory_copies.py), or None: recovery from disk
         self.snapshots: dict[int, RunState] = {}  # global step -> the run's state at its commit (memory tier)
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
         self.state = RunState.fresh(config, loader.steps_per_epoch)
-        self.trainers = self.engines = None
-        self.stream = None  # the weights-update group of these trainers and engines (supervisor/cluster/weights.py)
-        self.digest: tuple[int, str] | None = None  # (version, digest) of the trainer's weights, from a sync
-        self.engine_version: int | None = None  # the version every engine holds, when known
         self.owed: Owed | None = None
         self.phase: Phase | None = None
         self.last_reward: float | None = None
@@ -93,6 +89,11 @@ class StepRunner:
             events.listeners.append(self.interval.observe)
 
     @property
+    def weights_version(self) -> int:
+        """The version of the trainer's weights: the number of updates they have taken."""
+        return self.state.step.global_step + 1
+
+    @property
     def finished(self) -> bool:
         return self.finished_training and self.checkpoints.in_flight.idle
 
@@ -101,26 +102,23 @@ class StepRunner:
         background writes once they are durable (after the last step, wait for them). Returns the global step
         completed, or None (only background writes were waited for)."""
         completed = None
-        self.checkpoints.collect(self.trainers, block=False)
+        self.checkpoints.collect(self.fleet.trainers, block=False)
         if self.owed is None and not self.finished_training:
             self._until_commit(self.state.step.next())
         if self.owed is not None:
             self._settle(self.owed)
             completed, self.owed = self.owed.step.global_step, None
         if self.finished_training:
-            self.checkpoints.collect(self.trainers, block=True)
+            self.checkpoints.collect(self.fleet.trainers, block=True)
         return completed
 
     def drop_group(self) -> None:
         """Kill the TrainGroup (survivors may be stuck in a collective, or still writing a save): what it
         held dies with it, its weights stream to the engines and the background writes, unpublished."""
-        if self.trainers is not None:
-            self.trainers.shutdown()
-            self.trainers = None
+        self.fleet.drop_trainers()
         if self.memory is not None:
             self.memory.reset()
-        self.owed, self.digest = None, None  # the new group's weights are the checkpoint's
-        self.close_stream()
+        self.owed = None  # the new group's weights are the checkpoint's
         self.checkpoints.drop_in_flight()
 
     def roll_back(self, state: RunState) -> None:
@@ -151,7 +149,7 @@ class StepRunner:
         self.fault_point("step.begin", s)
         self.phase = Phase.ROLLOUT
         rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
-        rollout = self.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step)
+        rollout = self.fleet.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step)
         self.fault_point("step.rolled_out", s)
         rewards = torch.tensor(score(self.reward_fn, rows, rollout["completions"]))
         advantages = group_advantages(rewards, cfg.data.group_size)
@@ -159,13 +157,13 @@ class StepRunner:
         t_rollout = time.monotonic()
         self.phase = Phase.TRAIN
         if self.memory is not None:
-            self.memory.wait_landed(self.trainers, s.global_step - 1)
+            self.memory.wait_landed(self.fleet.trainers, s.global_step - 1)
         t_landed = time.monotonic()
-        n = self.trainers.world_size
+        n = self.fleet.trainers.world_size
         keys = ("input_ids", "attention_mask", "response_mask")
         shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
                   for r in range(n)]
-        results = self.trainers.train(shards, s.global_step)
+        results = self.fleet.trainers.train(shards, s.global_step)
         metrics = results[0]
         # ---- the commit point: every rank took its optimizer step -----------------------------------
         t_train = time.monotonic()
@@ -191,7 +189,7 @@ class StepRunner:
         if self.memory is not None:
             self.snapshots = {g: st for g, st in self.snapshots.items() if g >= s.global_step - 1}
             self.snapshots[s.global_step] = copy.deepcopy(self.state)
-            self.memory.begin(self.trainers, s.global_step)
+            self.memory.begin(self.fleet.trainers, s.global_step)
             self.owed.row["time/memory_stage"] = time.monotonic() - t_train
         self.fault_point("step.trained", s)
 
@@ -210,15 +208,15 @@ class StepRunner:
     # ---- after the commit: each item is paid exactly once -------------------------------------------
     def _settle(self, o: Owed) -> None:
         s = o.step
-        if self.engine_version != s.global_step + 1:
+        if self.fleet.engine_version != self.weights_version:
             self.phase, t = Phase.PUSH, time.monotonic()
-            sent = self.sync_engines(gate=False)
+            sent = self.fleet.sync_engines(self.weights_version, gate=False)
             o.paid_secs["push"] = time.monotonic() - t
             o.row["time/weight_sync"], o.row["time/weight_digest"] = sent["secs"], sent["digest_secs"]
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
-            self.checkpoints.export_hf(self.trainers, s, self.config.async_export)
+            self.checkpoints.export_hf(self.fleet.trainers, s, self.config.async_export)
             o.export, o.paid_secs["export"] = False, time.monotonic() - t
             self.fault_point("step.exported", s)
         if o.evaluate:
@@ -228,12 +226,12 @@ class StepRunner:
             self.fault_point("step.evaluated", s)
         if o.save and o.staged is None:
             self.phase, waited = Phase.SAVE, time.monotonic()
-            self.checkpoints.collect_save(self.trainers, block=True)  # one in flight: waiting stalls this step
+            self.checkpoints.collect_save(self.fleet.trainers, block=True)  # one in flight: waiting stalls this step
             waited = time.monotonic() - waited
             nxt = s.next()
             infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
             try:
-                o.staged = self.checkpoints.write_recover(self.trainers, s, infos, self.config.async_recover)
+                o.staged = self.checkpoints.write_recover(self.fleet.trainers, s, infos, self.config.async_recover)
                 o.staged.secs += waited
             except Exception:
                 self._log_row(o)  # the step was trained: its row is owed whatever becomes of its save
@@ -245,10 +243,10 @@ class StepRunner:
         if o.save:
             self.phase = Phase.SAVE
             if o.staged.background:
-                self.checkpoints.begin_background_save(o.staged, self.weights_checksum())
+                self.checkpoints.begin_background_save(o.staged, self.fleet.weights_checksum(self.weights_version))
             else:
-                self.checkpoints.collect_export(self.trainers, block=True)  # its recover_info says it is done
-                self.checkpoints.commit_recover(o.staged, self.weights_checksum())
+                self.checkpoints.collect_export(self.fleet.trainers, block=True)  # its recover_info says it is done
+                self.checkpoints.commit_recover(o.staged, self.fleet.weights_checksum(self.weights_version))
             o.save = False
             self.fault_point("step.saved", s)
 
@@ -263,12 +261,12 @@ class StepRunner:
             o.row["ckpt/MBps"] = round(o.staged.nbytes / max(o.staged.secs, 1e-9) / 1e6, 3)
         o.row.update({f"time/{k}": o.paid_secs.get(k, 0.0) for k in ("push", "export", "evaluate")})
         o.row["time/save"] = o.staged.secs if o.staged else 0.0  # the recover save's stall before this row
-        if self.logged and self.logged[1] is self.trainers:
+        if self.logged and self.logged[1] is self.fleet.trainers:
             # the last row's write (fsync), its save's commit, background collections, the controller's loop;
             # absent on a new TrainGroup's first step (the gap was a repair)
             o.row["time/between_steps"] = o.started - self.logged[0]
         o.row["time/step"] = time.monotonic() - o.started
-        self.logged = (time.monotonic(), self.trainers)
+        self.logged = (time.monotonic(), self.fleet.trainers)
         self.stats.append(o.row)
         o.logged = True
 
@@ -287,58 +285,6 @@ class StepRunner:
     def _evaluate(self, s: StepInfo) -> float:
         """Greedy reward over every prompt of the dataset, with the weights the step produced."""
         rows = self.loader.rows
-        out = self.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step + 1,
+        out = self.fleet.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step + 1,
                                     greedy=True)
         return float(torch.tensor(score(self.reward_fn, rows, out["completions"])).mean())
-
-    # ---- the engines' weights -----------------------------------------------------------------------
-    def weights_checksum(self) -> str:
-        """The digest of the trainer's current weights: the one its last sync computed, or (after a repair
-        that pushed nothing) a pass that only computes it."""
-        version = self.state.step.global_step + 1
-        if self.digest is None or self.digest[0] != version:
-            self.digest = (version, self._stream().sync(version - 1, only=[])["digest"])
-        return self.digest[1]
-
-    def _stream(self):
-        if self.stream is None:
-            self.stream = self.engines.connect(self.trainers)
-        return self.stream
-
-    def close_stream(self) -> None:
-        """Forget the weights-update group: the next sync makes a new one (after a repair, or a failed sync)."""
-        if self.stream is not None:
-            self.stream.close()
-        self.stream = None
-
-    def sync_engines(self, gate: bool) -> dict:
-        """Bring every engine to the trainer's version; returns the sync's figures. With `gate` (after a repair,
-        over a new group), stream only to the engines that do not hold that version and digest already, and
-        require every engine to report the trainer's version and digest."""
-        self.engine_version = None
-        version = self.state.step.global_step + 1
-        if gate:
-            self.close_stream()
-        try:
-            if not gate:
-                sent = self._stream().sync(version - 1)
-            else:
-                known = self.digest[1] if self.digest and self.digest[0] == version else None
-                stale = [i for i, (v, d) in enumerate(self.engines.weight_status())
-                         if v != version or (known is not None and d != known)]
-                sent = self._stream().sync(version - 1, only=stale) if stale or known is None else None
-            if sent is not None:
-                self.digest = (version, sent["digest"])
-        except Exception:
-            self.close_stream()
-            raise
-        if gate:
-            want = (version, self.digest[1])
-            status = [tuple(st) for st in self.engines.weight_status()]
-            if any(st != want for st in status):
-                raise GroupError(Group.ROLLOUT, StaleWeights(f"engines disagree with the trainer after resync: "
-                                                             f"{status} != {want}"))
-            self.events.emit(Event.RESYNC, version=version, checksum=self.digest[1], engines=len(status),
-                             pushed=len(stale))
-        self.engine_version = version
-        return sent or {}

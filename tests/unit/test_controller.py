@@ -22,6 +22,7 @@ from supervisor.config import load_config
 from supervisor.control.controller import Controller, Outcome, Result, State, UnexpectedState, transition
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
+from supervisor.control.fleet import Fleet
 from supervisor.control.policy import RestartPolicy
 from supervisor.control.step import StepRunner
 from supervisor.exit_codes import ExitCode
@@ -278,7 +279,7 @@ def make_controller(tmp_path: Path, world: World, *overrides: str):
         if point == "step.rolled_out":
             world.strike("score", s.global_step)
 
-    runner = StepRunner(config, loader, reward, stats, events, checkpoints, fault_point)
+    runner = StepRunner(config, loader, reward, stats, events, checkpoints, fault_point, Fleet(events))
     engines = FakeEngines(world)
     policy = RestartPolicy.from_history(config, read_jsonl(layout.events_log))  # as the Supervisor actor builds it
     controller = Controller(config, runner, checkpoints, policy, events, stats,
