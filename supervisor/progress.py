@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+
 from tqdm import tqdm
 
 from supervisor.checkpoint.layout import TrialLayout
