@@ -187,11 +187,14 @@ class Controller:
 
     def _in_flight(self, fault: Fault) -> int:
         """The global step that was in flight when `fault` struck: the recovery clock's finish line. A restarted
-        Supervisor learns it from the rows its predecessor wrote."""
+        Supervisor learns it from the rows its predecessor wrote. After the last step, only its save can be in
+        flight: the clock stops when that step, trained again, completes."""
         if fault.kind is FaultKind.SUPERVISOR_DIED:
             logged = [r["global_step"] for r in read_jsonl(self.stats.path) if "global_step" in r]
-            return max(logged, default=-1) + 1
-        return self.runner.state.step.global_step + (0 if self.runner.owed else 1)
+            step = max(logged, default=-1) + 1
+        else:
+            step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
+        return min(step, self.runner.total_steps - 1)
 
     # ---- faults ---------------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault, error: BaseException | None = None) -> Result:
@@ -324,7 +327,7 @@ class Controller:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
         r, trainers = self.runner, self.fleet.trainers
         if r.memory is None or r.memory.off is not None:
-            return Choice(Source.DISK, self.memory_off or r.memory.off)
+            return Choice(Source.DISK, self.memory_off if r.memory is None else r.memory.off)
         if trainers is None:  # a restarted Supervisor, or a start that failed
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())

@@ -284,7 +284,7 @@ def make_controller(tmp_path: Path, world: World, *overrides: str):
     policy = RestartPolicy.from_history(config, read_jsonl(layout.events_log))  # as the Supervisor actor builds it
     controller = Controller(config, runner, checkpoints, policy, events, stats,
                             make_train_group=lambda n: FakeTrainers(world, n), make_rollout_group=lambda: engines,
-                            sleep=lambda s: None)
+                            sleep=lambda s: None, memory_off="these tests have no memory tier")
     return controller, layout, engines
 
 
@@ -362,6 +362,19 @@ def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, cl
     rows_after = [r["global_step"] for r in read_jsonl(layout.stats_log)]
     assert rec["global_step"] in rows_after
     assert rec["lost"] == pytest.approx(rec["total"] - rec["steady_step"], abs=2e-3)
+
+
+@pytest.mark.parametrize("phase", ["save", "background"])
+def test_a_fault_in_the_last_steps_save_is_timed_to_that_steps_completion(tmp_path, clean, phase):
+    """The last step's save is still in flight when the step is done: the clock stops when the step trained
+    again completes (the run has no next step to wait for)."""
+    world = World()
+    world.armed[(phase, STEPS - 1)] = "rank_death"
+    result, layout, *_ = run(tmp_path, world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    recovery = [e for e in read_jsonl(layout.events_log) if e["event"] == "recovery"]
+    assert [(e["global_step"], e["loaded_step"], e["replayed_steps"]) for e in recovery] == [(STEPS - 1, 5, 1)]
 
 
 @pytest.mark.parametrize("phase", PHASES)
