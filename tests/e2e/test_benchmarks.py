@@ -14,8 +14,13 @@ pytestmark = pytest.mark.e2e
 
 def bench(name: str, *args: str, tmp_path) -> dict:
     out = tmp_path / f"{name}.json"
-    r = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--quick", "--json", str(out), *args], cwd=REPO,
-                       env=job_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True, timeout=600)
+    try:
+        r = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--quick", "--json", str(out), *args],
+                           cwd=REPO, env=job_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
+                           timeout=480)
+    except subprocess.TimeoutExpired as e:  # what it printed so far (bytes, whatever `text`) says where it stood
+        printed = [(b or b"").decode(errors="replace")[-4000:] for b in (e.stdout, e.stderr)]
+        pytest.fail(f"{name} did not end in {e.timeout:g} s:\n" + "\n".join(printed))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads(out.read_text()) | {"stdout": r.stdout}
 
@@ -89,6 +94,7 @@ def test_memory_tier_benchmark(cluster, tmp_path):
 def test_goodput_benchmark(cluster, tmp_path):
     figures = bench("goodput", "--address", cluster.address, tmp_path=tmp_path)
     assert figures["faults"] >= 1 and figures["restarts"] >= 1 and figures["steps"] == 36
+    assert figures["failures"].get("worker_died", 0) >= 1
     assert 0 < figures["goodput"] < 1
     assert "goodput" in figures["stdout"]
 
