@@ -358,6 +358,19 @@ class RolloutGroup(_Members):
         starts = [where for _, where in self.spares]
         return len(ray.wait(starts, num_returns=len(starts), timeout=0)[0]) if starts else 0
 
+    def spares_outside(self, lost: set[str]) -> int:
+        """How many spare engines can still serve after the nodes `lost` went down, without waiting: those still
+        starting, and the started ones on other nodes (a spare lost with its node frees no CPU for a replacement)."""
+        up = set(ray.wait([w for _, w in self.spares], num_returns=len(self.spares), timeout=0)[0]) \
+            if self.spares else set()
+        usable = 0
+        for _, where in self.spares:
+            try:
+                usable += where not in up or ray.get(where)["node_id"] not in lost
+            except Exception:  # noqa: BLE001 - its start failed: it serves nothing
+                pass
+        return usable
+
     def wait_started(self, only: list[int] | None = None) -> None:
         """Wait (with the start-up bound) until the engines still starting, of those in `only`, are up."""
         starting = [i for i in self._where if only is None or i in only]

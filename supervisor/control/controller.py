@@ -427,7 +427,7 @@ class Controller:
         with self.clock.part("teardown"):
             faulty = engines_to_replace(fault)
             if self.spares is not None and self._best_effort("making room for the engines", self.spares.make_room,
-                                                             len(faulty) - len(engines.spares)):
+                                                             len(faulty) - engines.spares_outside({fault.node})):
                 self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
                 self.refill_due = True
             replaced = engines.replace(faulty)

@@ -180,6 +180,9 @@ class FakeEngines:
         self.generated: list[tuple[int, int, bool]] = []
         self.spares, self.from_spares = [], 0  # no warm spare engine (rollout.spare_engines 0)
 
+    def spares_outside(self, lost):
+        return 0
+
     @property
     def nodes(self):
         return ["n0"] * len(self.held)
