@@ -56,6 +56,12 @@ class RolloutWorker:
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)
         self.group_name = ""
 
+    def take_place(self, index: int) -> None:
+        """A spare engine now serves as engine `index`: its fault points and, on CPU, its cores are that engine's."""
+        self.rank = index
+        if self.vllm is not None and self.config.cluster.gpus_per_engine == 0:
+            self.vllm.bind(index, self.config.cluster.cpus_per_worker)
+
     @fault_points
     def where(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}

@@ -116,8 +116,9 @@ class VllmEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, not a child
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines would fill the job log
         cluster = config.cluster
+        self.allowed = sorted(os.sched_getaffinity(0))  # the cores this process may use, before it binds to some
         if cluster.gpus_per_engine == 0:
-            bind_threads(engine_cores(os.sched_getaffinity(0), index, max(1, int(cluster.cpus_per_worker))))
+            self.bind(index, cluster.cpus_per_worker)
             _keep_loaded()
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # its own deprecations, per start
         from vllm import LLM
@@ -128,6 +129,11 @@ class VllmEngine:
                        kv_cache_memory_bytes=config.rollout.kv_cache_mb * 2**20, seed=config.seed,
                        max_model_len=config.data.max_sequence_tokens,
                        enable_prefix_caching=True)
+
+    def bind(self, index: int, cpus: float) -> None:
+        """This engine's threads on the cores of engine `index` (a spare engine that takes engine i's place takes
+        its cores too)."""
+        bind_threads(engine_cores(self.allowed, index, max(1, int(cpus))))
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The weights (HF names and layout) into vLLM's model, in place, and its prefix cache emptied. On CPU

@@ -434,6 +434,7 @@ class RolloutGroup(_Members):
                 continue
             spare, where = spares.pop(taken[i])
             self.members[i] = Member(spare.handle, f"RolloutWorker[{i}]")
+            self.orphans.append(spare.handle.take_place.remote(i))  # before any call that serves as engine i
             if spare.name in answered:
                 self.members[i].node_id, self.members[i].pid = (answered[spare.name][k] for k in ("node_id", "pid"))
             else:  # still starting: its first call waits for it, with the start-up bound

@@ -1,7 +1,7 @@
 """vLLM as the rollout engine: in a spawned process (no Ray), its weights in place and read back and its seeded
 sampling (one engine serves those tests: vLLM's import and start cost ~20 s); then a job on the shared cluster
-whose vLLM engine is killed, loses its node, hangs and is SIGKILLed or SIGSTOPped at seeded random moments, and
-ends bit-identical to an uninterrupted vLLM run."""
+whose vLLM engine is killed, loses its node and hangs, whose ranks and engines are SIGKILLed or SIGSTOPped at
+seeded random moments, and which ends bit-identical to an uninterrupted vLLM run."""
 from __future__ import annotations
 
 import importlib.util
@@ -154,9 +154,9 @@ def engine_processes(cluster) -> int:
                for node in cluster.workers for pid in process_tree(node.all_processes["raylet"][0].process.pid))
 
 
-def serving_engines(progress: dict) -> list[dict]:
-    """The engines the live Supervisor serves from (not the spares), with their pids."""
-    return [w for w in progress["workers"] if w["name"].startswith("RolloutWorker") and w["pid"]]
+def serving_workers(progress: dict) -> list[dict]:
+    """The ranks and the engines the live Supervisor trains and serves with (not the spares), with their pids."""
+    return [w for w in progress["workers"] if w["pid"]]
 
 
 @pytest.mark.quick
@@ -164,11 +164,11 @@ def serving_engines(progress: dict) -> list[dict]:
 def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial,
                                                                                                tmp_path):
     """Two engines (the first takes the head node's one CPU, the second a worker node's) and a warm spare engine.
-    An engine's actor killed at step 3 (replaced by the spare), the worker node that runs an engine killed after
+    Engine 1's actor killed at step 3 (replaced by the spare, on engine 1's cores), the worker node that runs an engine killed after
     step 8 (a node joins again after the job, as in test_faults), a generate hung at step 14, then, from step 16,
-    two seeded random SIGKILLs or SIGSTOPs of engines at random moments: each time the engines lost are replaced,
-    alone or with the ranks the node held, refitted and checked before they serve, the run ends bit-identical,
-    and no engine process is left. RELAUNCH_CHAOS_SEED=N reproduces the random part."""
+    two seeded random SIGKILLs or SIGSTOPs of ranks or engines at random moments: each time the engines lost are
+    replaced, alone or with the ranks lost beside them, refitted and checked before they serve, the run ends
+    bit-identical, and no engine process is left. RELAUNCH_CHAOS_SEED=N reproduces the random part."""
     seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos seed {seed} (rerun with RELAUNCH_CHAOS_SEED={seed})")
     # three epochs (36 steps): after the hang at 14, room for the monkey's faults to land mid-run
@@ -178,7 +178,7 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
     r = relaunch("run", str(CONFIG), *job, "recover.spare_workers=0", *reference.overrides,
                  "--address", cluster.address)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    faults = "RolloutWorker.generate.enter:kill:step=3,RolloutWorker.generate.enter:hang:step=14"
+    faults = "RolloutWorker.generate.enter:kill:step=3:rank=1,RolloutWorker.generate.enter:hang:step=14"
     env = job_env({"RELAUNCH_FAULT": faults, "RELAUNCH_FAULT_DIR": str(tmp_path)})
     proc = start_relaunch("run", str(CONFIG), *trial.overrides, *job, "rollout.spare_engines=1",
                           "recover.retries=5", "--address", cluster.address, env=env, log=tmp_path / "job.log")
@@ -192,6 +192,10 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
         supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
         progress = lambda: ray.get(supervisor.progress.remote(), timeout=10)  # noqa: E731
         trial.wait_for_step(8, proc)
+        # the spare (started as engine 2) took engine 1's cores with its place: no two engines share a core
+        cores = [os.sched_getaffinity(w["pid"]) for w in progress()["workers"]
+                 if w["name"].startswith("RolloutWorker")]
+        assert len(cores) == 2 and not cores[0] & cores[1], cores
         serving = progress()["rollout_nodes"]  # the engines' nodes (not the spare's)
         node, engines = max(((n, serving.count(n.node_id)) for n in cluster.workers), key=lambda item: item[1])
         assert engines >= 1
@@ -200,8 +204,8 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
         trial.wait_for_step(16, proc)  # past the hang at 14
         monkey = time.time()
         # a tiny step takes ~0.3 s: a pause of 0.2-1.5 s lands in any phase of one, or of a repair. vLLM's engine
-        # core runs in the engine's process: the one process to break.
-        done = signal_monkey(progress, proc, random.Random(seed), 2, serving_engines, (0.2, 1.5), stopped)
+        # core runs in the engine's process: the one process to break in an engine.
+        done = signal_monkey(progress, proc, random.Random(seed), 2, serving_workers, (0.2, 1.5), stopped)
         assert proc.wait(timeout=600) == 0, f"seed {seed}, {done}: " + (tmp_path / "job.log").read_text()[-3000:]
     finally:
         ray.shutdown()
