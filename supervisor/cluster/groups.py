@@ -358,15 +358,17 @@ class RolloutGroup(_Members):
         starts = [where for _, where in self.spares]
         return len(ray.wait(starts, num_returns=len(starts), timeout=0)[0]) if starts else 0
 
-    def spares_outside(self, lost: set[str]) -> int:
-        """How many spare engines can still serve after the nodes `lost` went down, without waiting: those still
-        starting, and the started ones on other nodes (a spare lost with its node frees no CPU for a replacement)."""
-        up = set(ray.wait([w for _, w in self.spares], num_returns=len(self.spares), timeout=0)[0]) \
-            if self.spares else set()
+    def live_spares(self) -> int:
+        """How many spare engines can serve, without waiting: those still starting, and the started ones on a
+        node Ray has alive (a spare lost with its node frees no CPU for a replacement)."""
+        if not self.spares:
+            return 0
+        up = set(ray.wait([w for _, w in self.spares], num_returns=len(self.spares), timeout=0)[0])
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         usable = 0
         for _, where in self.spares:
             try:
-                usable += where not in up or ray.get(where)["node_id"] not in lost
+                usable += where not in up or ray.get(where)["node_id"] in alive
             except Exception:  # noqa: BLE001 - its start failed: it serves nothing
                 pass
         return usable

@@ -426,8 +426,8 @@ class Controller:
         engines = self.fleet.engines
         with self.clock.part("teardown"):
             faulty = engines_to_replace(fault)
-            if self.spares is not None and self._best_effort("making room for the engines", self.spares.make_room,
-                                                             len(faulty) - engines.spares_outside({fault.node})):
+            if self.spares is not None and self._best_effort(
+                    "making room for the engines", lambda: self.spares.make_room(len(faulty) - engines.live_spares())):
                 self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
                 self.refill_due = True
             replaced = engines.replace(faulty)

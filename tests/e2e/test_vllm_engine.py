@@ -195,7 +195,7 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
         # the spare (started as engine 2) took engine 1's cores with its place: no two engines share a core
         cores = [os.sched_getaffinity(w["pid"]) for w in progress()["workers"]
                  if w["name"].startswith("RolloutWorker")]
-        assert len(cores) == 2 and not cores[0] & cores[1], cores
+        assert len(cores) == 2 and (len(os.sched_getaffinity(0)) < 2 or not cores[0] & cores[1]), cores
         serving = progress()["rollout_nodes"]  # the engines' nodes (not the spare's)
         node, engines = max(((n, serving.count(n.node_id)) for n in cluster.workers), key=lambda item: item[1])
         assert engines >= 1

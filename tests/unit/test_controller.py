@@ -180,7 +180,7 @@ class FakeEngines:
         self.generated: list[tuple[int, int, bool]] = []
         self.spares, self.from_spares = [], 0  # no warm spare engine (rollout.spare_engines 0)
 
-    def spares_outside(self, lost):
+    def live_spares(self):
         return 0
 
     @property
