@@ -4,8 +4,7 @@
                                            [--json FILE]
 
 Each (size, engine) runs in a process of its own, as a RolloutWorker's engine does (one thread, on one core),
-without Ray. The sizes are benchmarks/sizes.py's, both engines at the shape vLLM's CPU attention runs (tiny:
-hidden 128, 4 heads). Start: the tokenizer and model build, and for vLLM its import and engine start (import
+without Ray. The sizes are benchmarks/sizes.py's: the shipped configs' models. Start: the tokenizer and model build, and for vLLM its import and engine start (import
 shown apart). Generation: `--samples` completions of `--new-tokens` tokens (no EOS: all run to
 the full length), each seeded by its sample, after one warm-up call. Weight sync, the RolloutWorker's path
 once the transfer's bytes arrive: new weights received into the engine's parameters (the built-in engine's
@@ -52,7 +51,7 @@ def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
 
     from sizes import SIZES
 
-    config = load_config(SIZES[size].config, [*SIZES[size].vllm, f"rollout.engine={engine}"])
+    config = load_config(SIZES[size].config, [f"rollout.engine={engine}"])
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(config.model)

@@ -29,7 +29,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from recovery import run as run_job_timed
 from report import arguments, report
-from sizes import SIZES, parse_sizes
+from sizes import ENGINE, SIZES, parse_sizes
 
 from supervisor.cluster.groups import RolloutGroup, TrainGroup
 from supervisor.config import load_config
@@ -47,7 +47,7 @@ def bare(address: str, config_path: Path, overrides: list[str]) -> list[float]:
     """Seconds of every step of the bare loop, run in a Ray task on the driver's node as the Supervisor actor
     runs there: Ray starts its workers at nice 15, so on a loaded machine a loop in the driver (nice 0) would
     get more CPU than the Supervisor does, and the comparison would not be like for like."""
-    cfg = load_config(config_path, [*NO_SAVES, *overrides])
+    cfg = load_config(config_path, [ENGINE, *NO_SAVES, *overrides])
     connect(cfg, address)
     try:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

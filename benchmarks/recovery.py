@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from report import arguments, report
-from sizes import SIZES
+from sizes import ENGINE, SIZES
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
@@ -40,7 +40,7 @@ def run(address: str, fileroot: Path, trial: str, overrides: list[str], config_p
         during=None) -> tuple[float, TrialLayout]:
     """The job (the default config, or `config_path`) run to its end; `during(config)`, if given, is called
     before it starts and returns a callable called after it ended (a profiler, say)."""
-    config = load_config(config_path, [f"cluster.fileroot={fileroot}", f"trial_name={trial}", *overrides])
+    config = load_config(config_path, [ENGINE, f"cluster.fileroot={fileroot}", f"trial_name={trial}", *overrides])
     started = time.monotonic()
     after = during(config) if during else None
     try:
@@ -144,7 +144,7 @@ def engine_kills(address: str, fileroot: Path, size: str, overrides: list[str], 
     runs = {}
     for label in columns:
         trial = "engine-killed-" + label.replace(", ", "-").replace(" ", "-")
-        overrides_here = [*SIZES[size].vllm, *ENGINES[label], *overrides]
+        overrides_here = [*ENGINES[label], *overrides]
         secs, layout = killed_run(address, fileroot, trial, overrides_here, kill_at, SIZES[size].config,
                                   warm_spares=True, point=ENGINE_KILL_POINT)
         events = read_jsonl(layout.events_log)
@@ -228,7 +228,7 @@ def engine_main(args, fileroot: Path, address: str, cluster: LocalCluster | None
     finally:
         if cluster:
             cluster.shutdown()
-    print(f"model: {size} ({SIZES[size].config.name}, {' '.join(SIZES[size].vllm) or 'as shipped'})")
+    print(f"model: {size} ({SIZES[size].config.name})")
     report(engine_table(runs), {"benchmark": "recovery", "size": size, "kill": "engine",
                                 "runs": list(runs.values())}, args.json)
     print(f"(runs under {fileroot})")

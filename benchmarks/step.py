@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from report import arguments, report
-from sizes import SIZES, parse_sizes, weight_shapes
+from sizes import ENGINE, SIZES, parse_sizes, weight_shapes
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
@@ -41,6 +41,7 @@ CHUNK = 256 * 1024**2  # bytes copied at a time by the memcpy reference
 
 def run_size(size: str, address: str | None, fileroot: Path, steps: int | None, overrides: list[str]) -> list[dict]:
     """The size's job run for one epoch (of its first `steps` batches, if given); its stats rows."""
+    overrides = [ENGINE, *overrides]
     base = load_config(SIZES[size].config, overrides)
     if steps:
         data = fileroot / f"data-{size}.jsonl"

@@ -6,7 +6,8 @@ weights (workers/shared_weights.py), each against a memcpy of the same bytes, an
     .venv/bin/python benchmarks/weight_sync.py [--size tiny|100m|0.5b] [--repeats 3] [--quick] [--address ADDR]
                                                [--json FILE] [KEY=VALUE ...]
 
-A 2-rank FSDP TrainGroup and one engine, of the shipped config of `--size` (benchmarks/sizes.py), on a local
+A 2-rank FSDP TrainGroup and one built-in engine (`rollout.engine: hf`: the engine these paths were built for;
+benchmarks/engines.py times the sync into vLLM), of the shipped config of `--size` (benchmarks/sizes.py), on a local
 one-node cluster whose object store is sized for that model (as benchmarks/step.py's; or `--address`). Each
 sync is timed from the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's
 cost is a sync's time with the hash against the same sync with the hash replaced by a constant. A shared sync
@@ -105,7 +106,7 @@ def memcpy_secs(nbytes: int) -> float:
 
 def measure(address: str, size: str, overrides: list[str], repeats: int) -> dict:
     config = load_config(SIZES[size].config, [
-        "cluster.n_rollout_workers=1", "cluster.n_train_workers=2", "actor.backend=fsdp",
+        "cluster.n_rollout_workers=1", "cluster.n_train_workers=2", "actor.backend=fsdp", "rollout.engine=hf",
         "recover.step_timeout_secs=600", f"cluster.fileroot={tempfile.mkdtemp(prefix='relaunch-bench-')}",
         *overrides])
     connect(config, address)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (./dev.sh installs it on CPU)")]
 
-VLLM_TINY = ["rollout.engine=vllm", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"]
+VLLM = ["rollout.engine=vllm"]  # the default job as shipped (CONFIG is it on the built-in engine)
 PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1 1 ="] * 2
 
 
@@ -48,7 +48,7 @@ def parts():
     if _PARTS is None:
         from workers.vllm_engine import VllmEngine
 
-        config = load_config(None, VLLM_TINY + ["data.max_new_tokens=6"])
+        config = load_config(None, VLLM + ["data.max_new_tokens=6"])
         tokenizer = build_tokenizer(config.model)
         model = build_model(config.model, tokenizer, config.seed).eval()
         _PARTS = config, tokenizer, model, VllmEngine(config, tokenizer, 0)
@@ -172,7 +172,7 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
     seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos seed {seed} (rerun with RELAUNCH_CHAOS_SEED={seed})")
     # three epochs (36 steps): after the hang at 14, room for the monkey's faults to land mid-run
-    job = [*VLLM_TINY, "total_train_epochs=3", "cluster.n_rollout_workers=2",
+    job = [*VLLM, "total_train_epochs=3", "cluster.n_rollout_workers=2",
            "recover.step_timeout_secs=10"]  # a hang is seen after 10 s
     reference = Trial(tmp_path / "reference")
     r = relaunch("run", str(CONFIG), *job, "recover.spare_workers=0", *reference.overrides,

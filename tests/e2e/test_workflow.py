@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import CONFIG, REPO, RayStartCluster, Trial, job_env, kill_session, relaunch, status_json
+from conftest import CONFIG, DEFAULT_JOB, REPO, RayStartCluster, Trial, job_env, kill_session, relaunch, status_json
 
 from supervisor.testing.local_cluster import free_port, short_tmp
 from supervisor.testing.processes import command_line, kill_all
@@ -33,8 +33,8 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
 
     c = ray_start_cluster
     node_a = c.add_worker()  # the only place the TrainGroup fits until the spare joins
-    # the default job (60 steps), long enough to ask the live Supervisor and kill a node mid-run
-    r = relaunch("submit", str(CONFIG.relative_to(REPO)), *trial.overrides, "--address", c.jobs_address,
+    # the default job as shipped, on vLLM (60 steps), long enough to ask the live Supervisor and kill a node mid-run
+    r = relaunch("submit", str(DEFAULT_JOB.relative_to(REPO)), *trial.overrides, "--address", c.jobs_address,
                  env=c.env)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.split()[1]

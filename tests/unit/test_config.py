@@ -63,7 +63,7 @@ def test_yaml_file_errors_name_the_file(tmp_path):
 def test_resume_hash_ignores_frequencies_but_not_the_model():
     base = load_config().resume_hash()
     assert load_config(DEFAULT_CONFIG, ["saver.freq_steps=3"]).resume_hash() == base
-    assert load_config(DEFAULT_CONFIG, ["model.hidden_size=32"]).resume_hash() != base
+    assert load_config(DEFAULT_CONFIG, ["model.num_layers=3"]).resume_hash() != base
 
 
 def test_cli_bad_key_exits_2_with_one_line_and_no_traceback():
@@ -102,14 +102,14 @@ def test_every_config_field_is_documented():
 
 
 def test_a_model_vllm_cannot_run_is_refused_naming_the_keys():
-    """vLLM's CPU attention supports head sizes 32, 64, 80, ...: the tiny default's 64 / 4 = 16 fails at the
-    engine's first forward, so the config refuses it before anything starts."""
+    """vLLM's CPU attention supports head sizes 32, 64, 80, ...: a head size of 16 fails at the engine's first
+    forward, so the config refuses it before anything starts."""
     with pytest.raises(ConfigError, match=r"rollout.engine = vllm .*model.hidden_size / model.num_heads = 64 / 4"):
-        load_config(DEFAULT_CONFIG, ["rollout.engine=vllm"])
+        load_config(DEFAULT_CONFIG, ["model.num_heads=4"])
 
 
 def test_cli_refuses_a_model_vllm_cannot_run_with_exit_2_and_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), "rollout.engine=vllm",
+    r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), "model.num_heads=4",
                         f"cluster.fileroot={tmp_path}"], capture_output=True, text=True)
     assert r.returncode == 2
     assert "model.hidden_size / model.num_heads" in r.stderr and "Traceback" not in r.stderr
@@ -117,15 +117,16 @@ def test_cli_refuses_a_model_vllm_cannot_run_with_exit_2_and_one_line(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_the_built_in_engine_is_named_hf_as_in_the_design_and_builtin_still_reads():
-    assert load_config(DEFAULT_CONFIG, []).rollout.engine is RolloutEngine.HF
+def test_the_default_job_runs_on_vllm_and_the_built_in_engine_is_named_hf_as_in_the_design():
+    assert load_config(DEFAULT_CONFIG, []).rollout.engine is RolloutEngine.VLLM
     assert load_config(DEFAULT_CONFIG, ["rollout.engine=hf"]).rollout.engine is RolloutEngine.HF
     assert load_config(DEFAULT_CONFIG, ["rollout.engine=builtin"]).rollout.engine is RolloutEngine.HF
+    assert load_config("configs/count_on.yaml", []).rollout.engine is RolloutEngine.HF  # a config that names none
     with pytest.raises(ConfigError, match="rollout.engine"):
         load_config(DEFAULT_CONFIG, ["rollout.engine=sglang"])
 
 
-VLLM_TINY = ["rollout.engine=vllm", "model.hidden_size=128", "model.intermediate_size=256", "model.num_heads=4"]
+VLLM = ["rollout.engine=vllm"]
 
 
 @pytest.mark.parametrize("config", ["configs/tiny_grpo.yaml", "configs/count_on.yaml", "configs/grpo_100m.yaml",
@@ -133,17 +134,17 @@ VLLM_TINY = ["rollout.engine=vllm", "model.hidden_size=128", "model.intermediate
 def test_vllms_max_model_len_is_the_longest_prompt_and_completion_and_every_shipped_config_fits(config):
     from supervisor.config import BUILT_MODEL_CONTEXT
 
-    overrides = VLLM_TINY if "0.5b" not in config and "100m" not in config else ["rollout.engine=vllm"]
-    data = load_config(config, [*overrides, "data.max_prompt_tokens=20"]).data
+    overrides = [] if "count_on" not in config else ["model.num_heads=2"]  # count_on: the built-in engine's head size
+    data = load_config(config, [*VLLM, *overrides, "data.max_prompt_tokens=20"]).data
     assert data.max_sequence_tokens == 20 + data.max_new_tokens <= BUILT_MODEL_CONTEXT
 
 
 def test_lengths_beyond_a_built_models_context_are_refused_naming_the_keys():
-    load_config(DEFAULT_CONFIG, [*VLLM_TINY, "data.max_prompt_tokens=60", "data.max_new_tokens=4"])  # 64: fits
+    load_config(DEFAULT_CONFIG, [*VLLM, "data.max_prompt_tokens=60", "data.max_new_tokens=4"])  # 64: fits
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \+ data.max_new_tokens = 60 \+ 5 = 65 tokens do "
                                           r"not fit the built model \(model.path null\)'s context of 64 positions"):
-        load_config(DEFAULT_CONFIG, [*VLLM_TINY, "data.max_prompt_tokens=60", "data.max_new_tokens=5"])
-    load_config(DEFAULT_CONFIG, ["data.max_prompt_tokens=60", "data.max_new_tokens=5"])  # the built-in engine: no bound
+        load_config(DEFAULT_CONFIG, [*VLLM, "data.max_prompt_tokens=60", "data.max_new_tokens=5"])
+    load_config(DEFAULT_CONFIG, ["rollout.engine=hf", "data.max_prompt_tokens=60", "data.max_new_tokens=5"])  # no bound
 
 
 def test_lengths_beyond_a_model_directorys_context_are_refused_with_exit_2_and_one_line(tmp_path):
