@@ -266,7 +266,8 @@ class RecoverConfig(Frequency):
     incident_secs: float = Field(60.0, ge=0, description="a fault seen while a repair is applied, this soon after "
                                                           "the fault that started it, is part of the same incident "
                                                           "(a node that held a rank and an engine): repaired too, "
-                                                          "without spending another retry")
+                                                          "without spending another retry; so is a death on that "
+                                                          "fault's node, once Ray has it dead, however late")
     step_timeout_secs: float = Field(300.0, gt=0, description="a step or save longer than this is a hang")
     write_timeout_secs: float = Field(3600.0, gt=0, description="a background recover save or HF export still "
                                                                 "being written after this long is hung (its ranks "

@@ -73,11 +73,25 @@ def outcome_of(error: BaseException) -> Outcome:
 def group_error(verdict: Verdict, group: Group, errors: dict[int, BaseException], members: Sequence,
                 waited: float) -> GroupError:
     """The GroupError a verdict raises: the culprits by name, the first one's node and error (for a hang, a
-    timeout of `waited` seconds)."""
+    timeout of `waited` seconds), and for a death whether Ray has that node dead."""
     from ray.exceptions import GetTimeoutError
 
     first = verdict.culprits[0]
+    node = members[first].node_id
     error = (GetTimeoutError(f"no answer after {waited:.0f}s") if verdict.outcome is Outcome.PENDING
              else errors[first])
-    return GroupError(group, error, tuple(members[i].name for i in verdict.culprits), members[first].node_id,
-                      waited, verdict.settled)
+    lost = verdict.outcome is Outcome.DIED and node is not None and node in dead_nodes()
+    return GroupError(group, error, tuple(members[i].name for i in verdict.culprits), node, waited,
+                      verdict.settled, lost)
+
+
+def dead_nodes() -> set[str]:
+    """The nodes Ray has dead; none when Ray is not connected or its GCS does not answer."""
+    import ray
+
+    if not ray.is_initialized():
+        return set()
+    try:
+        return {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+    except Exception:  # noqa: BLE001 - not knowing a node lost only makes its later faults cost a retry
+        return set()

@@ -15,10 +15,10 @@ class GroupError(Exception):
     """What a call to a worker group raised, with where it came from; `error` is the raw exception."""
 
     def __init__(self, group: Group, error: BaseException, actors: tuple[str, ...] = (), node: str | None = None,
-                 waited: float | None = None, settled: bool = False):
+                 waited: float | None = None, settled: bool = False, node_lost: bool = False):
         super().__init__(f"{group.value}: {type(error).__name__}: {first_line(error)}")
         self.group, self.error, self.actors, self.node = group, error, actors, node
-        self.waited, self.settled = waited, settled
+        self.waited, self.settled, self.node_lost = waited, settled, node_lost
 
 
 class CapacityError(RuntimeError):

@@ -18,7 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from supervisor.cluster.blame import Call, Outcome, blame, group_error, outcome_of
+from supervisor.cluster.blame import Call, Outcome, blame, dead_nodes, group_error, outcome_of
 from supervisor.cluster.errors import CapacityError, Group, GroupError
 from supervisor.cluster.spare_placement import choose_nodes, engine_resources, take_spares
 from supervisor.cluster.weights import WeightStream
@@ -360,15 +360,15 @@ class RolloutGroup(_Members):
 
     def live_spares(self) -> int:
         """How many spare engines can serve, without waiting: those still starting, and the started ones on a
-        node Ray has alive (a spare lost with its node frees no CPU for a replacement)."""
+        node Ray does not have dead (a spare lost with its node frees no CPU for a replacement)."""
         if not self.spares:
             return 0
         up = set(ray.wait([w for _, w in self.spares], num_returns=len(self.spares), timeout=0)[0])
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        dead = dead_nodes()
         usable = 0
         for _, where in self.spares:
             try:
-                usable += where not in up or ray.get(where)["node_id"] in alive
+                usable += where not in up or ray.get(where)["node_id"] not in dead
             except Exception:  # noqa: BLE001 - its start failed: it serves nothing
                 pass
         return usable

@@ -47,6 +47,7 @@ class Fault:
     detect_secs: Optional[float] = None
     settled: bool = False            # the failed call's peers all finished: the group is not stuck
     in_save: bool = False            # it struck while the step was saving (a recover save or an HF export)
+    node_lost: bool = False          # the actor died and Ray has its node dead
 
     @property
     def actor(self) -> Optional[str]:
@@ -100,7 +101,7 @@ def classify(err: GroupError | BaseException) -> Fault:
     who = actors[0] if actors else group.value
 
     def fault(kind: FaultKind, message: str) -> Fault:
-        return Fault(kind, message, group, actors, node, waited, err.settled)
+        return Fault(kind, message, group, actors, node, waited, err.settled, node_lost=err.node_lost)
 
     if isinstance(cause, UserCodeError):
         return fault(FaultKind.USER_ERROR, first_line(cause))

@@ -206,7 +206,7 @@ class Controller:
         step = in_flight.failed_step() if background else \
             self.runner.state.step.global_step + (0 if self.runner.owed else 1)
         self.events.emit(Event.FAILURE, cause=fault.kind.value, message=fault.message, group=fault.group.value,
-                         actor=fault.actor, actors=list(fault.actors), node=fault.node,
+                         actor=fault.actor, actors=list(fault.actors), node=fault.node, node_lost=fault.node_lost,
                          detect_secs=fault.detect_secs, global_step=step, phase=self.phase)
         decision = self.policy.decide(fault, now=time.time(), repairing=self.state is State.REPAIRING)
         where = f" on node {fault.node[:8]}" if fault.node else ""

@@ -5,7 +5,10 @@ how long to wait first. Every repair, the Supervisor's own restart included, spe
 a skipped save spends none. The first restart after a quiet period is immediate; backoff applies only to
 faults that follow each other within `recover.quiet_secs` (a crash loop), doubling up to its cap. A fault that
 strikes while a repair is applied, within `recover.incident_secs` of the fault that started it, is part of
-the same incident (a node that held a rank and an engine): it is repaired too, without spending a retry.
+the same incident (a node that held a rank and an engine): it is repaired too, without spending a retry. So is a
+death on the node the incident's fault came from, once Ray has that node dead, however late the repair sees it
+(cold vLLM engines can take minutes to start before the repair calls the ranks): a lost node holds only so many
+actors, so this cannot loop.
 A runtime env that cannot be set up, or a worker whose constructor raises, fails the job before its first
 start (the user's env or config is broken) and is a start-up fault to retry after it (a replacement node's
 transient failure).
@@ -60,6 +63,7 @@ class RestartPolicy:
     started: bool = False               # both groups started once: a runtime env that fails now is transient
     incident_secs: float = 60.0
     incident: float | None = None       # when the first fault of the incident being repaired was seen
+    incident_node: str | None = None    # the node that fault came from
 
     @classmethod
     def from_config(cls, config: Config) -> "RestartPolicy":
@@ -80,14 +84,15 @@ class RestartPolicy:
         events.jsonl holds them, so that a Supervisor's restart neither refunds retries nor resets the backoff."""
         policy = cls.from_config(config)
         quiet = True  # whether the failure being decided came after a quiet period, as `decide` saw it
+        node = None   # that failure's node
         for row in rows:
             if row["event"] == Event.FAILURE:
                 quiet = policy.last_fault is None or row["time"] - policy.last_fault >= policy.quiet_secs
-                policy.last_fault = row["time"]
+                policy.last_fault, node = row["time"], row.get("node")
             elif row["event"] == Event.RESTART:  # a counted repair of the failure just before it
                 policy.restarts += 1
                 policy.burst = 0 if quiet else policy.burst + 1
-                policy.incident = policy.last_fault
+                policy.incident, policy.incident_node = policy.last_fault, node
             elif row["event"] == Event.LOADED:
                 policy.started = True
         return policy
@@ -96,7 +101,9 @@ class RestartPolicy:
         """What to do about `fault`, seen at `now`; `repairing`: it struck while a repair was being applied."""
         kind = fault.kind
         quiet = self.last_fault is None or now - self.last_fault >= self.quiet_secs
-        same_incident = repairing and self.incident is not None and now - self.incident <= self.incident_secs
+        same_node_lost = fault.node_lost and fault.node is not None and fault.node == self.incident_node
+        same_incident = repairing and self.incident is not None and (now - self.incident <= self.incident_secs
+                                                                     or same_node_lost)
         self.last_fault = now
         if kind is FaultKind.INTERNAL_ERROR:
             return Decision(Action.FAIL, f"relaunch internal error: {fault.message}")
@@ -123,7 +130,7 @@ class RestartPolicy:
         self.burst = 0 if quiet else self.burst + 1
         delay = min(self.backoff_secs * 2 ** (self.burst - 1), self.max_backoff_secs) if self.burst else 0.0
         self.restarts += 1
-        self.incident = now
+        self.incident, self.incident_node = now, fault.node
         action = self.repair(fault)
         return Decision(action, f"restart {self.restarts}/{self.retries} after {kind.value}", delay)
 

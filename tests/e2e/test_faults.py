@@ -395,7 +395,8 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster,
             cluster.add_node()
     failures = trial.events("failure")
     assert (failures[0]["cause"], failures[0]["node"]) == ("engine_died", train_node)
-    assert "worker_died" in [e["cause"] for e in failures[1:]]
+    # seen after the engines' restart, when Ray has the node dead: part of the incident however late
+    assert any(e["cause"] == "worker_died" and e["node"] == train_node and e["node_lost"] for e in failures[1:])
     assert [e["what"] for e in trial.events("restart")] == ["restart_engines"]
     assert [e["what"] for e in trial.events("repair")] == ["restart_train_group"]
     assert_recovered_exactly(trial, reference, restarts=1)

@@ -128,7 +128,8 @@ def test_a_broken_weight_stream_is_a_collective_failure_of_the_engine():
 ])
 def test_ray_errors_of_a_group_call(error, group, kind):
     fault = classify(GroupError(group, error, ("X",), "node1", 1.0))
-    assert fault.kind is kind and fault.group is group and fault.node == "node1"
+    assert fault.kind is kind and fault.group is group and fault.node == "node1" and not fault.node_lost
+    assert classify(GroupError(group, error, ("X",), "node1", 1.0, node_lost=True)).node_lost
 
 
 def test_errors_raised_inside_workers_are_unwrapped():

@@ -9,8 +9,9 @@ from supervisor.control.events import Event
 from supervisor.control.policy import Action, RestartPolicy, budget, engines_to_replace
 
 
-def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False):
-    return Fault(kind, "boom", group, ("TrainWorker[rank 1]",), settled=settled, in_save=in_save)
+def fault(kind=FaultKind.WORKER_DIED, group=Group.TRAIN, settled=False, in_save=False, node=None, node_lost=False):
+    return Fault(kind, "boom", group, ("TrainWorker[rank 1]",), node=node, settled=settled, in_save=in_save,
+                 node_lost=node_lost)
 
 
 @pytest.mark.parametrize("kind, group, action", [
@@ -131,6 +132,20 @@ def test_a_fault_after_the_repair_or_outside_the_window_is_counted(now, repairin
     assert d.counted and p.restarts == 2
 
 
+@pytest.mark.parametrize("node, lost, repairing, counted", [
+    ("n1", True, True, False),   # the lost node's rank, seen only after cold engines took minutes to start
+    ("n1", False, True, True),   # a process on that node died, the node lives on: a crash loop, not the incident
+    ("n2", True, True, True),    # another node lost
+    ("n1", True, False, True),   # after the repair was done: a new fault
+])
+def test_a_death_on_the_incidents_lost_node_is_part_of_it_however_late_the_repair_sees_it(node, lost, repairing,
+                                                                                          counted):
+    p = RestartPolicy(retries=1, incident_secs=60)
+    p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT, node="n1"), now=100)
+    d = p.decide(fault(node=node, node_lost=lost), now=400, repairing=repairing)
+    assert d.counted is counted and d.action is (Action.FAIL if counted else Action.RESTART_TRAIN_GROUP)
+
+
 def test_one_incident_with_no_retry_left_is_still_repaired_but_a_new_one_fails():
     p = RestartPolicy(retries=1, incident_secs=60)
     p.decide(fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), now=0)
@@ -140,7 +155,7 @@ def test_one_incident_with_no_retry_left_is_still_repaired_but_a_new_one_fails()
 
 def decide_and_log(policy: RestartPolicy, rows: list[dict], f: Fault, now: float, repairing: bool = False):
     """What the controller writes around one decision: the failure row, the decision, a restart or repair row."""
-    rows.append({"event": Event.FAILURE.value, "time": now, "cause": f.kind.value})
+    rows.append({"event": Event.FAILURE.value, "time": now, "cause": f.kind.value, "node": f.node})
     d = policy.decide(f, now=now, repairing=repairing)
     if d.action not in (Action.FAIL, Action.SKIP_SAVE):
         rows.append({"event": (Event.RESTART if d.counted else Event.REPAIR).value, "time": now, "n": policy.restarts})
@@ -149,7 +164,7 @@ def decide_and_log(policy: RestartPolicy, rows: list[dict], f: Fault, now: float
 
 # a start, a crash loop of three faults (backoff 0, 1, 2 s), a second part of the last one's incident, a skipped
 # save, a quiet period, and one more fault: every field of the policy's memory moves at least once
-HISTORY = [(100.0, fault(), False), (110.0, fault(), False), (111.0, fault(), False),
+HISTORY = [(100.0, fault(node="n1"), False), (110.0, fault(node="n2"), False), (111.0, fault(), False),
            (130.0, fault(FaultKind.ENGINE_DIED, Group.ROLLOUT), True),
            (140.0, fault(FaultKind.STORAGE_ERROR, settled=True, in_save=True), False),
            (900.0, fault(), False)]
