@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from supervisor.config import DEFAULT_CONFIG, ConfigError, load_config
+from supervisor.config import DEFAULT_CONFIG, ConfigError, check_engine_installed, load_config
 from supervisor.exit_codes import ExitCode
 
 
@@ -87,6 +87,10 @@ def run(args, address):
     """Run CONFIG (default configs/tiny_grpo.yaml) with KEY=VALUE overrides to completion."""
     config = _config_and_overrides(args)
     _check_fileroot(config)  # where the driver starts: here, or on the head node of a submitted job
+    try:
+        check_engine_installed(config)
+    except ConfigError as e:
+        _fail(str(e))
     from supervisor.launch import run_job
     from workers.rewards import UserCodeError, load_reward_fn
 
@@ -171,6 +175,7 @@ def demo(args, kill_at_step):
     path, overrides = _split_args(args)
     try:
         config = load_config(path, ["trial_name=demo-" + time.strftime("%Y%m%d-%H%M%S"), *overrides])
+        check_engine_installed(config)
     except ConfigError as e:
         _fail(str(e))
     from supervisor.demo import run_demo

