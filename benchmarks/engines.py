@@ -4,14 +4,14 @@
                                            [--json FILE]
 
 Each (size, engine) runs in a process of its own, as a RolloutWorker's engine does (one thread, on one core),
-without Ray. The sizes are benchmarks/sizes.py's: the shipped configs' models. Start: the tokenizer and model build, and for vLLM its import and engine start (import
-shown apart). Generation: `--samples` completions of `--new-tokens` tokens (no EOS: all run to
-the full length), each seeded by its sample, after one warm-up call. Weight sync, the RolloutWorker's path
-once the transfer's bytes arrive: new weights received into the engine's parameters (the built-in engine's
-model, vLLM's staging copy: one copy, as the ranks' writes into its shared weights are), for vLLM fed through
-`reload_weights`, then the digest of what the engine holds (for vLLM read back from its model; the two halves
-of `VllmEngine.refit`, timed apart). Its bandwidth is the weights' bytes over its time, against a plain copy of
-the same bytes (memcpy, best of five) and as a share of it; the sync is the best of three too. `--quick`: tiny
+without Ray. The sizes are benchmarks/sizes.py's: the shipped configs' models. Start: the tokenizer and model build,
+and for vLLM its import and engine start (import shown apart). Generation: `--samples` completions of `--new-tokens`
+tokens (no EOS: all run to the full length), each seeded by its sample, after one warm-up call. Weight sync, the
+RolloutWorker's path once the transfer's bytes arrive: new weights received into the engine's parameters (the
+built-in engine's model, vLLM's staging copy: one copy, as the ranks' writes into its shared weights are), for vLLM
+fed through `reload_weights`, then the digest of what the engine holds (for vLLM read back from its model; the two
+halves of `VllmEngine.refit`, timed apart). Its bandwidth is the weights' bytes over its time, against a plain copy
+of the same bytes (memcpy, best of five) and as a share of it; the sync is the best of three too. `--quick`: tiny
 only, 16 samples of 8 tokens.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ import time
 import ray
 import torch
 from report import arguments, report
-from sizes import SIZES
+from sizes import ENGINE, SIZES
 
 from supervisor.cluster.groups import RolloutGroup, TrainGroup
 from supervisor.config import load_config
@@ -106,7 +106,7 @@ def memcpy_secs(nbytes: int) -> float:
 
 def measure(address: str, size: str, overrides: list[str], repeats: int) -> dict:
     config = load_config(SIZES[size].config, [
-        "cluster.n_rollout_workers=1", "cluster.n_train_workers=2", "actor.backend=fsdp", "rollout.engine=hf",
+        "cluster.n_rollout_workers=1", "cluster.n_train_workers=2", "actor.backend=fsdp", ENGINE,
         "recover.step_timeout_secs=600", f"cluster.fileroot={tempfile.mkdtemp(prefix='relaunch-bench-')}",
         *overrides])
     connect(config, address)

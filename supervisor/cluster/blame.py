@@ -1,5 +1,6 @@
 """Who is to blame when a call made on several actors at once fails: one rule for every gather (a worker
-group's calls, cluster/groups.py, and the weight stream's, cluster/weights.py). Pure.
+group's calls, cluster/groups.py, and the weight stream's, cluster/weights.py). Pure, but for `dead_nodes`,
+which asks Ray which nodes it has dead when a death is blamed.
 
 Each actor's call ended one way (`Outcome`); actors come in tiers, where a later tier may wait on an earlier
 one but never the other way round (the engines wait on the TrainGroup's buckets and hashes; rank 0 gives up

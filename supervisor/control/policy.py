@@ -101,7 +101,7 @@ class RestartPolicy:
         """What to do about `fault`, seen at `now`; `repairing`: it struck while a repair was being applied."""
         kind = fault.kind
         quiet = self.last_fault is None or now - self.last_fault >= self.quiet_secs
-        same_node_lost = fault.node_lost and fault.node is not None and fault.node == self.incident_node
+        same_node_lost = fault.node_lost and fault.node == self.incident_node  # node_lost: a node is named
         same_incident = repairing and self.incident is not None and (now - self.incident <= self.incident_secs
                                                                      or same_node_lost)
         self.last_fault = now
