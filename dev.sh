@@ -33,9 +33,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 # DeepSpeed JIT-compiles its shm comm op the first time a process group starts; do it here, once (cached in
 # $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, ~1 min), never inside a TrainWorker's start-up or a
-# timed step; again whenever that cache is gone (a new machine that kept the checkout and its .venv).
+# timed step; again whenever that cache is gone (a new machine that kept the checkout and its .venv) or was
+# built against another venv (its build.ninja names that venv's torch: ninja would rebuild inside the first
+# TrainWorker that loads it, ~2 min that a start-up bound calls a hang).
 ext_dir=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
-if ! compgen -G "$ext_dir/*/deepspeed_shm_comm/*.so" >/dev/null; then
+venv_dir=$(cd "$VENV" && pwd -P)
+if ! compgen -G "$ext_dir/*/deepspeed_shm_comm/*.so" >/dev/null \
+   || ! grep -qsF -- "$venv_dir/lib/" "$ext_dir"/*/deepspeed_shm_comm/build.ninja; then
   "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 fi
 cmd=${1:-run}

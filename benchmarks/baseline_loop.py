@@ -3,7 +3,7 @@ config (workers/model.py, the default job's tiny one unless a config is named) o
 a checkpoint after every step, and rank 1 SIGKILLing itself once at the start of step `kill_at`.
 
 Each rank appends what the benchmark measures to `log` (JSON lines): the kill's time, and rank 0 the step each
-restarted group loaded and each completed step's time. As a torchrun entry point:
+group loaded (-1: nothing) and each completed step's time. As a torchrun entry point:
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 benchmarks/baseline_loop.py DIR STEPS KILL_AT [CONFIG]
 """
 from __future__ import annotations
@@ -85,8 +85,8 @@ def ray_train_loop(args: dict) -> None:
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         start = state["step"] + 1
-        if rank == 0:
-            log_line(log, event="loaded", step=state["step"], time=time.time())
+    if rank == 0:  # step -1: nothing to load (the first attempt, or a restart before any checkpoint registered)
+        log_line(log, event="loaded", step=start - 1, time=time.time())
     ddp = DDP(model)
     for step in range(start, args["steps"]):
         maybe_kill(step, args["kill_at"], rank, marker, log)
@@ -125,8 +125,8 @@ def torchrun_loop(run_dir: Path, steps: int, kill_at: int, config_path: str | No
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         start = state["step"] + 1
-        if rank == 0:
-            log_line(log, event="loaded", step=state["step"], time=time.time())
+    if rank == 0:  # step -1: nothing to load (the first attempt, or a restart before any checkpoint was written)
+        log_line(log, event="loaded", step=start - 1, time=time.time())
     ddp = DDP(model)
     for step in range(start, steps):
         maybe_kill(step, kill_at, rank, marker, log)

@@ -1,26 +1,27 @@
 """Recovery from a dead worker side by side in one run: relaunch with its memory tier, relaunch from disk
 (recover.memory=off), Ray Train (TorchTrainer + FailureConfig) and torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
 ~0.5B), the same steps (whole epochs of 12), a checkpoint after every step, and rank 1 SIGKILLed at the start of
-step K.
+step K: a fixed step and one drawn at random from the first ones (1 to 8), each system once per step.
 
-    .venv/bin/python benchmarks/baselines.py [--size tiny|100m|0.5b] [--kill-at-step 6] [--steps 12] [--quick]
-                                             [--address ADDR] [--json FILE]
+    .venv/bin/python benchmarks/baselines.py [--size tiny|100m|0.5b] [--kill-at-step 6,random] [--seed N]
+                                             [--steps 12] [--quick] [--address ADDR] [--json FILE]
 
 Every system is timed to one finish line: from the kill (the time the dying rank took just before SIGKILLing
 itself) to the completion of the killed step, step K, however many earlier steps a restart trains again first.
-relaunch runs the size's job (recover.freq_steps=1, background saves, its default warm spares; its kill is a fault
-point whose marker file's time is the kill's, and the killed step's completion is its `recovery` event); with the
-memory tier, step 1 waits until the spares are warm, so that the buddies are linked before the kill. The
-baselines run benchmarks/baseline_loop.py (the same model, AdamW, a DDP update of 64 samples a step, a synchronous
+relaunch runs the size's job as a user meets it (recover.freq_steps=1, background saves, its default warm spares,
+nobody waiting for them to warm; its kill is a fault point whose marker file's time is the kill's, and the killed
+step's completion is its `recovery` event), which says where its state came from. The baselines run benchmarks/baseline_loop.py (the same model, AdamW, a DDP update of 64 samples a step, a synchronous
 checkpoint every step); the dying rank logs the kill, rank 0 each completed step and the step a restart loaded.
 Each system's cost is that time minus its own median steady step (one completed step to the next, the kill's
 interval left out), printed with the step loaded and the steps trained again. A system that does not recover,
-or cannot run here, fails the benchmark (exit 1) after the table.
+or cannot run here, fails the benchmark (exit 1) after the table; so does relaunch with its memory tier recovering
+from anywhere but memory. `--quick`: 12 steps, one kill at a step drawn from 1 to 8 (CI).
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -55,16 +56,20 @@ def baseline_figures(log: Path) -> dict:
 
 
 def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str, memory: bool) -> dict:
-    """relaunch with the memory tier (the default: buddies linked before the kill) or from disk."""
-    epochs, trial = steps // 12, f"relaunch-{'memory' if memory else 'disk'}"  # 12 steps an epoch at every size
+    """relaunch with the memory tier (the default; its buddies linked before the first step) or from disk."""
+    # 12 steps an epoch at every size
+    epochs, trial = steps // 12, f"relaunch-{'memory' if memory else 'disk'}-{kill_at}"
     secs, layout = killed_run(address, root, trial, [f"total_train_epochs={epochs}", "recover.freq_steps=1",
                                                      f"recover.memory={'auto' if memory else 'off'}"],
-                              kill_at, SIZES[size].config, warm_spares=memory)
+                              kill_at, SIZES[size].config)
     killed = kill_time(root, trial)
     recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == Event.RECOVERY)
     assert recovery["global_step"] == kill_at, recovery  # its clock stops at the killed step, as the baselines'
-    assert recovery["source"] == ("memory" if memory else "disk"), recovery
-    return {"system": f"relaunch ({recovery['source']})", "recovery_secs": recovery["time"] - killed,
+    expected = "memory" if memory else "disk"
+    if recovery["source"] != expected:
+        return {"system": f"relaunch ({expected})", "kill_at_step": kill_at,
+                "error": f"recovered from {recovery['source']}, not {expected}: {recovery.get('reason')}"}
+    return {"system": f"relaunch ({recovery['source']})", "kill_at_step": kill_at, "recovery_secs": recovery["time"] - killed,
             "median_step_secs": statistics.median(steady_steps(read_jsonl(layout.stats_log), steps)),
             "loaded_step": recovery["loaded_step"], "replayed_steps": recovery["replayed_steps"], "wall_secs": secs,
             "steps": epochs * 12, "breakdown": recovery}
@@ -79,7 +84,7 @@ def ray_train(address: str, root: Path, steps: int, kill_at: int, size: str) -> 
         return {"system": "Ray Train", "error": f"not run: {e}"}
     from baseline_loop import ray_train_loop
 
-    run_dir = root / "ray-train"
+    run_dir = root / f"ray-train-{kill_at}"
     run_dir.mkdir()
     paths = os.pathsep.join([str(REPO), str(HERE)])
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": paths}}, logging_level="ERROR",
@@ -97,12 +102,12 @@ def ray_train(address: str, root: Path, steps: int, kill_at: int, size: str) -> 
         wall = time.monotonic() - started
     finally:
         ray.shutdown()
-    return {"system": f"Ray Train {ray.__version__}", **baseline_figures(run_dir / "log.jsonl"), "wall_secs": wall,
-            "steps": steps}
+    return {"system": f"Ray Train {ray.__version__}", "kill_at_step": kill_at, **baseline_figures(run_dir / "log.jsonl"),
+            "wall_secs": wall, "steps": steps}
 
 
 def torchrun(root: Path, steps: int, kill_at: int, bound: float, size: str) -> dict:
-    run_dir = root / "torchrun"
+    run_dir = root / f"torchrun-{kill_at}"
     run_dir.mkdir()
     started = time.monotonic()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
@@ -122,54 +127,84 @@ def torchrun(root: Path, steps: int, kill_at: int, bound: float, size: str) -> d
         return {"system": "torchrun", "error": f"did not recover: exit {proc.returncode} ({''.join(last)[:160]})"}
     import torch
 
-    return {"system": f"torchrun (torch {torch.__version__})", **baseline_figures(run_dir / "log.jsonl"),
-            "wall_secs": wall, "steps": steps}
+    return {"system": f"torchrun (torch {torch.__version__})", "kill_at_step": kill_at,
+            **baseline_figures(run_dir / "log.jsonl"), "wall_secs": wall, "steps": steps}
 
 
-def main() -> None:
-    parser = arguments(__doc__, "12 steps, the kill at step 3 (CI)")
-    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model of every system")
-    parser.add_argument("--kill-at-step", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=12, help="every system's steps, rounded up to whole epochs of 12")
-    args = parser.parse_args()
-    steps, kill_at = (12, 3) if args.quick else (args.steps, args.kill_at_step)
-    steps = -(-steps // 12) * 12  # whole epochs of the shipped data (12 steps each): relaunch's job runs epochs
-    root = Path(tempfile.mkdtemp(prefix="relaunch-baselines-"))
-    cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
-    address = args.address or cluster.address
-    try:
-        # torchrun's bound: its two process starts (imports, the model) on a loaded 2-core machine, and the steps
-        rows = [relaunch(address, root, steps, kill_at, args.size, memory=True),
-                relaunch(address, root, steps, kill_at, args.size, memory=False),
-                ray_train(address, root, steps, kill_at, args.size),
-                torchrun(root, steps, kill_at, 180 if args.quick else 300 * (1 + 4 * (args.size != "tiny")), args.size)]
-    finally:
-        if cluster:
-            cluster.shutdown()
+FIRST_STEPS = range(1, 9)  # where `random` draws the killed step: the job's first steps, its spares still warming
+
+
+def kill_steps(spec: str, seed: int) -> list[int]:
+    """`--kill-at-step`: steps and `random` (one drawn from FIRST_STEPS with `seed`), comma-separated."""
+    draw = random.Random(seed)
+    return [draw.choice(FIRST_STEPS) if part == "random" else int(part) for part in spec.split(",")]
+
+
+def systems(address: str, root: Path, steps: int, kill_at: int, size: str, quick: bool) -> list[dict]:
+    """Every system killed at `kill_at`, one after the other on the same cluster."""
+    # torchrun's bound: its two process starts (imports, the model) on a loaded 2-core machine, and the steps
+    return [relaunch(address, root, steps, kill_at, size, memory=True),
+            relaunch(address, root, steps, kill_at, size, memory=False),
+            ray_train(address, root, steps, kill_at, size),
+            torchrun(root, steps, kill_at, 180 if quick else 300 * (1 + 4 * (size != "tiny")), size)]
+
+
+def print_table(rows: list[dict], size: str, kill_at: int) -> None:
+    """One kill's rows, each system's cost beside relaunch's with its memory tier (rows[0])."""
     for row in rows:
         if "error" not in row:
             row["cost_secs"] = row["recovery_secs"] - row["median_step_secs"]
     ours = rows[0]
-    print(f"model: {args.size} ({SIZES[args.size].config.name}); rank 1 killed at the start of step {kill_at}")
+    print(f"model: {size} ({SIZES[size].config.name}); rank 1 killed at the start of step {kill_at}")
     print(f"{'system':<26} {'kill -> killed step done':>25} {'median step':>12} {'lost beyond a step':>19} "
           f"{'vs relaunch':>12} {'loaded / trained again':>23} {'wall (steps)':>14}")
     for row in rows:
         if "error" in row:
             print(f"{row['system']:<26} {row['error']}")
             continue
-        row["ratio_to_relaunch"] = row["recovery_secs"] / ours["recovery_secs"]
-        row["cost_ratio_to_relaunch"] = row["cost_secs"] / max(ours["cost_secs"], 1e-3)
+        ratios = "-"
+        if "error" not in ours:
+            row["ratio_to_relaunch"] = row["recovery_secs"] / ours["recovery_secs"]
+            row["cost_ratio_to_relaunch"] = row["cost_secs"] / max(ours["cost_secs"], 1e-3)
+            ratios = f"{row['ratio_to_relaunch']:>5.2f}x /{row['cost_ratio_to_relaunch']:>5.1f}x"
         print(f"{row['system']:<26} {row['recovery_secs']:>23.2f} s {row['median_step_secs']:>10.2f} s "
-              f"{row['cost_secs']:>17.2f} s {row['ratio_to_relaunch']:>5.2f}x /{row['cost_ratio_to_relaunch']:>5.1f}x "
+              f"{row['cost_secs']:>17.2f} s {ratios:>12} "
               f"{'step ' + str(row['loaded_step']) + ' / ' + str(row['replayed_steps']):>23} "
               f"{row['wall_secs']:>8.1f} s ({row['steps']})")
+
+
+def main() -> None:
+    parser = arguments(__doc__, "12 steps, one kill at a step drawn from 1 to 8 (CI)")
+    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model of every system")
+    parser.add_argument("--kill-at-step", default=None,
+                        help="the killed steps, comma-separated; `random`: one drawn from 1 to 8 (--seed); "
+                             "default 6,random (--quick: random)")
+    parser.add_argument("--seed", type=int, default=None, help="the draw of `random` (default: a fresh one, printed)")
+    parser.add_argument("--steps", type=int, default=12, help="every system's steps, rounded up to whole epochs of 12")
+    args = parser.parse_args()
+    seed = random.SystemRandom().randrange(2**16) if args.seed is None else args.seed
+    steps = 12 if args.quick else args.steps
+    kills = kill_steps(args.kill_at_step or ("random" if args.quick else "6,random"), seed)
+    steps = -(-steps // 12) * 12  # whole epochs of the shipped data (12 steps each): relaunch's job runs epochs
+    print(f"[baselines] killed steps {kills} (random ones drawn with --seed {seed})", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="relaunch-baselines-"))
+    cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
+    address = args.address or cluster.address
+    try:
+        runs = {kill_at: systems(address, root, steps, kill_at, args.size, args.quick) for kill_at in kills}
+    finally:
+        if cluster:
+            cluster.shutdown()
+    for kill_at, rows in runs.items():
+        print_table(rows, args.size, kill_at)
     print(f"(vs relaunch: kill -> killed step done / lost beyond a step, against relaunch with the memory tier; "
-          f"runs under {root})")
+          f"runs under {root}; again with --seed {seed})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "baselines", "size": args.size, "kill_at_step": kill_at, "rows": rows}, f,
-                      indent=1)
-    failed = [f"{row['system']}: {row['error']}" for row in rows if "error" in row]
+            json.dump({"benchmark": "baselines", "size": args.size, "seed": seed, "kill_at_steps": kills,
+                       "rows": [row for rows in runs.values() for row in rows]}, f, indent=1)
+    failed = [f"{row['system']} (step {kill_at}, --seed {seed}): {row['error']}" for kill_at, rows in runs.items()
+              for row in rows if "error" in row]
     if failed:
         sys.exit("baselines: " + "; ".join(failed))
 

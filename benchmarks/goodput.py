@@ -8,7 +8,7 @@ by pid, N seconds after the first step and, after each kill, N seconds after tra
 over the final stats rows (each step once: rows of steps trained again are cut back on resume); wall time runs
 from the job's `start` event to its `done` event. Faults N seconds apart are isolated faults, not a crash loop,
 so the job runs with recover.quiet_secs = N / 2 (every restart immediate) and retries to spare; pass
-`recover.quiet_secs=...` to see the back-off instead. `--quick` is 3 epochs and a kill every 3 s (CI), with
+`recover.quiet_secs=...` to see the back-off instead. `--quick` is 2 epochs and a kill every 3 s (CI), with
 hangs bounded at 30 s (a step) and 60 s (a start) instead of the defaults' minutes. Each kill is printed as it
 is sent, and the table counts the faults the job saw by cause.
 """
@@ -60,12 +60,12 @@ def kill_every(every: float, name: str, stop: threading.Event, killed: list) -> 
 
 
 def main() -> None:
-    parser = arguments(__doc__, "3 epochs, a kill every 3 s (CI)")
+    parser = arguments(__doc__, "2 epochs, a kill every 3 s (CI)")
     parser.add_argument("--every", type=float, default=60.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=25, help="total_train_epochs (12 steps each)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    every, epochs = (3.0, 3) if args.quick else (args.every, args.epochs)
+    every, epochs = (3.0, 2) if args.quick else (args.every, args.epochs)
     overrides = [f"total_train_epochs={epochs}", f"recover.quiet_secs={every / 2:g}", "recover.retries=100",
                  *(["recover.step_timeout_secs=30", "recover.start_timeout_secs=60"] if args.quick else []),
                  *args.overrides]

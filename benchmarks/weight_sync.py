@@ -56,7 +56,7 @@ def _hash_with(worker, constant: bool) -> None:
 
     if not hasattr(ws, "_bucket_hash"):
         ws._bucket_hash = ws.bucket_hash
-    ws.bucket_hash = (lambda t: 0) if constant else ws._bucket_hash
+    ws.bucket_hash = (lambda t, kind="xxh3": 0) if constant else ws._bucket_hash
 
 
 def timed_sync(stream, shared: bool, hashed: bool = True) -> tuple[float, dict]:

@@ -63,6 +63,11 @@ def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
         resync = next((e for e in later if e["event"] == Event.RESYNC), None)
         if resync:
             out.append(f"engines resynced to weights version {resync['version']} (checksum {resync['checksum']})")
+        recovery = next((e for e in later if e["event"] == Event.RECOVERY), None)
+        if recovery and recovery.get("lost") is not None:
+            out.append(f"step {recovery['global_step']}, in flight at the fault, completed {recovery['total']:.1f} s "
+                       f"after it: {recovery['lost']:.1f} s lost beyond a steady step, "
+                       f"{recovery['replayed_steps']} completed steps trained again (from {recovery['source']})")
     done = next((e for e in reversed(events) if e["event"] in ENDED), None)
     if done and done["event"] == Event.DONE:
         out.append(f"job finished at step {done['global_step']} with mean reward {done.get('reward') or 0:.3f}")

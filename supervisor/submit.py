@@ -11,8 +11,10 @@ import asyncio
 import os
 import shlex
 import time
+import uuid
 from pathlib import Path
 
+from supervisor.cluster.errors import first_line
 from supervisor.config import Config
 from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
 from supervisor.testing.fault_points import ENV_VARS as FAULT_ENV_VARS
@@ -38,15 +40,25 @@ AGENT_WAIT_SECS = 120.0  # how long a newly started head's job agent may take to
 
 def submit_when_ready(client, address: str, **job) -> str:
     """Submit; while a head that has just started answers "No available agent to submit job, please try again
-    later" (its job agent is not up yet, though the Jobs API already answers), try again."""
+    later" (its job agent is not up yet, though the Jobs API already answers), or drops the connection without
+    an answer (its dashboard still starting, or overloaded), try again. Every try carries the same submission
+    id, so a try whose answer was lost after the job was made is not a second job."""
+    import requests
+
+    job = {"submission_id": f"relaunch-{uuid.uuid4().hex[:12]}", **job}
     deadline = time.monotonic() + AGENT_WAIT_SECS
     while True:
         try:
             return client.submit_job(**job)
+        except requests.exceptions.ConnectionError as e:
+            if time.monotonic() > deadline:
+                raise SubmitError(f"--address {address}: the Jobs API dropped the submission ({first_line(e)})") from e
         except RuntimeError as e:
+            if "already exists" in str(e):  # an earlier try made it; its answer was lost
+                return job["submission_id"]
             if "No available agent" not in str(e) or time.monotonic() > deadline:
-                raise SubmitError(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
-            time.sleep(2)
+                raise SubmitError(f"--address {address}: {first_line(e)}") from e
+        time.sleep(2)
 
 
 def submit(config_path: Path, overrides: list[str], config: Config, address: str, wait: bool) -> int:

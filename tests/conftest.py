@@ -9,11 +9,20 @@ a module-scoped fixture (one job its tests all read) goes to one worker whole, s
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
 
 UNIT = Path(__file__).parent / "unit"
+
+# The suite keeps both cores busy (sampled: 98%), so its time is the CPU it spends. Two of Ray's per-node daemons,
+# in every cluster and job it starts (inherited from here): the log monitor globs its logs directory for new files
+# every 0.1 s below 1000 files (a suite's cluster gathers hundreds, one set per dead worker): every 0.5 s instead,
+# so a new worker's first lines reach the driver up to 0.4 s later; each node's agent samples every process for
+# the dashboard's metrics every 5 s, which no test reads.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
 
 def pytest_collection_modifyitems(items) -> None:

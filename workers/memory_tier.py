@@ -26,6 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from supervisor.testing.fault_points import fault_point
 from workers.shared_weights import create_segment, map_segment
 
 SLOTS = 2
@@ -79,10 +80,19 @@ class StateLayout:
 class Slot:
     flat: torch.Tensor
     meta: dict | None = None  # None while the slot holds no whole step (never filled, or being overwritten)
+    pending: object = None  # a GPU rank's copy still in flight into `flat` (a CUDA event), until `wait`
 
     @property
     def step(self) -> int | None:
         return None if self.meta is None else self.meta["global_step"]
+
+    def wait(self) -> "Slot":
+        """The slot once its bytes are all there: a copy queued from the GPU has landed."""
+        pending = self.pending  # read once: the sender's thread and a rejoin may wait on the same slot
+        if pending is not None:
+            pending.synchronize()
+            self.pending = None
+        return self
 
 
 class NoRoom(RuntimeError):
@@ -99,17 +109,20 @@ def check_room(what: str, nbytes: int, available: int, total: int) -> None:
 
 class Slots:
     """Two flat buffers, allocated and touched at once: the first copy into untouched pages costs seconds of
-    page faults at ~100M (0.3 to 3.6 s measured), and it must not fall on a step."""
+    page faults at ~100M (0.3 to 3.6 s measured), and it must not fall on a step. A rank on a GPU `pin`s them
+    (page-locked host memory): its state is copied from the device at full bandwidth, asynchronously, in one
+    pass, where pageable memory is copied through a staging buffer of the driver's."""
 
-    def __init__(self, numel: int, dtype: torch.dtype):
-        self.slots = [Slot(torch.empty(numel, dtype=dtype).zero_()) for _ in range(SLOTS)]
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = False):
+        self.slots = [Slot(torch.empty(numel, dtype=dtype, pin_memory=pin).zero_()) for _ in range(SLOTS)]
 
     @classmethod
-    def with_room(cls, what: str, numel: int, dtype: torch.dtype) -> "Slots":
-        """Two slots, after checking this node has the room for them (NoRoom otherwise)."""
+    def with_room(cls, what: str, numel: int, dtype: torch.dtype, **options) -> "Slots":
+        """Two slots (`options`: the class's own, `pin` for these), after checking this node has the room for them
+        (NoRoom otherwise)."""
         memory = psutil.virtual_memory()
         check_room(what, SLOTS * numel * dtype.itemsize, memory.available, memory.total)
-        return cls(numel, dtype)
+        return cls(numel, dtype, **options)
 
     @property
     def numel(self) -> int:
@@ -128,7 +141,7 @@ class Slots:
         slot = self.for_step(global_step)
         if slot.step != global_step:
             raise RuntimeError(f"no memory copy of step {global_step} is held here (held: {self.landed()})")
-        return slot
+        return slot.wait()
 
     def landed(self) -> list[int]:
         return sorted(s.step for s in self.slots if s.step is not None)
@@ -139,8 +152,11 @@ class SharedSlot:
     so that the process that wrote it and the one that holds it see the same slot. Setting `meta` writes the
     meta bytes and then the step (None: the step to -1 first), so a slot is whole once its step is set."""
 
+    wait = Slot.wait  # a spare that took a rank's place copies its own steps into the slots it held
+
     def __init__(self, flat: torch.Tensor, control: torch.Tensor, meta_area: torch.Tensor):
         self.flat, self.control, self.meta_area = flat, control, meta_area  # control: [step, meta bytes]
+        self.pending = None
 
     @property
     def step(self) -> int | None:
@@ -175,9 +191,10 @@ class SharedSlots(Slots):
 
     def __init__(self, numel: int, dtype: torch.dtype, mapped: tuple[mmap.mmap, dict] | None = None):
         size = self.size(numel, dtype)
+        self.fd = -1  # the holder's: what a rank on its host opens the segment through, until `close`
         if mapped is None:
-            fd, segment, nonce = create_segment(self.NAME, size)
-            self.handle = {"path": f"/proc/{os.getpid()}/fd/{fd}", "nonce": nonce.hex(), "numel": numel,
+            self.fd, segment, nonce = create_segment(self.NAME, size)
+            self.handle = {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "nonce": nonce.hex(), "numel": numel,
                            "dtype": DTYPES.index(dtype)}
         else:
             segment, self.handle = mapped
@@ -190,6 +207,13 @@ class SharedSlots(Slots):
         self.slots = [SharedSlot(flats[i * numel:(i + 1) * numel], control[8 + 2 * i:10 + 2 * i],
                                  data[PAGE + i * self.META_BYTES:PAGE + (i + 1) * self.META_BYTES])
                       for i in range(SLOTS)]
+
+    def close(self) -> None:
+        """No rank opens the segment any more: its fd goes, and its memory with the last view of it (a spare that
+        took the rank's place keeps its slots as its own; a holding given back or replaced frees them)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     @classmethod
     def header_bytes(cls) -> int:
@@ -230,6 +254,7 @@ def link_group(store: dist.Store, key: str, end: int, timeout: datetime.timedelt
 
 def send_slot(group: dist.ProcessGroup, slot: Slot) -> None:
     """The rank's end: a header (step, meta bytes, elements, dtype), the meta, then the flat buffer."""
+    slot.wait()
     meta = pack_meta(slot.meta)
     header = torch.tensor([slot.step, meta.numel(), slot.flat.numel(), DTYPES.index(slot.flat.dtype)])
     for tag, tensor in enumerate((header, meta, slot.flat)):
@@ -249,6 +274,8 @@ class Holding:
         self.thread: threading.Thread | None = None
 
     def listen(self, port: int, key: str, timeout: datetime.timedelta) -> None:
+        if self.thread is not None:
+            raise RuntimeError("this holding already listens for its rank's side link")
         self.store = dist.TCPStore("0.0.0.0", port, 2, is_master=True, timeout=timeout, wait_for_workers=False)
         self.thread = threading.Thread(target=self._receive, args=(key, timeout), daemon=True,
                                        name=f"memory-holder-{key}")
@@ -258,8 +285,9 @@ class Holding:
         return self.slots.landed()
 
     def close(self) -> None:
-        """Take no more steps from this link (its thread ends when the link does)."""
+        """Take no more steps from this link (its thread ends when the link does), and let the segment go."""
         self.closed = True
+        self.slots.close()
 
     def ended(self, timeout: float) -> bool:
         """Whether nothing receives into the slots any more, waiting up to `timeout` for the thread."""
@@ -290,22 +318,35 @@ class Holding:
 
 def copy_slot(target: SharedSlot, slot: Slot) -> None:
     """The rank's end on the holder's host: its slot copied straight into the holder's, then the meta."""
+    slot.wait()
     target.meta = None
     target.flat.copy_(slot.flat)
     target.meta = slot.meta
 
 
 class Link:
-    """The rank's end of its side link to a holder on another host; sends run one at a time on a thread of
-    its own."""
+    """The rank's end of its side link to a holder on another host; the connection, then the sends, run one at
+    a time on a thread of its own, so that a holder that froze after it began listening stalls the copies (a
+    send that never lands, which the Supervisor sees), never the rank's own calls."""
 
     def __init__(self, holder_ip: str, port: int, key: str, timeout: datetime.timedelta):
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-sender")
+        self.connected = self.sender.submit(self._connect, holder_ip, port, key, timeout)
+
+    def _connect(self, holder_ip: str, port: int, key: str, timeout: datetime.timedelta) -> None:
         self.store = dist.TCPStore(holder_ip, port, 2, is_master=False, timeout=timeout)
         self.group = link_group(self.store, key, RANK, timeout)
-        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-sender")
 
-    def send(self, slot: Slot) -> Future:
-        return self.sender.submit(send_slot, self.group, slot)
+    def send(self, slot: Slot, rank: int) -> Future:
+        return self.sender.submit(self._send, slot, rank)
+
+    def _send(self, slot: Slot, rank: int) -> None:
+        fault_point("memory_send", step=slot.step, rank=rank)  # tests: a copy that does not land
+        self._write(slot)
+
+    def _write(self, slot: Slot) -> None:
+        self.connected.result()  # raises why the link could not be made
+        send_slot(self.group, slot)
 
     def close(self) -> None:
         """Stop using the link: a send still running is abandoned (its thread ends with the link's error)."""
@@ -320,5 +361,5 @@ class SharedLink(Link):
         self.shared = shared
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-sender")
 
-    def send(self, slot: Slot) -> Future:
-        return self.sender.submit(copy_slot, self.shared.for_step(slot.step), slot)
+    def _write(self, slot: Slot) -> None:
+        copy_slot(self.shared.for_step(slot.step), slot)

@@ -4,7 +4,8 @@ The version is the global step those weights are used for: the initial weights a
 weights after step G's update are version G + 1. Generation (workers/generate.py) is batched and
 KV-cached; every sample is drawn from its own generator seeded by (seed, step, sample index), so a
 restarted engine, or any number of engines, draws the same samples. With cluster.gpus_per_engine > 0
-the engine's model lives on its GPU.
+the engine's model lives on its GPU, in one buffer that trainer ranks on that GPU write through CUDA IPC
+(workers/cuda_weights.py), and its syncs are checked with digests computed on the device (`sum64`).
 
 With rollout.engine vllm, vLLM samples (workers/vllm_engine.py) and the model here is its staging copy: a sync
 lands in it as it lands in the built-in engine's model, then goes into vLLM in place; the digest the sync is
@@ -21,6 +22,8 @@ from supervisor.config import Config, RolloutEngine
 from supervisor.testing.fault_points import fault_points
 from workers.errors import StaleWeights, WeightSyncError
 from workers.generate import encode_prompt, generate, pack_rollouts, sample_seed
+from workers.cuda_weights import CudaSharedWeights
+from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
 from workers.model import build_model, build_tokenizer
 from workers.shared_weights import SharedWeights
@@ -33,24 +36,31 @@ class RolloutWorker:
     @fault_points
     def __init__(self, config: Config, index: int = 0):
         torch.set_num_threads(1)
+        if config.cluster.gpus_per_engine > 0:
+            deterministic_cuda()  # before any CUDA kernel (workers/gpu.py)
         self.config, self.rank = config, index  # `rank`: the engine's index, for fault points
         self.tokenizer = build_tokenizer(config.model)
         self.model = build_model(config.model, self.tokenizer, config.seed).eval()
         if config.cluster.gpus_per_engine > 0:  # Ray set CUDA_VISIBLE_DEVICES to the engine's GPU
             self.model.to("cuda")
         self.dtype = next(self.model.parameters()).dtype
-        # on CPU the parameters live in shared memory that trainer ranks on this host can write in place
+        # the parameters live in memory that trainer ranks can write in place: shared memory on this host (CPU),
+        # or a buffer on this GPU that ranks seeing the GPU open through CUDA IPC
+        self.gpu = config.cluster.gpus_per_engine > 0
         self.shared = None
-        if config.cluster.gpus_per_engine == 0 and config.rollout.shared_memory_weights:
+        if config.rollout.shared_memory_weights:
             try:
-                self.shared = SharedWeights(self.model)
-            except OSError:  # no memfd here (self.shared stays None): the weights are streamed to it
+                self.shared = CudaSharedWeights(self.model) if self.gpu else SharedWeights(self.model)
+            except OSError:  # none here (self.shared stays None): the weights are streamed to it
                 pass
         self.vllm = None
         if config.rollout.engine is RolloutEngine.VLLM:
             from workers.vllm_engine import VllmEngine
 
             self.vllm = VllmEngine(config, self.tokenizer, index)
+        # the built-in engine on a GPU hashes its weights there (vLLM's are read back and hashed on the host)
+        self.digest = "sum64" if self.gpu and self.vllm is None else "xxh3"
+        self.weights_device = "cpu"  # where the stream's buckets land: the GPU when the group is nccl
         self.version: int | None = None
         self.names: list[str] = []  # the stream's order of the parameters, as the sync that brought `version` sent
         self.weights_group = None  # its member of the weights-update group (workers/weight_sync.py)
@@ -64,7 +74,9 @@ class RolloutWorker:
 
     @fault_points
     def where(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        """Its node and process, and on a GPU the GPU's UUID (whether trainer ranks share it)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "gpu": device_uuid() if self.gpu else None}
 
     @fault_points
     def share_weights(self, group_name: str) -> dict | None:
@@ -76,11 +88,12 @@ class RolloutWorker:
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str) -> dict:
         """Join a new weights-update group as rank `rank_offset` (the trainer's rank 0 is its rank 0).
-        Returns the dtype the engine wants its weights in."""
+        Returns the dtype the engine wants its weights in, and the kind of digest it checks them with."""
         self.weights_group, self.group_name = None, group_name  # the previous group's connections go first
         self.weights_group = join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
                                         op_timeout(self.config))
-        return {"dtype": str(self.dtype).removeprefix("torch.")}
+        self.weights_device = "cuda" if backend == "nccl" else "cpu"
+        return {"dtype": str(self.dtype).removeprefix("torch."), "digest": self.digest}
 
     @fault_points
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -104,9 +117,10 @@ class RolloutWorker:
                 raise WeightSyncError(f"shared weights of group {self.shared.generation} written for a sync of "
                                       f"group {self.group_name}")
             digest = receive_shared([p.numel() for p in params], self.dtype, bucket_bytes, self.weights_group,
-                                    op_timeout(self.config))
+                                    op_timeout(self.config), self.digest)
         else:
-            digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config))
+            digest = receive(params, self.dtype, bucket_bytes, self.weights_group, op_timeout(self.config),
+                             self.weights_device, self.digest)
         if self.vllm:
             served = self.vllm.refit(self.model, names, bucket_bytes)
             if served != digest:
@@ -124,9 +138,10 @@ class RolloutWorker:
         if self.vllm:
             return self.version, self.vllm.digest(self.model, self.names, bucket_bytes)
         if self.shared and [n for n, _ in self.shared.layout] == self.names:  # in the stream's order: hashed in place
-            return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes)
+            return self.version, flat_digest(self.shared.flat().view(self.dtype), self.dtype, bucket_bytes,
+                                             self.digest)
         own = dict(self.model.named_parameters())
-        return self.version, local_digest([own[n] for n in self.names], self.dtype, bucket_bytes)
+        return self.version, local_digest([own[n] for n in self.names], self.dtype, bucket_bytes, self.digest)
 
     @fault_points
     def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,

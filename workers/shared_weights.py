@@ -44,14 +44,7 @@ class SharedWeights:
     def renew(self, generation: str | None) -> dict:
         """A new segment for the group `generation`, holding the parameters as they are; returns its handle."""
         fd, segment, nonce = create_segment(NAME, HEADER + self.nbytes)
-        data, offset = torch.frombuffer(segment, dtype=torch.uint8), HEADER
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel() * p.element_size()
-                view = data[offset:offset + n].view(p.dtype).view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-                offset += n
+        move_into(self.params, torch.frombuffer(segment, dtype=torch.uint8)[HEADER:])
         if self.fd >= 0:
             os.close(self.fd)  # the old mapping goes with its last view, dropped above
         self.fd, self.map, self.nonce, self.generation = fd, segment, nonce, generation
@@ -65,6 +58,18 @@ class SharedWeights:
         """What a trainer rank needs to map the segment: picklable, checked by the nonce."""
         return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "nonce": self.nonce.hex(), "bytes": self.nbytes,
                 "layout": self.layout, "generation": self.generation}
+
+
+def move_into(params: list[torch.Tensor], data: torch.Tensor) -> None:
+    """Each parameter's data becomes a view of `data` (flat uint8), laid end to end in order, its values copied in."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel() * p.element_size()
+            view = data[offset:offset + n].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += n
 
 
 def create_segment(name: str, size: int) -> tuple[int, mmap.mmap, bytes]:

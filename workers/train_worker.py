@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.transfer import RankDir
 from supervisor.config import Config
 from supervisor.testing.fault_points import fault_point, fault_points
+from workers.cuda_weights import open_handle
+from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
 from workers.memory_tier import DTYPES, Holding, Link, SharedLink, SharedSlots, Slots
 from workers.shared_weights import attach
@@ -37,15 +40,19 @@ from workers.weight_sync import join_group, mismatched, op_timeout, send, to_che
 
 
 PROBE = "probe"  # the concurrency group of `progress`: it answers while the default group's method waits
-# a rank's end of its side link, to connect and for each send: short, because its memory_link blocks its next
-# step until the holder connects (the holder, always receiving, waits as long as a step may last)
+# the concurrency group of a holder's methods: a spare holds ranks' copies from its start, while it still warms;
+# two threads, so that `holding` answers (a repair asks it) while `hold` allocates a rank's slots (seconds at ~100M)
+HOLDER = "holder"
+# a rank's end of its side link, to connect and for each send (on the link's own thread: a holder that froze
+# stalls the copies, not the rank's steps); the holder, always receiving, waits as long as a step may last
 LINK_TIMEOUT = datetime.timedelta(seconds=120)
 ABANDON_SECS = 5.0  # how long a rejoining rank waits for its background writes before it leaves them behind
 log = logging.getLogger(__name__)
 
 
 def tracks_phase(cls):
-    """Every public method of `cls` records itself as the worker's phase while it runs, for `progress`."""
+    """Every public method of `cls` records itself as the worker's phase while it runs, for `progress`; the
+    holder's methods (HOLDER), which run beside it, do not."""
     def tracked(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
@@ -57,7 +64,8 @@ def tracks_phase(cls):
         return wrapper
 
     for name, method in list(vars(cls).items()):
-        if callable(method) and not name.startswith("_") and name != "progress":
+        if callable(method) and not name.startswith("_") and name != "progress" \
+                and getattr(method, "__ray_concurrency_group__", None) != HOLDER:
             setattr(cls, name, tracked(method))
     return cls
 
@@ -65,7 +73,7 @@ def tracks_phase(cls):
 # Methods of the default concurrency group still run one at a time, in the order a caller submitted them: a
 # synchronous actor whose max_concurrency is 1 keeps its order (Ray reorders only asyncio actors and those of
 # max_concurrency > 1), and every actor already has Ray's own groups beside the default one.
-@ray.remote(concurrency_groups={PROBE: 1})
+@ray.remote(concurrency_groups={PROBE: 1, HOLDER: 2})
 @tracks_phase
 class TrainWorker:
     """Started cold as a rank of a new TrainGroup, or ahead of need as a warm spare (supervisor/cluster/spares.py):
@@ -75,6 +83,8 @@ class TrainWorker:
 
     def __init__(self, config: Config):
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
+        if config.cluster.gpus_per_worker > 0:
+            deterministic_cuda()  # before any CUDA kernel: exact recovery on GPU (workers/gpu.py)
         self.config = config
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -90,6 +100,9 @@ class TrainWorker:
         self.link: Link | None = None  # a rank's side link to its holder
         self.memory_send: tuple[int, Future] | None = None  # the last send begun: (global step, its future)
         self.holdings: dict[int, Holding] = {}  # a holder's: rank -> the copies it receives from that rank
+        self.holdings_lock = threading.Lock()  # the holder's methods (HOLDER) change them beside setup and adopt
+        self.retired = False  # a holder that became a rank, or whose tier is off: it holds no copies again
+        self.allocation_lock = threading.Lock()  # a holder's allocations, one at a time (the node's room)
         self.phase = ("idle", time.monotonic())  # (method running, since when): what `progress` answers
 
     @fault_points
@@ -115,8 +128,10 @@ class TrainWorker:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
+        gpu = device_uuid() if self.config.cluster.gpus_per_worker > 0 else None  # whether it shares an engine's
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "port": port, "memory": peak_memory()}  # a warm spare's, for the stats
+                "pid": os.getpid(), "port": port, "memory": peak_memory(),  # a warm spare's, for the stats
+                "gpu": gpu}
 
     @fault_points
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -141,8 +156,8 @@ class TrainWorker:
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                   backend: str, memories: list[dict | None]) -> dict:
-        """Every rank maps the engines' shared weights (`memories`, one per engine, None where it offers none)
-        if it can; rank 0 also joins a new weights-update group as its rank 0 (the engines join it beside).
+        """Every rank maps the engines' shared weights (`memories`, one per engine, None where it offers none:
+        a memfd segment on this host, or a buffer on this rank's GPU opened through CUDA IPC) if it can; rank 0 also joins a new weights-update group as its rank 0 (the engines join it beside).
         Returns whether this rank mapped every engine's weights, laid out in the stream's order (`shared`);
         rank 0 also the names and full shapes of the parameters it streams, for the engines."""
         self.segments, self.weights_group = {}, None  # the previous group's mappings and connections go first
@@ -150,7 +165,8 @@ class TrainWorker:
         names, shapes = zip(*spec)
         layout = [(name, list(shape)) for name, shape in spec]
         for i, memory in enumerate(memories):
-            segment = attach(memory) if memory and memory["layout"] == layout else None
+            opener = open_handle if memory and "cuda_ipc" in memory else attach
+            segment = opener(memory) if memory and memory["layout"] == layout else None
             if segment is None:
                 self.segments = {}
                 break
@@ -164,23 +180,23 @@ class TrainWorker:
 
     @fault_points
     def send_weights(self, global_step: int, targets: list[int], dtype: str, shared: bool = False,
-                     check_all: bool = False) -> dict:
+                     check_all: bool = False, digest: str = "xxh3") -> dict:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
         with no targets, only their digest. With `shared`, every rank writes its shards straight into the
         targets' shared weights instead, and the trainer's own gather of one parameter (`check_all`: of every
         parameter) is compared with what was written (workers/weight_sync.py: mismatched). Rank 0 returns the
-        digest, the targets that failed and figures; the others {}."""
+        digest (of the kind the engines check with, `digest`), the targets that failed and figures; the others {}."""
         numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
         torch_dtype, bucket_bytes = getattr(torch, dtype), self.config.rollout.weight_bucket_mb * 2**20
         timeout, sender = op_timeout(self.config), self.rank == 0
         if not (shared and targets):
             group = self.weights_group if targets else None
             return send(self.engine.full_param, numels, torch_dtype, bucket_bytes, sender, group, targets, timeout,
-                        self.engine.device if self.weights_backend == "nccl" else "cpu")
+                        self.engine.device if self.weights_backend == "nccl" else "cpu", digest)
         segments = [self.segments[t] for t in targets]
         sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes, segments, self.rank,
-                            self.world_size, self.weights_group, targets, timeout, global_step)
+                            self.world_size, self.weights_group, targets, timeout, global_step, digest)
         t0, which = time.monotonic(), to_check(global_step + 1, len(numels), check_all)
         bad = mismatched(self.engine.full_param, segments[0].view(torch_dtype) if sender else None, numels,
                          torch_dtype, which)  # the first engine's: the digests show the others hold the same
@@ -304,7 +320,8 @@ class TrainWorker:
         has the room for them (NoRoom otherwise); what one holds: {"numel", "dtype"} (an index of DTYPES)."""
         if self.memory is None:
             layout = self.engine.memory_layout
-            self.memory = Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype)
+            self.memory = Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype,
+                                          pin=self.engine.device.type == "cuda")
         return {"numel": self.memory.numel, "dtype": DTYPES.index(self.memory.dtype)}
 
     @fault_points
@@ -320,8 +337,10 @@ class TrainWorker:
 
     @fault_points
     def memory_link(self, holder_ip: str, port: int, key: str) -> None:
-        """Connect this rank's side link to a holder on another host (whose `listen` hosts the store on
-        `port`)."""
+        """Link this rank to a holder on another host (whose `listen` hosts the store on `port`), replacing any
+        earlier link: the connection is made on the link's thread, before its first send, so this returns at
+        once."""
+        self._drop_link()
         self.link = Link(holder_ip, port, key, LINK_TIMEOUT)
 
     @fault_points
@@ -338,12 +357,15 @@ class TrainWorker:
         False (nothing staged) while the rank has no slots (`memory_slots`)."""
         if self.memory is None:
             return False
-        if self.memory_send is not None:
-            wait([self.memory_send[1]])  # the Supervisor waits for the previous commit first; this is a backstop
+        if self.memory_send is not None and not self.memory_send[1].done():
+            # the Supervisor waited (LINK_SECS at most) for the previous copy before this step's update: one still
+            # being sent now is stuck (a holder that froze), so its link is left (after ABANDON_SECS) and this
+            # step is staged here only; the Supervisor links the rank again
+            self._drop_link()
         slot = self.memory.for_step(global_step)
         self.engine.stage_memory(slot, global_step)
         if self.link is not None:
-            self.memory_send = (global_step, self.link.send(slot))
+            self.memory_send = (global_step, self.link.send(slot, self.rank))
         return True
 
     @fault_points
@@ -405,41 +427,72 @@ class TrainWorker:
             log.warning("rank %s: the background recover save of step %d failed before the rejoin: %s",
                         self.rank, save.global_step, save.future.exception())
 
-    # ---- the memory tier: a holder's side ----------------------------------------------------------
+    # ---- the memory tier: a holder's side, answered from the spare's start (HOLDER) ----------------------
+    @ray.method(concurrency_group=HOLDER)
+    @fault_points
+    def located(self) -> dict:
+        """Where this process runs and a free port for a side link, answered while `warm` still runs: a spare
+        holds copies from its start, before its imports and model are done."""
+        return self._where()
+
+    @ray.method(concurrency_group=HOLDER)
     @fault_points
     def hold(self, rank: int, slots: dict) -> dict:
         """Hold `rank`'s copies: two slots of `slots` (the rank's `memory_slots()`), allocated in a segment the
         rank maps if it runs on this host, once this node has the room (NoRoom otherwise); returns the segment's
-        handle (`memory_attach`). Holding a rank again replaces its old holding."""
-        old = self.holdings.pop(rank, None)
+        handle (`memory_attach`). Holding a rank again replaces its old holding. Allocated outside the lock, so
+        that `holding` answers meanwhile; refused once this spare retired (`release`)."""
+        with self.holdings_lock:
+            self._not_retired()
+            old = self.holdings.pop(rank, None)
         if old is not None:
             old.close()
-        held = SharedSlots.with_room(f"the two copies held for rank {rank}", slots["numel"],
-                                     DTYPES[slots["dtype"]])
-        self.holdings[rank] = Holding(held)
+        with self.allocation_lock:  # one at a time: each checks the node's room after the one before took its own
+            held = SharedSlots.with_room(f"the two copies held for rank {rank}", slots["numel"],
+                                         DTYPES[slots["dtype"]])
+        with self.holdings_lock:
+            if self.retired:
+                held.close()
+                self._not_retired()
+            old, self.holdings[rank] = self.holdings.get(rank), Holding(held)
+        if old is not None:  # a hold of the same rank that ran beside this one
+            old.close()
         return held.handle
 
+    def _not_retired(self) -> None:
+        if self.retired:
+            raise RuntimeError("this spare holds no copies any more: it became a rank, or the memory tier is off")
+
+    @ray.method(concurrency_group=HOLDER)
     @fault_points
     def listen(self, rank: int, port: int, key: str) -> None:
         """For `rank` on another host: host its side link's store on `port` (a port of this process's `where()`)
         and, on a thread, accept the link and receive its copies into the held slots while the link lives."""
         from workers.engines.base import collective_timeout
 
+        with self.holdings_lock:
+            self._not_retired()
+            held = self.holdings[rank]
         # the holder waits between a rank's copies for as long as a step may last (its thread blocks nothing)
-        self.holdings[rank].listen(port, key, collective_timeout(self.config))
+        held.listen(port, key, collective_timeout(self.config))
 
+    @ray.method(concurrency_group=HOLDER)
     @fault_points
     def release(self) -> None:
-        """Give back every rank's copies and close their links: the tier is off for the run, or this spare
-        becomes a rank."""
-        for h in self.holdings.values():
+        """Give back every rank's copies and close their links, and hold none again: the tier is off for the run,
+        or this spare becomes a rank."""
+        with self.holdings_lock:  # the holder's calls run on a thread of their own, beside setup and adopt's
+            holdings, self.holdings, self.retired = self.holdings, {}, True
+        for h in holdings.values():
             h.close()
-        self.holdings = {}
 
+    @ray.method(concurrency_group=HOLDER)
     @fault_points
     def holding(self) -> dict[int, list[int]]:
         """{rank: the steps held whole for it} (at most two per rank)."""
-        return {rank: h.landed() for rank, h in self.holdings.items()}
+        with self.holdings_lock:
+            holdings = dict(self.holdings)
+        return {rank: h.landed() for rank, h in holdings.items()}
 
     @fault_points
     def adopt(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int) -> None:

@@ -13,12 +13,13 @@ each target engine (so a subset can be pushed, and a dead target breaks only its
 receives each bucket into a buffer and copies it in place into its parameters. Both sides hash every
 bucket (xxh3-64, in a thread: xxhash releases the GIL, so the hash overlaps the next transfer; 5x crc32's
 speed here, about a tenth of a sync at ~100M); rank 0 sends
-its hashes last, and the engine takes the version only when the last bucket landed and they agree. On GPU
-the digest would be a reduction on the device instead (a sum of the bucket viewed as int64, say), so that no
-byte crosses to the host; only the CPU path exists today.
+its hashes last, and the engine takes the version only when the last bucket landed and they agree. An engine
+whose weights live on a GPU asks for `sum64` digests instead: a position-weighted sum of the bucket's 64-bit
+words, computed on the device where the bytes are (no byte crosses to the host), and the same value where a
+bucket is hashed on the CPU (the stream through host memory), so every side of a sync agrees.
 
 When every trainer rank has mapped the engines' shared weights (workers/shared_weights.py: CPU engines on the
-ranks' host), `write_shared` replaces the stream: each rank writes its own shards straight into the engines'
+ranks' host; workers/cuda_weights.py: an engine on the ranks' GPU), `write_shared` replaces the stream: each rank writes its own shards straight into the engines'
 parameters, the ranks hash the buckets there between them, and the group carries only rank 0's hashes.
 """
 from __future__ import annotations
@@ -39,6 +40,9 @@ from supervisor.testing.fault_points import fault_point
 from workers.errors import ShardWriteError, WeightSyncError
 
 TAG_DIGESTS = 1 << 30  # the tag of the hashes message; bucket k is sent with tag k
+DIGESTS = ("xxh3", "sum64")  # an engine's weights on the CPU, on a GPU
+# sum64's weight of word i: an odd multiple of the golden ratio's 64-bit constant (as a signed int64)
+GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 
 
 @dataclass(frozen=True)
@@ -77,15 +81,36 @@ def bucket_len(bucket: list[Piece]) -> int:
     return bucket[-1].offset + bucket[-1].length
 
 
-def combine(hashes: Sequence[int]) -> str:
-    """One checksum string for a sync: its buckets' hashes, in order, hashed together."""
-    return "xxh3-" + hashlib.sha256(b"".join(h.to_bytes(8, "big") for h in hashes)).hexdigest()[:16]
+def combine(hashes: Sequence[int], kind: str = "xxh3") -> str:
+    """One checksum string for a sync: its buckets' hashes, in order, hashed together, named by their kind."""
+    return f"{kind}-" + hashlib.sha256(b"".join(h.to_bytes(8, "big") for h in hashes)).hexdigest()[:16]
 
 
-def bucket_hash(t: torch.Tensor) -> int:
-    """xxh3-64 of the bucket's bytes, on CPU, where they are. (On GPU this copies them to the host: the
-    device reduction the module's docstring describes is not written yet.)"""
+def bucket_hash(t: torch.Tensor, kind: str = "xxh3") -> int:
+    """The bucket's hash, unsigned 64-bit: xxh3-64 of its bytes on the CPU (a GPU tensor is copied to the host
+    first), or `sum64` where the tensor is."""
+    if kind == "sum64":
+        return sum64(t)
     return xxhash.xxh3_64_intdigest(t.view(torch.uint8).cpu().numpy())
+
+
+_word_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def sum64(t: torch.Tensor) -> int:
+    """The bytes of `t` as little-endian 64-bit words (zero-padded), each times an odd weight of its position,
+    summed modulo 2**64: two elementwise passes on whatever device `t` is on, and the same value on any device
+    (integer sums wrap exactly, in any order). It catches a changed, lost or misplaced word; it is a check
+    against corruption, not a cryptographic hash."""
+    data = t.detach().reshape(-1).view(torch.uint8)
+    if data.numel() % 8 or data.storage_offset() % 8:
+        data = torch.nn.functional.pad(data, (0, -data.numel() % 8))  # a copy, aligned
+    words = data.view(torch.int64)
+    weights = _word_weights.get(words.device)
+    if weights is None or weights.numel() < words.numel():
+        weights = (torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) * GOLDEN) | 1
+        _word_weights[words.device] = weights
+    return int((words * weights[:words.numel()]).sum()) & ((1 << 64) - 1)
 
 
 def as_message(hashes: Sequence[int]) -> torch.Tensor:
@@ -97,27 +122,30 @@ def from_message(t: torch.Tensor) -> list[int]:
     return t.numpy().view(np.uint64).tolist()
 
 
-def pieces_hash(pieces: Sequence[torch.Tensor]) -> int:
+def pieces_hash(pieces: Sequence[torch.Tensor], kind: str = "xxh3") -> int:
     """`bucket_hash` of the pieces laid end to end, hashed where they are: xxh3's streaming form gives the
-    same value, without a copy of the bucket (a new allocation, its pages faulted in, at every digest)."""
+    same value, without a copy of the bucket (a new allocation, its pages faulted in, at every digest);
+    sum64 hashes them joined, on their device."""
+    if kind == "sum64":
+        return sum64(torch.cat([piece.reshape(-1) for piece in pieces]))
     hasher = xxhash.xxh3_64()
     for piece in pieces:
         hasher.update(piece.contiguous().view(torch.uint8).cpu().numpy())
     return hasher.intdigest()
 
 
-def local_digest(tensors: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> str:
+def local_digest(tensors: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int, kind: str = "xxh3") -> str:
     """The digest a sync of `tensors` (full, in the stream's order) gives, computed in one process over the
     tensors' own memory: what an engine reports of the weights it holds, and what tests check a sync against."""
     flat = [t.detach().reshape(-1).to(dtype) for t in tensors]
     plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
-    return combine([pieces_hash([flat[p.param][p.start:p.start + p.length] for p in b]) for b in plan])
+    return combine([pieces_hash([flat[p.param][p.start:p.start + p.length] for p in b], kind) for b in plan], kind)
 
 
-def flat_digest(flat: torch.Tensor, dtype: torch.dtype, bucket_bytes: int) -> str:
+def flat_digest(flat: torch.Tensor, dtype: torch.dtype, bucket_bytes: int, kind: str = "xxh3") -> str:
     """The digest of parameters laid end to end in `flat` (an engine's shared weights), hashed in place."""
     per = bucket_elements(dtype.itemsize, bucket_bytes)
-    return combine([bucket_hash(flat[k:k + per]) for k in range(0, flat.numel(), per)])
+    return combine([bucket_hash(flat[k:k + per], kind) for k in range(0, flat.numel(), per)], kind)
 
 
 def op_timeout(config) -> datetime.timedelta:
@@ -132,7 +160,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     from torch.distributed import PrefixStore, TCPStore
 
     store = PrefixStore(f"{group_name}/", TCPStore(master_address, master_port, is_master=False, timeout=timeout))
-    if backend == "nccl":  # designed for, not tested here: the engine or trainer on GPU
+    if backend == "nccl":  # the stream between GPUs (an engine on the ranks' own GPU is written in place instead)
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
@@ -148,7 +176,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
 
 def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int,
          sender: bool, group, targets: Sequence[int], timeout: datetime.timedelta,
-         device: torch.device | str = "cpu") -> dict:
+         device: torch.device | str = "cpu", kind: str = "xxh3") -> dict:
     """Every trainer rank calls it; rank 0 is the `sender` (its `group` may be None when there are no
     `targets`: a digest only). `full(i)` is the collective that gathers parameter i. Returns, on rank 0,
     the digest, the targets that failed (weights rank -> why) and figures; on the others, {}.
@@ -192,7 +220,7 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
 
     def timed_hash(t: torch.Tensor) -> int:
         t1 = time.monotonic()
-        value = bucket_hash(t)
+        value = bucket_hash(t, kind)
         hash_secs[0] += time.monotonic() - t1
         return value
 
@@ -228,16 +256,16 @@ def send(full: Callable[[int], torch.Tensor], numels: Sequence[int], dtype: torc
         if error is not None:
             raise error
         values = [f.result() for f in hashes]
-    settle(post(as_message(values), TAG_DIGESTS))
+    settle(post(as_message(values).to(device), TAG_DIGESTS))  # nccl carries CUDA tensors only
     nbytes = sum(bucket_len(b) for b in plan) * buffers[0].element_size()
-    return {"digest": combine(values), "failed": failed, "bytes": nbytes, "buckets": len(plan),
+    return {"digest": combine(values, kind), "failed": failed, "bytes": nbytes, "buckets": len(plan),
             "secs": time.monotonic() - t0, "digest_secs": hash_secs[0], "gather_secs": gather_secs,
             "wait_secs": wait_secs[0]}
 
 
 def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Sequence[int], dtype: torch.dtype,
                  bucket_bytes: int, segments: Sequence[torch.Tensor], rank: int, world_size: int, group,
-                 targets: Sequence[int], timeout: datetime.timedelta, step: int) -> dict:
+                 targets: Sequence[int], timeout: datetime.timedelta, step: int, kind: str = "xxh3") -> dict:
     """The shared-memory sync (workers/shared_weights.py); every trainer rank calls it, with the mapped
     segments of `targets`. `shard(i)` is this rank's contiguous part of parameter i: (first element, tensor).
     Each rank writes its parts into every segment, then, once all have (a barrier on the training group),
@@ -257,6 +285,8 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
             start += first[i]
             for flat in flats:
                 flat[start:start + part.numel()].copy_(part.reshape(-1))
+        if flats and flats[0].is_cuda:  # another process reads them next: the copies are done, not queued
+            torch.cuda.current_stream().synchronize()
         fault_point("weights_written", step=step, rank=rank)  # tests: a rank dies with its part written
     except Exception as e:  # noqa: BLE001 - raised once the peers are through the collectives below
         error = e
@@ -268,7 +298,7 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
     hashes = torch.zeros(len(flats), count, dtype=torch.int64)
     if error is None:
         for j, flat in enumerate(flats):
-            hashes[j, rank:count:world_size] = as_message([bucket_hash(flat[k * per:(k + 1) * per])
+            hashes[j, rank:count:world_size] = as_message([bucket_hash(flat[k * per:(k + 1) * per], kind)
                                                            for k in range(rank, count, world_size)])
     failed = torch.zeros(world_size, dtype=torch.int64)
     failed[rank] = error is not None
@@ -286,7 +316,7 @@ def write_shared(shard: Callable[[int], tuple[int, torch.Tensor]], numels: Seque
             group.send([torch.cat([hashes[j], torch.zeros(1, dtype=torch.int64)])], target, TAG_DIGESTS).wait(timeout)
         except Exception as e:  # noqa: BLE001 - that target is dropped and reported
             unsent[target] = f"transfer to weights rank {target}: {str(e).splitlines()[0][:200]}"
-    return {"digest": combine(from_message(hashes[0])), "failed": unsent,
+    return {"digest": combine(from_message(hashes[0]), kind), "failed": unsent,
             "bytes": total * flats[0].element_size(), "buckets": count, "secs": time.monotonic() - t0,
             "digest_secs": digest_secs, "write_secs": write_secs, "wait_secs": time.monotonic() - t2}
 
@@ -331,7 +361,7 @@ def mismatched(full: Callable[[int], torch.Tensor], flat: torch.Tensor | None, n
 
 
 def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int, group,
-                   timeout: datetime.timedelta) -> str:
+                   timeout: datetime.timedelta, kind: str = "xxh3") -> str:
     """The engine's side of the shared-memory sync: the trainer ranks wrote its weights in place and hashed
     them there; rank 0's hashes arrive once every rank has (and a last word: nonzero when a rank's writes
     failed, and the weights are not whole). The digest of what the engine holds."""
@@ -342,17 +372,18 @@ def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int,
         raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
     if theirs[-1]:
         raise WeightSyncError("a trainer rank could not write its shards into this engine's shared weights")
-    return combine(from_message(theirs[:-1]))
+    return combine(from_message(theirs[:-1]), kind)
 
 
 def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: int, group,
-            timeout: datetime.timedelta) -> str:
-    """Receive every bucket from rank 0 and write it in place into `params`; the digest of what landed.
-    Raises WeightSyncError if a transfer failed or the digests disagree."""
+            timeout: datetime.timedelta, device: torch.device | str = "cpu", kind: str = "xxh3") -> str:
+    """Receive every bucket from rank 0 into buffers on `device` (where the group's backend carries them) and
+    write it in place into `params`; the digest of what landed. Raises WeightSyncError if a transfer failed or
+    the digests disagree."""
     flat = [p.data.view(-1) for p in params]
     plan = plan_buckets([f.numel() for f in flat], torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
     size = max((bucket_len(b) for b in plan), default=0)
-    buffers = [torch.empty(size, dtype=dtype, device=flat[0].device if flat else "cpu") for _ in range(2)]
+    buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
     hashes: list[Future] = []
 
     def post(k: int):
@@ -367,17 +398,17 @@ def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: in
                     hashes[k - 1].result()  # the other buffer is free again
                 work = post(k + 1)
                 data = buffers[k % 2][:bucket_len(bucket)]
-                hashes.append(hasher.submit(bucket_hash, data))
+                hashes.append(hasher.submit(bucket_hash, data, kind))
                 with torch.no_grad():
                     for piece in bucket:
                         flat[piece.param][piece.start:piece.start + piece.length].copy_(
                             data[piece.offset:piece.offset + piece.length])
-            theirs = torch.empty(len(plan), dtype=torch.int64)
+            theirs = torch.empty(len(plan), dtype=torch.int64, device=device)
             group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
         except RuntimeError as e:
             raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
-        mine, sent = [f.result() for f in hashes], from_message(theirs)
+        mine, sent = [f.result() for f in hashes], from_message(theirs.cpu())
     if mine != sent:
         bad = next(k for k, (a, b) in enumerate(zip(mine, sent)) if a != b)
         raise WeightSyncError(f"bucket {bad} of {len(plan)} arrived with another digest than it was sent with")
-    return combine(mine)
+    return combine(mine, kind)

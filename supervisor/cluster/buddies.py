@@ -31,3 +31,15 @@ def buddy_plan(rank_nodes: list[str | None], spare_nodes: dict[str, str | None],
 def _same_node(a: str | None, b: str | None) -> bool:
     """An unknown node counts as the same: the copy must not be thought safe when it might not be."""
     return a is None or b is None or a == b
+
+
+def link_steps(plan: dict[int, str], linked: dict[int, str], preparing: dict[int, str], ready: dict[int, str],
+               known_slots: set[int]) -> tuple[list[int], list[int]]:
+    """What linking does for `plan` this step: the ranks whose planned holder is ready (`ready`: rank -> the
+    holder prepared for it) link now, before their copy; the planned ranks not linked to their holder, not being
+    prepared for it, and whose slots are known, have it prepared (beside the next step). A holder prepared for a
+    rank that the plan moved elsewhere is left unused."""
+    now = sorted(r for r, holder in ready.items() if plan.get(r) == holder)
+    prepare = sorted(r for r, holder in plan.items()
+                     if linked.get(r) != holder and r not in now and preparing.get(r) != holder and r in known_slots)
+    return now, prepare

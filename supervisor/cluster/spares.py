@@ -8,7 +8,9 @@ Supervisor refills the pool after the first step the new group completed, so war
 the restart itself. Spares are named per trial, so a Supervisor that died leaves none behind for long.
 
 A spare is also a buddy of the memory tier (memory_copies.py): it holds ranks' copies and, when one of them
-dies, takes its place with that state (`claim`). A restart from disk makes every rank new (a survivor stuck in a
+dies, takes its place with that state (`claim`). It holds them from its start, not from its warm-up's end: its
+holder's methods answer on a thread of their own while it warms (TrainWorker's HOLDER group), so the tier links
+a rank to a spare as soon as the spare says where it runs (`holders`). A restart from disk makes every rank new (a survivor stuck in a
 collective with a SIGSTOPped peer stays stuck until gloo's timeout, and DeepSpeed keeps global comm state);
 a repair from memory keeps the survivors (groups.py: TrainGroup.rejoin).
 """
@@ -34,8 +36,10 @@ class Spare:
     handle: ray.actor.ActorHandle
     name: str
     warm: ray.ObjectRef  # its warm() call: done once its imports and model build are
+    located: ray.ObjectRef  # its located() call: done once it has started, and can hold ranks' copies
     memory: dict | None = None  # its peak memory once warm (workers/memory.py)
-    node: str | None = None  # its node once warm
+    node: str | None = None  # its node once located
+    placed: str | None = None  # the node it was asked to start on (a soft affinity: where it most likely runs)
 
 
 def spare_prefix(config: Config) -> str:
@@ -60,6 +64,7 @@ class SparePool:
         self.config, self.size = config, size
         self.spares: list[Spare] = []
         self.orphans: list[ray.ObjectRef] = []
+        self.dropped = 0  # spares dropped as holders since the last refill (the Supervisor refills their places)
 
     def __len__(self) -> int:
         return len(self.spares)
@@ -98,9 +103,23 @@ class SparePool:
         return [s.memory for s in self.spares if s.memory]
 
     def warm(self) -> dict[str, Spare]:
-        """The spares that finished warming and answered it (name -> spare, its node known), without waiting."""
+        """The spares that finished warming and answered it (name -> spare), without waiting."""
         self._read_warm_ups()
-        return {s.name: s for s in self.spares if s.node is not None}
+        return {s.name: s for s in self.spares if s.memory}
+
+    def holders(self) -> dict[str, Spare]:
+        """The spares that have started and said where (name -> spare, its node known), warm or not: each can
+        hold ranks' copies. Without waiting."""
+        waiting = [s for s in self.spares if s.node is None]
+        ready = set(ray.wait([s.located for s in waiting], num_returns=len(waiting), timeout=0)[0]) \
+            if waiting else ()
+        for s in waiting:
+            if s.located in ready:
+                try:
+                    s.node = ray.get(s.located)["node_id"]
+                except Exception:  # noqa: BLE001 - a dead spare: `take` finds and drops it
+                    s.node = ""
+        return {s.name: s for s in self.spares if s.node}
 
     def _read_warm_ups(self) -> None:
         waiting = [s for s in self.spares if s.memory is None]
@@ -108,8 +127,7 @@ class SparePool:
         for s in waiting:
             if s.warm in ready:
                 try:
-                    where = ray.get(s.warm)
-                    s.memory, s.node = where["memory"], where["node_id"]
+                    s.memory = ray.get(s.warm)["memory"]
                 except Exception:  # noqa: BLE001 - a dead spare: `take` finds and drops it
                     s.memory = {}
 
@@ -118,6 +136,14 @@ class SparePool:
         claimed = {s.name: s.handle for s in self.spares if s.name in names}
         self.spares = [s for s in self.spares if s.name not in claimed]
         return claimed
+
+    def drop(self, names: list[str]) -> None:
+        """Kill the named spares and remove them from the pool (a holder that died or stalled while a rank was
+        linked to it): never planned as a buddy again; the pool refills their places after the next step."""
+        dropped = [s for s in self.spares if s.name in names]
+        self.spares = [s for s in self.spares if s.name not in names]
+        self._kill(dropped)
+        self.dropped += len(dropped)
 
     def refill(self, avoid: list[str | None]) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
@@ -131,7 +157,7 @@ class SparePool:
                 name=name, num_cpus=self.config.cluster.cpus_per_worker, num_gpus=self.config.cluster.gpus_per_worker,
                 max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
             ).remote(self.config)
-            self.spares.append(Spare(handle, name, handle.warm.remote()))
+            self.spares.append(Spare(handle, name, handle.warm.remote(), handle.located.remote(), placed=node))
         return nodes
 
     def make_room(self, n: int) -> int:
@@ -144,7 +170,8 @@ class SparePool:
 
     def _kill(self, spares: list[Spare]) -> None:
         # the pool's other leftover calls are only collected, not waited for: a taken spare's warm-up may run on
-        self.orphans = drain(self.orphans, 0)[0] + kill([s.handle for s in spares], [s.warm for s in spares])
+        self.orphans = drain(self.orphans, 0)[0] + kill([s.handle for s in spares],
+                                                        [s.warm for s in spares] + [s.located for s in spares])
 
     def shutdown(self) -> None:
         spares, self.spares = self.spares, []

@@ -4,8 +4,9 @@ the bytes).
 The Supervisor hosts the group's rendezvous (a TCPStore on an ephemeral port), so every member joins in one
 call. A group joins the TrainGroup's rank 0 and every engine; a new TrainGroup or a replaced engine gets a
 new group (the controller opens one at every resync). When every rank can map every engine's shared weights
-(CPU engines on the ranks' host: workers/shared_weights.py), the ranks write them in place and the group
-carries only the hashes; otherwise the weights stream through it.
+(CPU engines on the ranks' host: workers/shared_weights.py; engines on the GPU every rank uses, through CUDA
+IPC: workers/cuda_weights.py), the ranks write them in place and the group (gloo) carries only the hashes;
+otherwise the weights stream through it: over nccl between GPUs, over gloo where either side is on the CPU.
 
 Joining and syncing are one call on each member, waited for together; whoever dies or hangs is blamed, not
 those who gave up waiting for it. A rank that dies or hangs stops the stream for everyone: the engines give
@@ -38,21 +39,24 @@ class WeightStream:
         self.store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=op_timeout(config))
         name, world = f"weights-{uuid.uuid4().hex[:12]}", 1 + len(engines.members)
         gpu = config.cluster.gpus_per_worker > 0 and config.cluster.gpus_per_engine > 0
-        backend = "nccl" if gpu else "gloo"
-        # CPU ranks and CPU engines only: GPU ranks would stream from the device (CUDA IPC is the GPU's version)
-        cpu = backend == "gloo" and config.cluster.gpus_per_worker == 0
+        # in place: CPU ranks write CPU engines' memory on their host; GPU ranks an engine's buffer on their GPU.
+        # NCCL refuses two members on one device: nccl only where every member has a GPU of its own, else the
+        # group is gloo (in place, it only carries the hashes; otherwise the stream goes through host memory)
+        uuids = gpus(trainers, engines) if gpu else []
+        in_place = len(set(uuids)) == 1 if gpu else config.cluster.gpus_per_worker == 0
+        backend = "nccl" if gpu and len(set(uuids)) == len(uuids) else "gloo"
         # each engine's shared weights in a segment of this group's own: no writer of an earlier group reaches it
-        memories = (engines.gather([m.handle.share_weights.remote(name) for m in engines.members]) if cpu
+        memories = (engines.gather([m.handle.share_weights.remote(name) for m in engines.members]) if in_place
                     else [None] * len(engines.members))
         joined = [m.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend, memories)
                   for m in trainers.members]
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)
                 for i, m in enumerate(engines.members)]
         (spec, *others), answers = self._gather(joined, trainers.members, refs, engines.members)
-        wanted = {a["dtype"] for a in answers}
-        if len(wanted) != 1:
-            raise ValueError(f"the engines want their weights in different dtypes: {sorted(wanted)}")
-        self.dtype = wanted.pop()
+        wanted, kinds = {a["dtype"] for a in answers}, {a["digest"] for a in answers}
+        if len(wanted) != 1 or len(kinds) != 1:
+            raise ValueError(f"the engines want their weights in different dtypes or digests: {sorted(wanted | kinds)}")
+        self.dtype, self.digest = wanted.pop(), kinds.pop()
         self.names, self.shapes = spec["names"], spec["shapes"]
         # every rank mapped every engine's weights: the ranks write them in place (workers/shared_weights.py)
         self.shared = all(a["shared"] for a in (spec, *others))
@@ -71,8 +75,8 @@ class WeightStream:
         shared = self.shared and bool(only)
         trained = trainers.steps > 0
         check_all = shared and trained not in self.checked
-        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared, check_all)
-                 for m in trainers.members]
+        sends = [m.handle.send_weights.remote(global_step, [1 + i for i in only], self.dtype, shared, check_all,
+                                              self.digest) for m in trainers.members]
         targets = [engines.members[i] for i in only]
         receives = [m.handle.update_weights_from_distributed.remote(
             self.names, [self.dtype] * len(self.names), self.shapes, global_step + 1, shared) for m in targets]
@@ -129,3 +133,11 @@ class WeightStream:
     def close(self) -> None:
         """The rendezvous goes; the members drop their part when they join the next group."""
         self.store = None
+
+
+def gpus(trainers, engines) -> list[str]:
+    """The GPU (its UUID: each process numbers its GPUs its own way) of every rank, then every engine, asked of
+    each: one GPU for all lets the ranks write the engines' weights through CUDA IPC."""
+    where = trainers.gather([m.handle.where.remote(r) for r, m in enumerate(trainers.members)])
+    where += engines.gather([m.handle.where.remote() for m in engines.members])
+    return [w["gpu"] for w in where]

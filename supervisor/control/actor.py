@@ -11,24 +11,19 @@ import os
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import ray
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.trial_lock import trial_lock
-from supervisor.cluster.memory_copies import MemoryCopies
-from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
 from supervisor.cluster.spare_placement import spare_count
-from supervisor.cluster.spares import SparePool, remove_leftover_spares
 from supervisor.config import Config
-from supervisor.control.controller import Controller, JobResult, State
-from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.fleet import Fleet
 from supervisor.control.log_mirror import LogMirror
 from supervisor.control.policy import RestartPolicy
-from supervisor.control.step import StepRunner
 from supervisor.control.step_info import StepInfo
 from supervisor.control.trackers import Trackers
 from supervisor.control.watchdog import Waits
@@ -36,6 +31,12 @@ from supervisor.exit_codes import ExitCode
 from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
 from workers.rewards import UserCodeError, load_reward_fn
+
+# The controller, the worker groups and the checkpoint coordinator import torch: they are imported in the actor's
+# own process, where they run, so that the driver, which imports this module for the class, starts without torch
+# (about 3 s of CPU less at every `relaunch run`: docs/testing.md)
+if TYPE_CHECKING:
+    from supervisor.control.controller import Controller
 
 NAMESPACE = "relaunch"  # the Ray namespace of every relaunch job's named actors
 
@@ -63,6 +64,8 @@ class Supervisor:
         self.stats = StatsLog(layout.stats_log, guard=append)
         lock = trial_lock(layout)
         fence = (lambda: lock.check_held(lock_token)) if lock_token else None  # noqa: E731
+        from supervisor.control.coordinator import CheckpointCoordinator
+
         self.checkpoints = CheckpointCoordinator(config, layout, self.events, self.waits, fence)
         if layout.log_mirror is not None:
             self.events.listeners.append(LogMirror(layout, self.events, retry_budget(config)).on_event)
@@ -74,6 +77,8 @@ class Supervisor:
 
     # ---- queries (served concurrently with run) -------------------------------------------------
     def progress(self) -> dict:
+        from supervisor.control.controller import State
+
         c = self.controller
         r, f = (c.runner, c.fleet) if c else (None, None)
         return {
@@ -102,6 +107,12 @@ class Supervisor:
             return self._result
 
     def _run(self) -> dict:
+        from supervisor.cluster.groups import RolloutGroup, TrainGroup, remove_leftover_placement_groups
+        from supervisor.cluster.memory_copies import MemoryCopies
+        from supervisor.cluster.spares import SparePool, remove_leftover_spares
+        from supervisor.control.controller import Controller, JobResult
+        from supervisor.control.step import StepRunner
+
         cfg = self.config
         self.events.emit(Event.START, experiment=cfg.experiment_name, trial=cfg.trial_name,
                          total_steps=self.loader.steps_per_epoch * cfg.total_train_epochs,

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import enum
 import errno
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from ray import exceptions as rex
-from torch.distributed import DistError
-from torch.distributed.checkpoint.api import CheckpointException
 
 from supervisor.cluster.errors import Group, GroupError, first_line
 from workers.errors import StaleWeights, UserCodeError, WeightSyncError
@@ -67,6 +65,13 @@ _DEVICE_MARKERS = ("cuda error", "cudnn", "cublas", "device-side assert", "ecc e
 _TRANSIENT_START_MARKERS = _PEER_MARKERS + ("address already in use", "timed out", "temporarily unavailable")
 
 
+def _is_torch(error: BaseException, module: str, name: str) -> bool:
+    """Whether `error` is torch's `module.name`, without importing torch here (seconds, for every CLI command
+    that reads events): an error of that type exists in this process only if its module was loaded already."""
+    kind = getattr(sys.modules.get(module), name, None)
+    return kind is not None and isinstance(error, kind)
+
+
 def root_cause(error: BaseException) -> BaseException:
     """The exception a worker raised, unwrapped from Ray's RayTaskError (nested calls included)."""
     while isinstance(error, rex.RayTaskError) and error.cause is not None and error.cause is not error:
@@ -77,7 +82,7 @@ def root_cause(error: BaseException) -> BaseException:
 def storage_cause(error: BaseException, in_dcp: bool = False) -> Optional[OSError]:
     """The OSError behind a storage failure: a plain OSError, or one wrapped by DCP's CheckpointException
     (inside which a missing file or directory is the storage's fault too, not a bug)."""
-    if isinstance(error, CheckpointException):
+    if _is_torch(error, "torch.distributed.checkpoint.api", "CheckpointException"):
         for failure in error.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             found = storage_cause(inner, in_dcp=True) if isinstance(inner, BaseException) else None
@@ -127,11 +132,11 @@ def classify(err: GroupError | BaseException) -> Fault:
         return fault(FaultKind.STORAGE_ERROR, f"{who}: {stored.strerror or first_line(stored)}"
                                               f"{f' ({stored.filename})' if stored.filename else ''}")
     text = str(cause).lower()
-    if isinstance(cause, torch.OutOfMemoryError) or (isinstance(cause, RuntimeError) and
-                                                     any(m in text for m in _DEVICE_MARKERS)):
+    if _is_torch(cause, "torch", "OutOfMemoryError") or \
+            (isinstance(cause, RuntimeError) and any(m in text for m in _DEVICE_MARKERS)):
         return fault(FaultKind.DEVICE_ERROR, f"{who}: {first_line(cause)}")
-    if isinstance(cause, (DistError, WeightSyncError)) or (isinstance(cause, RuntimeError) and
-                                                          any(m in text for m in _PEER_MARKERS)):
+    if _is_torch(cause, "torch.distributed", "DistError") or isinstance(cause, WeightSyncError) or \
+            (isinstance(cause, RuntimeError) and any(m in text for m in _PEER_MARKERS)):
         return fault(FaultKind.COLLECTIVE_FAILED, f"{who}: {first_line(cause)}")
     return fault(FaultKind.INTERNAL_ERROR, f"{who}: {type(cause).__name__}: {first_line(cause)}")
 

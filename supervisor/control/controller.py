@@ -271,14 +271,18 @@ class Controller:
             if started:
                 self.events.emit(Event.SPARES, action="refilled", kind="engine", started=started,
                                  pool=len(engines.spares), size=self.config.rollout.spare_engines)
-        if not self.refill_due or self.spares is None:
-            return
+        if self.spares is not None and (self.refill_due or self.spares.dropped):
+            self._refill_pool()  # also the holders the memory tier dropped (memory_copies.py)
+
+    def _refill_pool(self) -> None:
+        """Start spares up to the pool's size, away from the ranks; due again while the cluster lacks the room."""
         if len(self.spares) < self.spares.size:
             nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.fleet.trainers.nodes)
             if nodes:
                 self.events.emit(Event.SPARES, action="refilled", started=len(nodes), nodes=nodes,
                                  pool=len(self.spares), size=self.spares.size)
         self.refill_due = len(self.spares) < self.spares.size
+        self.spares.dropped = 0
 
     def _best_effort(self, what: str, work: Callable, *args):
         """Optional work (the spare pool's upkeep): whatever it raises (a GCS error, ...) is a warning, never a
@@ -319,8 +323,9 @@ class Controller:
                 self._rejoin_from_memory(choice)
                 return
             except Exception as e:  # noqa: BLE001 - whatever broke, the disk path kills every rank and reloads
-                self.events.emit(Event.WARNING, message=f"recovery from memory failed: {type(e).__name__}: "
-                                                        f"{first_line(e)}; recovering from disk")
+                choice = Choice(Source.DISK, f"recovery from memory failed: {type(e).__name__}: {first_line(e)}")
+                self.events.emit(Event.WARNING, message=f"{choice.reason}; recovering from disk")
+        self.clock.disk_because(choice.reason)
         self._restart_train_group()
 
     def _recovery_source(self, fault: Fault) -> Choice:
@@ -367,6 +372,7 @@ class Controller:
                          size=self.spares.size)
         self.refill_due = True
         r.restore(choice.step)
+        self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
         self.clock.loaded(choice.step, Source.MEMORY)
         self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
                          nodes=trainers.nodes, missing_state=[], secs=round(sum(trainers.timings.values()), 3))
@@ -392,6 +398,9 @@ class Controller:
             self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(fleet.trainers.nodes) - taken,
                              pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
+            memory = r.memory is not None and r.memory.off is None
+            if memory and not self.clock.running:  # the job's start, no repair: the pool starts now, so that the
+                self._refill_pool()  # memory tier holds the first steps' copies (its spares hold them before warm)
         for part, part_secs in [*fleet.trainers.timings.items(), ("validate", secs)]:
             self.clock.add(part, part_secs)
         with self.clock.part("load"):
@@ -405,6 +414,8 @@ class Controller:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
         self._resync()
+        if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
+            self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
 
     def _resync(self) -> None:
         """After the TrainGroup's repair: replace the engines found dead, and bring every engine to the trainer's

@@ -101,6 +101,7 @@ class CheckpointCoordinator:
         self.store = RecoverStore(layout, config.recover.keep_last, self.fs) if config.recover.mode.enabled else None
         self._reference_entries: dict[int, dict] = {}  # reference step -> its manifest entry
         self.in_flight = InFlight()
+        self.last_commit: int | None = None  # the newest step committed or loaded by this Supervisor
 
     @property
     def enabled(self) -> bool:
@@ -118,6 +119,7 @@ class CheckpointCoordinator:
         for reason in result.fallbacks:
             self.events.emit(Event.FALLBACK, reason=reason)
         ckpt = result.checkpoint
+        self.last_commit = ckpt.global_step if ckpt is not None else None
         if ckpt is not None:
             problem = compatibility_error(ckpt.manifest, self.config.actor.backend.value,
                                           self.config.cluster.n_train_workers)
@@ -248,6 +250,7 @@ class CheckpointCoordinator:
                 self.fence()
             path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
                                      staged.files, staged.infos, engine=self.config.actor.backend.value)
+        self.last_commit = s
         secs = (started - staged.started if staged.background else staged.secs) + time.monotonic() - started
         self.events.emit(Event.COMMIT, global_step=s, path=str(path), world_size=staged.world_size,
                          weights_checksum=weights_checksum, bytes=staged.nbytes, secs=round(secs, 3),
@@ -282,6 +285,12 @@ class CheckpointCoordinator:
     def committed_step(self) -> int | None:
         """The step checkpoint_info.json names, read without validating anything (None: no checkpoint)."""
         return self.store.committed_step() if self.store is not None else None
+
+    def committed_already(self, global_step: int) -> bool:
+        """Whether `global_step` or a later step is committed: a step trained again after a rollback from memory
+        to a step older than the last commit (its copy had not landed when a rank died). Its checkpoint stands,
+        since the redo is bitwise the step it saved, and a published step directory is never written again."""
+        return self.last_commit is not None and self.last_commit >= global_step
 
     def discard_failed_save(self) -> list[StoragePath]:
         """Remove the temporaries a save or export that failed left behind, but for the directories of background

@@ -12,6 +12,12 @@ from supervisor.cluster.errors import Group, GroupError
 from supervisor.control.events import Event, EventLog
 from workers.errors import StaleWeights
 
+KEPT_DIGESTS = 4  # versions whose digest is remembered: a repair from memory rolls back one or two steps
+
+
+class RestoredWeightsDiffer(RuntimeError):
+    """Weights restored from memory that do not hash to what the trainers held at that version before the fault."""
+
 
 class Fleet:
     def __init__(self, events: EventLog):
@@ -20,14 +26,26 @@ class Fleet:
         self.engines = None   # the RolloutGroup, once started
         self.stream = None    # the weights-update group of these trainers and engines
         self.digest: tuple[int, str] | None = None  # (version, digest) of the trainer's weights, from a sync
+        self.digests: dict[int, str] = {}  # version -> the digest the trainers had at it, for the last few versions
         self.engine_version: int | None = None      # the version every engine holds, when known
 
     def weights_checksum(self, version: int) -> str:
         """The digest of the trainer's weights at `version`: the one its last sync computed, or (after a repair
         that pushed nothing) a pass that only computes it."""
         if self.digest is None or self.digest[0] != version:
-            self.digest = (version, self._stream().sync(version - 1, only=[])["digest"])
+            self._hashed(version, self._stream().sync(version - 1, only=[])["digest"])
         return self.digest[1]
+
+    def _hashed(self, version: int, digest: str) -> None:
+        self.digest, self.digests[version] = (version, digest), digest
+        self.digests = {v: d for v, d in self.digests.items() if v > version - KEPT_DIGESTS}
+
+    def restored_from_memory(self, version: int) -> None:
+        """The TrainGroup rolled back to a copy in memory, at `version`: its weights are hashed again at the next
+        resync and must match what they were at that version before the fault (a copy that does not restore them
+        exactly is a failed repair, not a run that drifts). The later versions' digests go: they are hashed again."""
+        self.digest = None
+        self.digests = {v: d for v, d in self.digests.items() if v <= version}
 
     def sync_engines(self, version: int, gate: bool) -> dict:
         """Bring every engine to the trainer's `version`; returns the sync's figures. With `gate` (after a repair,
@@ -45,7 +63,11 @@ class Fleet:
                          if v != version or (known is not None and d != known)]
                 sent = self._stream().sync(version - 1, only=stale) if stale or known is None else None
             if sent is not None:
-                self.digest = (version, sent["digest"])
+                expected = self.digests.get(version)
+                if gate and expected is not None and sent["digest"] != expected:
+                    raise RestoredWeightsDiffer(f"the trainers' weights at version {version} hash to "
+                                                f"{sent['digest']} after the repair, not {expected} as before it")
+                self._hashed(version, sent["digest"])
         except Exception:
             self.close_stream()
             raise
@@ -77,7 +99,7 @@ class Fleet:
         if self.trainers is not None:
             self.trainers.shutdown()
             self.trainers = None
-        self.digest = None
+        self.digest, self.digests = None, {}
         self.close_stream()
 
     def shutdown(self) -> None:

@@ -34,6 +34,7 @@ class _Repair:
     parts: dict[str, float] = field(default_factory=dict)
     loaded: int | None = None  # the step the new TrainGroup loaded (-1: a fresh start); None: no rollback
     source: Source = Source.NONE  # where the state came from: memory, disk, or none (an engine repair)
+    reason: str | None = None  # why it came from disk, where the memory tier was asked
     resumed: float | None = None  # wall clock when training went on (after the resync)
     replayed_until: float | None = None  # wall clock when the last replayed step completed
 
@@ -67,6 +68,11 @@ class RepairClock:
         if self._repair is not None:
             self._repair.loaded, self._repair.source = global_step, source
 
+    def disk_because(self, reason: str) -> None:
+        """Why the repair in progress goes to disk (the memory tier could not serve it): the event says so."""
+        if self._repair is not None:
+            self._repair.reason = reason
+
     def resumed(self) -> None:
         if self._repair is not None:
             self._repair.resumed = time.time()
@@ -91,6 +97,7 @@ class RepairClock:
                   "redo": now - (rep.replayed_until or resumed), "total": total,
                   "steady_step": steady, "lost": None if steady is None else total - steady}
         return {"cause": rep.cause, "what": rep.what, "global_step": rep.in_flight, "source": rep.source,
+                "reason": rep.reason if rep.source == Source.DISK else None,
                 "loaded_step": rep.loaded,
                 "replayed_steps": 0 if rep.loaded is None else max(rep.in_flight - rep.loaded - 1, 0),
                 **{k: None if v is None else round(v, 3) for k, v in fields.items()}}

@@ -184,7 +184,8 @@ class StepRunner:
                                  self.spares.peak_memory() if self.spares else [])},
             export=self.state.saver.check(s.is_epoch_end, elapsed),
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
-            save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last),
+            save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last)
+            and not self.checkpoints.committed_already(s.global_step),
         )  # from here on, a fault never replays the update: `settle` pays what is owed
         if self.memory is not None:
             self.snapshots = {g: st for g, st in self.snapshots.items() if g >= s.global_step - 1}
@@ -213,6 +214,8 @@ class StepRunner:
             sent = self.fleet.sync_engines(self.weights_version, gate=False)
             o.paid_secs["push"] = time.monotonic() - t
             o.row["time/weight_sync"], o.row["time/weight_digest"] = sent["secs"], sent["digest_secs"]
+            if "write_secs" in sent:  # the ranks wrote the engines' weights in place (shared memory, CUDA IPC)
+                o.row["time/weight_write"] = sent["write_secs"]
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()

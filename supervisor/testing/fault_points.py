@@ -12,7 +12,8 @@ Listing a point twice arms it twice. The Supervisor has a point at every phase b
 `step.saved`), and the recover store one at every write of a checkpoint; `after_object` in a rank that uploads
 to an object store, once the first object of its part is there. `background_write` fires in a
 TrainWorker's writer thread while a background recover save is being written; `weights_written` in a rank
-that has written its part of a shared-memory weight sync, before its peers have.
+that has written its part of a shared-memory weight sync, before its peers have; `memory_send` in a
+TrainWorker's memory-tier sender thread, as it begins to send a step's copy to its holder.
 
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
 (sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole

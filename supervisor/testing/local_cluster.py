@@ -46,17 +46,20 @@ def ensure_default_ray_temp_dir() -> None:
 
 class LocalCluster:
     def __init__(self, n_workers: int = 2, cpus_per_worker: int = 3, head_cpus: int = 1,
-                 object_store: int = OBJECT_STORE):
-        """`object_store`: bytes of each node's object store (benchmarks at real size push whole models)."""
+                 object_store: int = OBJECT_STORE, gpus_per_node: float = 0):
+        """`object_store`: bytes of each node's object store (benchmarks at real size push whole models);
+        `gpus_per_node`: the GPUs each node declares (Ray's test nodes declare none; on a one-GPU machine every
+        node may declare that GPU, shared between them, tests/gpu)."""
         from ray.cluster_utils import Cluster
 
         self.temp_dir = short_tmp("rlc")
-        self.cpus_per_worker, self.object_store = cpus_per_worker, object_store
+        self.cpus_per_worker, self.object_store, self.gpus_per_node = cpus_per_worker, object_store, gpus_per_node
         ensure_default_ray_temp_dir()
         self.cluster = Cluster()
         self.disks: dict[str, Path] = {}  # node id -> that node's own disk
         try:
-            self._add(num_cpus=head_cpus, object_store_memory=object_store, gcs_server_port=free_port(),
+            self._add(num_cpus=head_cpus, num_gpus=gpus_per_node, object_store_memory=object_store,
+                      gcs_server_port=free_port(),
                       temp_dir=str(self.temp_dir), include_dashboard=False, _system_config=HEALTH_CHECKS)
             self.workers = [self.add_node() for _ in range(n_workers)]
         except BaseException:
@@ -72,7 +75,8 @@ class LocalCluster:
         return node
 
     def add_node(self):
-        node = self._add(num_cpus=self.cpus_per_worker, object_store_memory=self.object_store)
+        node = self._add(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_node,
+                         object_store_memory=self.object_store)
         if hasattr(self, "workers"):
             self.workers.append(node)
         return node

@@ -2,8 +2,8 @@
 
 Pure: from the validated config and the dataset's size it derives the resources, the steps per epoch
 and in total, and the global steps after which each save, recover checkpoint and evaluation fires (the
-same FreqCtl the Supervisor runs, fed step by step), the warm spares and what they hold, and which GPU paths
-have never run. Time-based triggers cannot be placed in advance; the plan says so, and warns when a schedule
+same FreqCtl the Supervisor runs, fed step by step), the warm spares and what they hold, and what has run on a GPU
+and what has not. Time-based triggers cannot be placed in advance; the plan says so, and warns when a schedule
 never fires or the run is only a handful of steps long.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
 FEW_STEPS = 10  # fewer steps than this is a smoke test, not a training run
-# What has run where, said wherever a GPU config is planned: every test and figure so far ran on CPU.
-GPU_NEVER_RUN = ("GPU paths are designed for but have never been run (relaunch has run only on CPU, gloo): "
-                 "nccl process groups for training and the weight stream, FSDP2/DeepSpeed on CUDA, CUDA RNG "
-                 "state in checkpoints, pinned-memory staging of background saves, engines on GPU (hf and vLLM), "
-                 "GPU spares")
+# What has run where, said wherever a GPU config is planned (docs/benchmarks.md, "On a GPU").
+GPU_WHAT_RAN = ("relaunch has run on one GPU only (an H200, torch 2.11: FSDP2 on nccl as a world of one, DCP saves "
+                "and loads of CUDA state, the CUDA RNGs, pinned staging, the built-in engine on the GPU written "
+                "through CUDA IPC, a rank killed and recovered bit-identically); never run: nccl across several "
+                "GPUs (training and the weight stream), DeepSpeed on CUDA, vLLM on GPU")
 
 
 @dataclass
@@ -188,7 +188,7 @@ def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None
         plan.lines.append(f"{'trackers':<10} {', '.join(t.value for t in config.logging.trackers)}: every stats "
                           f"row once its step is final ({when}), faults and restarts as markers")
     if config.cluster.gpus_per_worker or config.cluster.gpus_per_engine:
-        plan.warnings.append(GPU_NEVER_RUN)
+        plan.warnings.append(GPU_WHAT_RAN)
     if total < FEW_STEPS:
         plan.warnings.append(f"the run is only {total} steps ({steps_per_epoch} per epoch: {dataset_size} prompts / "
                              f"batch {d.batch_size}); lower data.batch_size or raise total_train_epochs")

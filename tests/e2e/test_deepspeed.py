@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import CONFIG, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
+from harness import CONFIG, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e

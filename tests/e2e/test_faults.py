@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (CONFIG, SHORT, Trial, curve, job_env, kill_session, metrics, relaunch, start_relaunch,
-                      status_json)
+from harness import (AS_SHIPPED_SPARES, CONFIG, SHORT, Trial, curve, job_env, kill_session, metrics, relaunch,
+                     start_relaunch, status_json)
 
 pytestmark = pytest.mark.e2e
 
@@ -93,8 +93,8 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     buddies (linked from step 2 on): each takes its rank's place with the state it holds, no step trained
     again, and the run ends bit-identical."""
     env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "--address", cluster.address,
-                          env=env, log=tmp_path / "job.log")
+    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address",
+                          cluster.address, env=env, log=tmp_path / "job.log")
     try:
         trial.wait_for_step(6, proc)
         train_node = trial.events("loaded")[-1]["nodes"][0]
@@ -135,13 +135,13 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
     added = False
     try:
         deadline = time.time() + 300
-        while not trial.events("spares")[1:] and time.time() < deadline:
+        while not (trial.events("spares")[1:] and trial.events("loaded")) and time.time() < deadline:
             assert proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
             time.sleep(0.2)
-        refilled = trial.events("spares")[1]
+        refilled = trial.events("spares")[1]  # as the group starts: the memory tier links to it from step 0
         spare_node, train_nodes = refilled["nodes"][0], trial.events("loaded")[0]["nodes"]
         assert refilled["action"] == "refilled" and refilled["pool"] == 1 and spare_node not in train_nodes
-        assert trial.stats()[-1]["global_step"] < 12  # the node dies before the first rank does
+        assert all(r["global_step"] < 12 for r in trial.stats())  # the node dies before the first rank does
         cluster.kill_node(cluster.node_of(spare_node))
         cluster.add_node()
         added = True
@@ -194,36 +194,42 @@ def test_disk_full_with_stop_ends_cleanly_keeping_the_last_valid_checkpoint(clus
 # (its driver and its embedded Ray cluster); test_any_moment.py breaks single workers at every point.
 MATRIX = {
     "mid-rollout": "step.rolled_out:killjob:step=3",
-    "mid-update": "TrainWorker.train.enter:killjob:step=7:rank=1",
     "mid-save": "after_shards:killjob:step=9:rank=1",
-    "epoch-boundary": "TrainWorker.train.enter:killjob:step=12:rank=0",
+    "mid-update, at an epoch's first step": "TrainWorker.train.enter:killjob:step=12:rank=0",
     "right-after-commit": "step.saved:killjob:step=14",
-    "last-step": "TrainWorker.train.enter:killjob:step=23:rank=1",
+    "mid-update, the last step": "TrainWorker.train.enter:killjob:step=23:rank=1",
 }
 # Where each interruption resumes: the last commit before it (commits every 5 steps and every epoch).
-RESUMED_FROM = [-1, -1, 4, 4, 11, 14, 19]
+RESUMED_FROM = [-1, -1, 4, 11, 14, 19]
 # Synchronous saves: a step is committed when its save returns, so every resume point is exact. One retry: a
 # whole-job kill is no restart (the job is gone), and no job of these tests loses more than one rank.
 MATRIX_JOB = [*SHORT, "recover.freq_epochs=1", "recover.retries=1", "recover.backoff_secs=0",
               "recover.write_mode=sync"]
 
 
+# Ray's own words when the local Ray a job starts for itself did not come up within its raylet's fixed 30 s
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+
+
 def run_until_done(trial: Trial, tmp_path, faults: list[str], job: list[str], kills: int,
                    extra_env: dict | None = None) -> list[int]:
     """Run the job again after every whole-job kill, until it finishes; the exit codes of the runs."""
-    from conftest import short_tmp
+    from supervisor.testing.local_cluster import short_tmp
 
     env = job_env({"RELAUNCH_FAULT": ",".join(faults), "RELAUNCH_FAULT_DIR": str(tmp_path), **(extra_env or {})})
     codes = []
-    for attempt in range(kills + 2):
+    for attempt in range(kills + 4):
         env["RAY_TMPDIR"] = str(short_tmp("rlm"))
-        proc = start_relaunch("run", str(CONFIG), *job, *trial.overrides, env=env,
-                              log=tmp_path / f"run{attempt}.log")
-        codes.append(proc.wait(timeout=600))
+        log = tmp_path / f"run{attempt}.log"
+        proc = start_relaunch("run", str(CONFIG), *job, *trial.overrides, env=env, log=log)
+        code = proc.wait(timeout=600)
         kill_session(proc.pid)  # nothing of a killed job may linger
-        if codes[-1] == 0:
+        if code not in (0, -9) and RAY_START_TIMED_OUT in log.read_text():
+            continue  # the job's own Ray never started (its raylet's fixed 30 s, on two loaded cores): not a run
+        codes.append(code)
+        if code == 0:
             break
-    assert codes == [-9] * kills + [0], (tmp_path / f"run{len(codes) - 1}.log").read_text()[-3000:]
+    assert codes == [-9] * kills + [0], log.read_text()[-3000:]
     return codes
 
 
@@ -458,10 +464,10 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_ki
     """cluster.fileroot on moto's S3 server, over HTTP through s3fs; every node's disk is its own (LocalCluster)
     and the bucket is the only storage they share. The store goes down at the first object of step 9's background
     save and stays down past every retry (the ranks' and then the Supervisor's cleanup's): that save is skipped
-    and training goes on. Back up, the next save commits. The ranks' node is then lost with its disk: the spares
-    on the other node load the last commit from the bucket. A rank killed later restarts the TrainGroup from the
-    bucket again, and the run ends as the local uninterrupted one did, with nothing unpublished left in the
-    bucket and nothing of a checkpoint left on any node's disk."""
+    and training goes on. Back up, the next save commits. The ranks' node is then lost with its disk: the ranks
+    started again on the other node load the last commit from the bucket. A rank killed later restarts the
+    TrainGroup from the bucket again, and the run ends as the local uninterrupted one did, with nothing
+    unpublished left in the bucket and nothing of a checkpoint left on any node's disk."""
     from supervisor.checkpoint.layout import TrialLayout, as_path
     from supervisor.checkpoint.store import RecoverStore
 
@@ -518,3 +524,48 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_ki
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert {k: v for k, v in json.loads(elsewhere.stdout).items() if k in ("state", "restarts", "last_step")} == {
         "state": "done", "restarts": 2, "last_step": trial.stats()[-1]}
+
+
+@pytest.mark.quick
+def test_a_rank_killed_in_the_first_steps_of_the_job_as_shipped_is_recovered_from_memory(cluster, reference, trial,
+                                                                                       tmp_path):
+    """The default job as shipped, nobody waiting for the spares: the pool starts with the TrainGroup and its
+    spares hold the ranks' copies from their start, before they are warm, so a rank SIGKILLed as step 2 trains
+    (then the other as step 5 does) is replaced from memory, no completed step trained again, bit-identical."""
+    faults = "TrainWorker.train.enter:kill:step=2:rank=1,TrainWorker.train.enter:kill:step=5:rank=0"
+    r = run_with_fault(cluster, trial, tmp_path, faults, AS_SHIPPED_SPARES)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recoveries = trial.events("recovery")
+    assert [(e["global_step"], e["source"], e["replayed_steps"]) for e in recoveries] == \
+        [(2, "memory", 0), (5, "memory", 0)], recoveries
+    # the first link was made before the first step: every step's copy was held
+    buddies = trial.events("buddies")
+    assert buddies and buddies[0]["time"] < min(e["time"] for e in trial.events("commit"))
+    assert_recovered_exactly(trial, reference, restarts=2)
+
+
+
+def test_a_frozen_holder_is_dropped_and_a_copy_that_never_landed_rolls_back_past_a_committed_step(
+        cluster, reference, trial, tmp_path):
+    """Two spares, a recover save every step (written in the step). The spare asked to hold rank 0's copies is
+    SIGSTOPped as it is asked, before the first step: it is dropped from the pool after one LINK_SECS (not one per
+    step), rank 1 is linked meanwhile to the other and rank 0 joins it at the next step. Rank 1's copy of step 7
+    then never leaves it (its sender hangs) while step 7 commits, and rank 1 is SIGKILLed as step 8's rollouts
+    end: its buddy holds step 6 whole, not 7, so the run rolls back from memory to step 6 and trains step 7 again,
+    whose published checkpoint stands (it is not written again: a published step directory never is)."""
+    faults = ",".join(["TrainWorker.hold.enter:stop:rank=0", "memory_send:hang:step=7:rank=1",
+                       "step.rolled_out:kill_rank:step=8"])
+    r = run_with_fault(cluster, trial, tmp_path, faults, "recover.spare_workers=2", "recover.freq_steps=1",
+                       "recover.write_mode=sync")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    dropped = [e for e in trial.events("warning") if "failed while linking" in e["message"]]
+    assert len(dropped) == 1 and "dropped from the spare pool" in dropped[0]["message"], trial.events("warning")
+    # its LINK_SECS fell before the first step, not on a step's copy (which includes the links made after it)
+    assert dropped[0]["time"] < trial.events("commit")[0]["time"]
+    assert max(r["time/memory_stage"] for r in trial.stats()) < 20
+    recoveries = trial.events("recovery")
+    assert [(e["global_step"], e["source"], e["loaded_step"], e["replayed_steps"]) for e in recoveries] == \
+        [(8, "memory", 6, 1)], recoveries
+    committed = [e["global_step"] for e in trial.events("commit")]
+    assert committed == sorted(set(committed)) and 7 in committed  # step 7 committed once, before the fault
+    assert_recovered_exactly(trial, reference, restarts=1)

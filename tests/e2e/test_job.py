@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG, SHORT, Trial, job_env, metrics, relaunch, start_relaunch, status_json
+from harness import CONFIG, SHORT, Trial, job_env, metrics, relaunch, start_relaunch, status_json
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,13 +148,14 @@ def test_ctrl_c_is_told_truthfully_and_the_rerun_says_where_it_resumed(reference
 
 def test_a_reward_module_in_the_directory_the_job_starts_from_is_imported(cluster, tmp_path):
     """`reward.fn=myreward:reward` from a directory outside the repository holding myreward.py, through the
-    `relaunch` script as a user types it: embedded, and joining a cluster with --address."""
+    `relaunch` script as a user types it: embedded, and joining a cluster with --address (on the built-in
+    engine: vLLM's start, twice, is not what this is about)."""
     (tmp_path / "myreward.py").write_text("def reward(prompt, completion, row):\n    return 0.25\n")
     script = Path(sys.executable).parent / "relaunch"
     for i, where in enumerate(([], ["--address", cluster.address])):
         t = Trial(tmp_path / f"runs{i}")
         r = subprocess.run([str(script), "run", "total_train_epochs=1", "recover.spare_workers=0",
-                            "reward.fn=myreward:reward", *t.overrides, *where],
+                            "reward.fn=myreward:reward", "rollout.engine=hf", *t.overrides, *where],
                            cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         assert [s["reward"] for s in t.stats()] == [0.25] * 12

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIG, REPO
+from harness import CONFIG, REPO
 from test_async_save import batch
 
 from supervisor.config import DEFAULT_CONFIG, load_config

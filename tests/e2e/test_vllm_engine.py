@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import CONFIG, REPO, Trial, job_env, relaunch, start_relaunch, status_json
+from harness import CONFIG, REPO, Trial, job_env, relaunch, start_relaunch, status_json
 from test_any_moment import assert_exact, end, signal_monkey
 
 from supervisor.config import load_config

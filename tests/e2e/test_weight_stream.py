@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIG, REPO
+from harness import CONFIG, REPO
 
 from workers.weight_sync import local_digest
 

@@ -177,3 +177,9 @@ def test_a_constructor_that_raised_is_a_start_failure_naming_its_error_unless_it
     assert fault.message == "RolloutWorker[0] failed to start: ValueError: no KV cache room for max_model_len 38"
     busy = _init_failed("RuntimeError: The server socket has failed to listen: address already in use")
     assert classify(GroupError(Group.TRAIN, busy, ("TrainWorker[rank 0]",))).kind is FaultKind.WORKER_DIED
+
+
+def test_torchs_own_error_types_are_known_by_type_whatever_their_text():
+    """torch's out-of-memory and distributed errors, whose text names no marker, are told by their types."""
+    assert classify(from_worker(torch.OutOfMemoryError("allocation failed"))).kind is FaultKind.DEVICE_ERROR
+    assert classify(from_worker(dist.DistError("store timed out"))).kind is FaultKind.COLLECTIVE_FAILED

@@ -153,6 +153,30 @@ def test_submit_waits_for_a_new_heads_job_agent(monkeypatch):
     assert client.calls == 3
 
 
+class DroppingJobsClient:
+    """A head whose dashboard drops the first submission without an answer, after making the job."""
+
+    def __init__(self):
+        self.made: list[str] = []
+
+    def submit_job(self, submission_id: str, **job) -> str:
+        import requests
+
+        if submission_id in self.made:
+            raise RuntimeError(f"Request failed with status code 400: Job with submission_id {submission_id} "
+                               f"already exists. Please use a different submission_id.")
+        self.made.append(submission_id)
+        raise requests.exceptions.ConnectionError("('Connection aborted.', RemoteDisconnected('Remote end closed "
+                                                  "connection without response'))")
+
+
+def test_a_submission_the_head_dropped_is_tried_again_as_the_same_job(monkeypatch):
+    monkeypatch.setattr("supervisor.submit.time.sleep", lambda s: None)
+    client = DroppingJobsClient()
+    assert submit_when_ready(client, "http://h:8265", entrypoint="x") == client.made[0]
+    assert len(client.made) == 1  # one job, not two
+
+
 def test_submit_fails_in_one_line_on_another_error():
     with pytest.raises(SubmitError, match=r"^--address http://h:8265: Request failed with status code 403$"):
         submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
@@ -175,3 +199,20 @@ def test_without_vllm_the_default_job_is_read_everywhere_and_refused_only_where_
         assert r.exit_code == 2 and "rollout.engine: vllm is not installed" in r.output, r.output
         assert "rollout.engine=hf" in r.output and "Traceback" not in r.output
     assert not any(tmp_path.iterdir())
+
+
+
+@pytest.mark.parametrize("modules", ["supervisor.control.classify", "supervisor.cli, supervisor.launch"],
+                         ids=["read-only commands", "driver"])
+def test_the_clis_own_process_imports_no_torch(modules):
+    """The CLI's read-only commands (status, ...) classify events, and `relaunch run`'s driver imports the
+    Supervisor's class, without torch's seconds of import: the controller and the worker groups are imported in
+    the Supervisor's process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.stdout.strip() == "False", r.stderr[-2000:]

@@ -574,6 +574,7 @@ class FakePool:
 
     def __init__(self, size: int):
         self.size, self.ready, self.refills = size, 0, []
+        self.dropped = 0  # holders the memory tier dropped (none here)
 
     def __len__(self):
         return self.ready

@@ -1,6 +1,9 @@
 """The memory tier's pure parts (layout, slots, meta) and its side link between two threads (the FSDP engine's
 half is tested in tests/e2e/test_memory_tier.py)."""
+import gc
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,7 +132,7 @@ def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step(ho
             slot = mine.for_step(step)
             slot.flat.copy_(torch.arange(1000.0) + step)
             slot.meta = {"global_step": step, "rng": rng_state()}
-            link.send(slot).result(timeout=20)
+            link.send(slot, 0).result(timeout=20)
         deadline = time.monotonic() + 20
         while holding.landed() != [4, 5] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -141,3 +144,55 @@ def test_the_side_link_lands_each_step_whole_in_the_holders_slot_of_that_step(ho
         assert holding.slots.for_step(4).meta["global_step"] == 4
     finally:
         link.close()
+
+
+def test_a_side_link_to_a_holder_that_froze_after_listening_returns_at_once_and_only_its_send_fails():
+    """A holder that started its side link's store and then froze (SIGSTOP, an unreachable node) never joins
+    the gloo pair: the rank's `memory_link` must not block its next step on it. The link returns at once;
+    the send fails (the Supervisor sees a copy that did not land and links the rank again)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from workers.memory_tier import Link
+
+    port = free_port()
+    frozen = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,  # its store, no pair
+                           timeout=datetime.timedelta(seconds=30))
+    started = time.monotonic()
+    link = Link("127.0.0.1", port, "rank0-gen0", datetime.timedelta(seconds=2))
+    try:
+        assert time.monotonic() - started < 1.0
+        slot = Slots(10, torch.float32).for_step(3)
+        slot.meta = {"global_step": 3}
+        with pytest.raises(Exception):  # noqa: B017 - gloo's timeout, whichever class this torch gives it
+            link.send(slot, 0).result(timeout=30)
+    finally:
+        link.close()
+        del frozen
+
+
+def test_a_holding_given_back_lets_its_segment_go():
+    """Review finding 1: the memfd's fd was never closed, so every holding replaced or given back kept its
+    segment's memory until the holder died (and the room check then saw it as used)."""
+    from workers.memory_tier import Holding, SharedSlots
+
+    def segments() -> int:
+        found = 0
+        for fd in Path("/proc/self/fd").iterdir():
+            try:
+                found += os.readlink(fd).startswith(f"/memfd:{SharedSlots.NAME}")
+            except OSError:  # the listing's own fd, gone already
+                pass
+        return found
+
+    gc.collect()  # earlier tests' segments, once unreferenced, go first
+    before = segments()
+    holding = Holding(SharedSlots(1000, torch.float32))
+    assert segments() > before  # its fd, and the mapping's own
+    holding.close()
+    holding.close()  # again: nothing more to give back
+    del holding  # the last view of the slots: the mapping goes, and with the fd closed, the segment
+    gc.collect()
+    assert segments() == before

@@ -2,7 +2,7 @@
 from memory or disk (recovery_source.py)."""
 import pytest
 
-from supervisor.cluster.buddies import buddy_plan
+from supervisor.cluster.buddies import buddy_plan, link_steps
 from supervisor.control.classify import FaultKind
 from supervisor.control.recovery_source import Source, hang_culprits, recovery_source
 
@@ -29,6 +29,21 @@ def test_a_working_link_is_kept_and_a_gone_spare_replaced():
 
 def test_no_spares_no_buddies():
     assert buddy_plan(["a", "b"], {}) == {}
+
+
+def test_a_rank_links_once_its_holder_is_ready_and_is_prepared_for_only_once():
+    plan = {0: "s1", 1: "s1", 2: "s2"}
+    # rank 0's holder is ready: it links now; rank 1's is being prepared; rank 2 is linked already
+    assert link_steps(plan, {2: "s2"}, {1: "s1"}, {0: "s1"}, {0, 1, 2}) == ([0], [])
+    # after a repair nothing is linked: every rank whose slots are known has its holder prepared, beside the step
+    assert link_steps(plan, {}, {}, {}, {0, 2}) == ([], [0, 2])
+
+
+def test_a_holder_prepared_for_a_rank_the_plan_moved_is_not_used():
+    # s1 left the pool (it took a dead rank's place): rank 0 is planned on s2, prepared anew
+    assert link_steps({0: "s2"}, {}, {}, {0: "s1"}, {0}) == ([], [0])
+    # a rank linked to one holder, planned on another (its holder went), and one being prepared elsewhere
+    assert link_steps({0: "s2", 1: "s2"}, {0: "s1"}, {1: "s3"}, {}, {0, 1}) == ([], [0, 1])
 
 
 def choose(**overrides):

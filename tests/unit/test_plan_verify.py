@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from supervisor.config import Config, Frequency
-from supervisor.tools.plan import GPU_NEVER_RUN, built_shape, fire_steps, make_plan, param_count
+from supervisor.tools.plan import GPU_WHAT_RAN, built_shape, fire_steps, make_plan, param_count
 from supervisor.tools.verify import compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_plan_of_the_gpu_example_reports_its_steps_and_schedule_without_a_cluste
             "{CPU: 4, GPU: 1} and the unsharded fp32 model from model.path (its size unknown here: no config.json "
             "on this machine))") in out
     assert [w for w in out.splitlines() if w.startswith("warning:")] == [
-        f"warning: {GPU_NEVER_RUN}",
+        f"warning: {GPU_WHAT_RAN}",
         "warning: model.path /models/Qwen2.5-0.5B-Instruct is not on this machine: every node must have it"]
 
 

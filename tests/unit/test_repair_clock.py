@@ -17,6 +17,7 @@ def test_the_clock_runs_through_replayed_steps_to_the_step_in_flight(now):
     clock.start("worker_died", "restart_train_group", detection=0.5, in_flight=7)
     clock.start("hang", "restart_train_group", detection=9.0, in_flight=9)  # a second fault adds to the repair
     clock.add("load", 2.0)
+    clock.disk_because("rank 1 had no buddy holding its state")
     clock.loaded(5, "disk")
     now[0] += 4.0
     clock.resumed()
@@ -27,6 +28,7 @@ def test_the_clock_runs_through_replayed_steps_to_the_step_in_flight(now):
     assert not clock.running
     assert rec["global_step"] == 7 and rec["loaded_step"] == 5 and rec["source"] == "disk"
     assert rec["replayed_steps"] == 1 and rec["cause"] == "worker_died"
+    assert rec["reason"] == "rank 1 had no buddy holding its state"  # from disk: why not from memory
     assert rec["total"] == 21.5 and rec["replay"] == 8.0 and rec["redo"] == 9.0 and rec["load"] == 2.0
     assert rec["steady_step"] == 8.0 and rec["lost"] == 13.5
     line = recovery_line(rec)
@@ -40,6 +42,7 @@ def test_an_engine_repair_rolls_nothing_back_and_a_first_step_has_no_steady_step
     now[0] += 3.0
     rec = clock.completed(0, [])
     assert rec["loaded_step"] is None and rec["replayed_steps"] == 0 and rec["source"] == "none"
+    assert rec["reason"] is None
     assert rec["steady_step"] is None and rec["lost"] is None and rec["redo"] == 3.0
     assert "nothing rolled back" in recovery_line(rec)
     assert clock.completed(1, [1.0]) is None  # no repair in progress

@@ -182,3 +182,11 @@ def test_a_rank_that_fails_to_write_fails_every_rank_with_its_error_and_the_engi
             "ValueError: a bug in weight_shard")
     assert outcomes == [want] * 3  # the same error on every rank, none left in the next collective
     assert isinstance(digest, WeightSyncError) and "could not write" in str(digest)  # told, not timed out
+
+
+def test_a_cuda_ipc_handle_opens_nowhere_that_does_not_see_its_gpu():
+    """A rank on another GPU, or on none (this machine), gets no buffer from an engine's handle and streams."""
+    from workers.cuda_weights import open_handle
+
+    assert open_handle({"cuda_ipc": [], "gpu": "GPU-not-this-one", "bytes": 4, "layout": []}) is None
+    assert open_handle({"layout": []}) is None  # malformed

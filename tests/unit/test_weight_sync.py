@@ -108,7 +108,7 @@ def test_digests_that_disagree_leave_no_version(monkeypatch):
     import workers.weight_sync as ws
 
     calls = iter(range(10**6))
-    monkeypatch.setattr(ws, "bucket_hash", lambda t: next(calls))  # every hash differs from the last
+    monkeypatch.setattr(ws, "bucket_hash", lambda t, kind="xxh3": next(calls))  # every hash differs from the last
     with pytest.raises(WeightSyncError, match="another digest"):
         result, error = stream([torch.ones(8)], [torch.zeros(8)], bucket_bytes=16)
         raise error
@@ -159,3 +159,28 @@ def test_a_failed_write_into_shared_weights_is_an_internal_error_not_a_retried_f
                             "ValueError: a bug in weight_shard")
     fault = classify(GroupError(Group.TRAIN, error, ("TrainWorker[rank 1]",), settled=True))
     assert fault.kind is FaultKind.INTERNAL_ERROR and "rank 1" in fault.message
+
+
+def test_sum64_sees_a_changed_or_moved_word_and_ignores_alignment():
+    """The GPU engines' digest: any changed or swapped 64-bit word shows; a bucket that starts mid-word, or whose
+    length is not whole words, hashes as its bytes do (tests/gpu checks that the GPU gives the same values)."""
+    from workers.weight_sync import sum64
+
+    words = torch.arange(1, 65, dtype=torch.int64)
+    changed, swapped = words.clone(), words.clone()
+    changed[7] += 1
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert len({sum64(words), sum64(changed), sum64(swapped)}) == 3
+    raw = torch.arange(1, 200, dtype=torch.int16)  # 398 bytes
+    assert sum64(raw[1:]) == sum64(raw[1:].clone()) != sum64(raw[2:].clone())
+    assert 0 <= sum64(raw) < 2**64
+
+
+def test_sum64_digests_agree_however_the_buckets_are_cut():
+    from workers.weight_sync import flat_digest
+
+    ts = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2)]
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    digest = local_digest(ts, torch.float32, 24, kind="sum64")
+    assert digest.startswith("sum64-") and digest == flat_digest(flat, torch.float32, 24, kind="sum64")
+    assert digest != local_digest(ts, torch.float32, 24)  # the kinds differ: an engine says which it checks with

@@ -124,14 +124,17 @@ class EngineBase:
 
 
 def init_process_group(config: Config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
-    """Join the group's process group: nccl on GPU, gloo on CPU. Collectives time out well after a hung step
-    does, so the Supervisor decides what a hang is, not gloo or NCCL (as on main since f0af01d)."""
+    """Join the group's process group: gloo on CPU; on GPU nccl for CUDA tensors and gloo beside it for CPU ones
+    (the loss, the shared sync's hashes, objects), as TorchTitan does. Collectives time out well after a hung
+    step does, so the Supervisor decides what a hang is, not gloo or NCCL (as on main since f0af01d)."""
     use_gpu = config.cluster.gpus_per_worker > 0
+    if use_gpu:
+        torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES shows this actor its own GPU as device 0
     # DeepSpeed (and torchrun-style code) reads the rendezvous from the environment; this actor is one rank.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     dist.init_process_group(
-        "nccl" if use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+        "cpu:gloo,cuda:nccl" if use_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank, world_size=world_size, timeout=collective_timeout(config))
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 

@@ -4,11 +4,12 @@ The model is built identically on every rank, then each decoder layer and the ro
 Recover checkpoints are DCP (sharded model + optimizer + scheduler; DCP reshards on load) plus one small
 RNG file per rank, loaded with weights_only. Full weights are gathered for the inference engines and
 for HuggingFace exports. A background save (`save_async`, DCP's async_save) blocks only while the shards
-are copied to CPU memory (pinned on CUDA, the buffers reused from save to save); a writer thread with a
+are copied to CPU memory (on a GPU into pinned buffers made at the first save and reused); a writer thread with a
 gloo group of its own, so its collectives never interleave with training's, writes and fsyncs them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -69,10 +70,14 @@ class FSDPEngine(EngineBase):
         self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
         self.memory_layout = StateLayout.of([local(p) for p in self.params])
         self._make_writer_group()
+        self.copies: torch.cuda.Stream | None = None  # the memory tier's copies off the GPU, once there is one
         if config.async_recover:
-            cuda = device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=False))
+            # on a GPU, pinned host buffers made at the first save and copied into at every later one (TorchTitan's
+            # async_with_pinned_mem); torch 2.11's DefaultStager failed its second save of an FSDP2 state there
+            self.stager = (BlockingAsyncStager(cache_staged_state_dict=True, type_check=False)
+                           if device.type == "cuda" else
+                           DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False)))
 
     def _make_writer_group(self) -> None:
         """Collective: every rank makes the background writer's group, right after the default group and the
@@ -91,6 +96,7 @@ class FSDPEngine(EngineBase):
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.actor.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         lr = self.scheduler.get_last_lr()[0]
+        self._settle()
         self.optimizer.step()
         self.scheduler.step()
         if self.reference is not None and self.reference.refresh_due(global_step):
@@ -200,6 +206,7 @@ class FSDPEngine(EngineBase):
 
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
         """Collective: load a DCP checkpoint (resharding if the world size changed); returns RNG gaps."""
+        self._settle()
         state = self._state()
         safe_load.load(state, directory)  # a copied checkpoint cannot run code here
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -210,19 +217,40 @@ class FSDPEngine(EngineBase):
         return load_rng(directory, self.rank, same_world_size)
 
 
+    def _settle(self) -> None:
+        """Before anything overwrites this rank's state: the memory tier's copy still reading it off the GPU is
+        done, waited for on the device (the host goes on)."""
+        if self.copies is not None:
+            torch.cuda.current_stream().wait_stream(self.copies)
+
+    def _copy_stream(self) -> "torch.cuda.Stream | None":
+        """The memory tier's stream for copies off the GPU (None on CPU, where a copy is done when it returns)."""
+        if self.device.type == "cuda" and self.copies is None:
+            self.copies = torch.cuda.Stream()
+        return self.copies
+
     # ---- the memory tier (workers/memory_tier.py) ---------------------------------------------------
     def stage_memory(self, slot: Slot, global_step: int) -> None:
         """This rank's recover state after the optimizer step of `global_step`, copied into `slot`: the local
-        shards of the parameters and of AdamW's moments, and beside them what a bitwise continuation needs."""
+        shards of the parameters and of AdamW's moments, and beside them what a bitwise continuation needs. On a
+        GPU the copies into the (pinned) slot are queued on a stream of their own and this returns at once: they
+        run beside the next step's rollout and forward, whose optimizer step waits for them (`_settle`), and the
+        slot's readers wait for its `pending` event (Slot.wait)."""
         slot.meta = None  # a copy cut short leaves no slot that claims a step
         parts = self.memory_layout.parts(slot.flat)
-        with torch.no_grad():
+        stream = self._copy_stream()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step it copies the result of
+        with torch.no_grad(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             for p, dst in zip(self.params, parts["param"]):
-                dst.copy_(local(p).reshape(-1))
+                dst.copy_(local(p).reshape(-1), non_blocking=True)
             for kind in KINDS[1:]:
                 for p, dst in zip(self.params, parts[kind]):
                     if p in self.optimizer.state:
-                        dst.copy_(local(self.optimizer.state[p][kind]).reshape(-1))
+                        dst.copy_(local(self.optimizer.state[p][kind]).reshape(-1), non_blocking=True)
+        if stream is not None:
+            slot.pending = torch.cuda.Event()
+            slot.pending.record(stream)
         slot.meta = {
             "global_step": global_step,
             "adam_steps": [self.optimizer.state[p]["step"].clone() if p in self.optimizer.state else None
@@ -235,6 +263,7 @@ class FSDPEngine(EngineBase):
     def load_memory(self, flat: torch.Tensor, meta: dict) -> None:
         """Restore a slot staged by this rank (rolling back in place) or by the rank this one replaces. The
         param groups are part of it: a scheduler's load_state_dict does not set their lr back."""
+        self._settle()
         global_step = meta["global_step"]
         if self.reference is not None and reference_step(global_step, self.reference.every) is not None:
             raise RuntimeError(f"step {global_step}: the memory tier does not hold the KL reference policy "
@@ -281,6 +310,7 @@ class FSDPEngine(EngineBase):
         1:1 onto its memory copy."""
         if (rank, world_size) != (self.rank, self.world_size):
             raise ValueError(f"rank {self.rank} of {self.world_size} cannot rejoin as rank {rank} of {world_size}")
+        self._settle()
         dist.destroy_process_group()  # every group, the writer's too
         init_process_group(self.config, rank, world_size, master_addr, master_port)
         self.model.reset_iter_state()  # what a step cut short left: unsharded parameters, hooks' trackers
