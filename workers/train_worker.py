@@ -390,12 +390,25 @@ class TrainWorker:
         if self.memory is None:
             raise RuntimeError(f"no memory copy of step {global_step} is held here: this rank never staged one")
         slot = self.memory.holding(global_step)  # before the collective: fail fast
+        self._leave_group(master_addr, master_port, rank, world_size)
+        self.engine.load_memory(slot.flat, slot.meta)
+
+    @fault_points
+    def regroup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+        """A survivor of a repair from disk: leave its background writes behind and join the new group as the same
+        rank with the built model (the new ranks `setup` beside it); `load_recover` then overwrites its whole
+        state with the checkpoint's, as it does theirs. Its process, imports and model are kept: about 10 s of
+        a core less than a new rank's start, at every rank fault the memory tier does not serve."""
+        self._leave_group(master_addr, master_port, rank, world_size)
+
+    def _leave_group(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+        """Leave the background writes (the send, an unfinished recover save, whose directory the Supervisor
+        discards) and the old process group, and join the new one with the built model and optimizer."""
         self._abandon_writes()
         # rank 0's weights-update group goes too: closing its connections frees an engine left waiting in a
         # weight sync the fault broke (it would otherwise sit there until the group's timeout)
         self.weights_group, self.segments = None, {}
         self.engine.rejoin(master_addr, master_port, rank, world_size)
-        self.engine.load_memory(slot.flat, slot.meta)
 
     def _drop_link(self) -> None:
         """Leave the side link; a send still running after ABANDON_SECS is abandoned with it (and forgotten:

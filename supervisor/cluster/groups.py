@@ -157,7 +157,7 @@ class TrainGroup(_Members):
     Ranks come first from `spares` (a SparePool: warm processes, already placed, so they need no bundle),
     the rest start cold in a placement group of one bundle each. A group started this way is all new; after a
     rank's death, `rejoin` keeps the survivors' actors and puts the dead ranks' buddies in their places (the
-    memory tier: supervisor/cluster/memory_copies.py)."""
+    memory tier: supervisor/cluster/memory_copies.py), and `regroup` keeps them for a repair from disk."""
 
     group = Group.TRAIN
 
@@ -173,7 +173,7 @@ class TrainGroup(_Members):
         started = time.monotonic()
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
-        self.in_bundles = set(range(len(taken), world_size))  # the ranks whose actor holds a bundle of self.pg
+        self.bundles = {r: r - len(taken) for r in range(len(taken), world_size)}  # rank -> its bundle of self.pg
         self.members = [Member(handle, "") for handle, _ in taken]
         self.pg = None
         try:
@@ -185,13 +185,7 @@ class TrainGroup(_Members):
                     f"the cluster did not offer {cold} x {bundle} for the TrainGroup within "
                     f"recover.capacity_timeout_secs={config.recover.capacity_timeout_secs:g}s "
                     f"(available now: {ray.available_resources()})")
-            self.members += [
-                Member(TrainWorker.options(
-                    num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b),
-                ).remote(config), "")
-                for b in range(cold)
-            ]
+            self.members += [Member(self._cold(b), "") for b in range(cold)]
             for r, m in enumerate(self.members):
                 m.name = f"TrainWorker[rank {r}]"
             # Start-up (imports, model build, rendezvous) is not a step: it gets a bound of its own.
@@ -207,6 +201,14 @@ class TrainGroup(_Members):
         except BaseException:
             self.shutdown()  # a failed start leaves no actor and no placement group behind
             raise
+
+    def _cold(self, bundle: int) -> ray.actor.ActorHandle:
+        """A new TrainWorker process in `bundle` of the group's placement group."""
+        cluster = self.config.cluster
+        return TrainWorker.options(
+            num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+        ).remote(self.config)
 
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
         results = self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
@@ -276,9 +278,10 @@ class TrainGroup(_Members):
         self._kill([self.members[r] for r in lost])
         for r in lost:
             self.members[r] = Member(adopters[r], f"TrainWorker[rank {r}]")
-        self.in_bundles -= set(lost)
-        if self.pg is not None and not self.in_bundles:  # its resources go back to the cluster (a lost rank's
-            remove_placement_group(self.pg)             # bundle stays reserved while another rank holds one)
+        for r in lost:
+            self.bundles.pop(r, None)
+        if self.pg is not None and not self.bundles:  # its resources go back to the cluster (a lost rank's
+            remove_placement_group(self.pg)          # bundle stays reserved while another rank holds one)
             self.pg = None
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs
@@ -291,6 +294,40 @@ class TrainGroup(_Members):
                      for r, m in enumerate(self.members)], bound)
         self.timings["rendezvous"] = time.monotonic() - started - self.timings["teardown"]
         self.from_spares = len(adopters)
+
+    def regroup(self, lost: list[int], spares=None) -> None:
+        """A repair from disk that keeps the processes of the ranks that still answer: the `lost` ranks' actors are
+        killed and replaced, by warm spares where `spares` has them (first for the ranks that held no bundle),
+        else by new processes in their bundles; every rank joins a new process group, the survivors with their
+        built models (`rejoin`). Each rank's state is then the checkpoint's: `load_recover` follows, on every rank.
+        RuntimeError, nothing started, when a lost rank has neither a bundle nor a spare to take its place."""
+        started = time.monotonic()
+        self._kill([self.members[r] for r in lost])
+        self.timings = {"teardown": time.monotonic() - started}
+        order = sorted(lost, key=lambda r: r in self.bundles)  # the ranks without a bundle take the spares first
+        taken = spares.take(len(lost)) if spares is not None else []
+        unplaced = [r for r in order[len(taken):] if r not in self.bundles]
+        if unplaced:
+            for handle, _ in taken:  # started processes that no rank uses: not left running
+                ray.kill(handle, no_restart=True)
+            raise RuntimeError(f"rank {unplaced[0]} has no bundle to start again in and no warm spare is free")
+        for r, (handle, _) in zip(order, taken):
+            self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
+            self.bundles.pop(r, None)
+        for r in order[len(taken):]:
+            self.members[r] = Member(self._cold(self.bundles[r]), f"TrainWorker[rank {r}]")
+        self.timings["scheduling"] = time.monotonic() - started - self.timings["teardown"]
+        bound = self.config.recover.start_timeout_secs
+        where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], bound)
+        for m, w in zip(self.members, where):
+            m.node_id, m.pid = w["node_id"], w["pid"]
+        self.timings["process_start"] = time.monotonic() - started - sum(self.timings.values())
+        ip, port = where[0]["ip"], where[0]["port"]
+        self.gather([m.handle.setup.remote(ip, port, r, self.world_size) if r in lost else
+                     m.handle.regroup.remote(ip, port, r, self.world_size)
+                     for r, m in enumerate(self.members)], bound)
+        self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
+        self.from_spares = len(taken)
 
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
         return self.call_all("load_recover", step_dir, saved_world_size)[0]

@@ -22,14 +22,16 @@ from typing import Callable, Optional
 
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
 from supervisor.checkpoint.trial_lock import LockLost
+from supervisor.cluster.blame import dead_nodes
 from supervisor.cluster.errors import CapacityError, Group, first_line
-from supervisor.config import Config
+from supervisor.config import MEMORY_TIER_BACKENDS, Config
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
-from supervisor.control.recovery_source import Choice, Source, hang_culprits, recovery_source
+from supervisor.control.recovery_source import (MEMORY_FAULTS, Choice, Source, hang_culprits,
+                                                keep_survivors, recovery_source)
 from supervisor.control.repair_clock import RepairClock, steady_steps
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
 from supervisor.control.step import Phase, StepRunner
@@ -311,11 +313,14 @@ class Controller:
 
     def _restart_ranks(self, fault: Fault) -> None:
         """Recover the TrainGroup from memory where the memory tier holds every lost rank's state, else (or if
-        that fails on the way) from disk. Either way one repair: the retry was counted when it was decided."""
+        that fails on the way) from disk, the ranks that still answer keeping their processes where they can.
+        Either way one repair: the retry was counted when it was decided."""
         try:
-            choice = self._recovery_source(fault)
+            alive = self._answering(fault)
+            choice = self._recovery_source(fault, alive)
         except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
-            choice = Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: {first_line(e)}")
+            alive, choice = None, Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: "
+                                                      f"{first_line(e)}")
         self.log.info(f"recovering from {choice.source.value}: {choice.reason}",
                       extra={"step": self.runner.state.step.global_step, "phase": self.phase})
         if choice.source is Source.MEMORY:
@@ -325,10 +330,38 @@ class Controller:
             except Exception as e:  # noqa: BLE001 - whatever broke, the disk path kills every rank and reloads
                 choice = Choice(Source.DISK, f"recovery from memory failed: {type(e).__name__}: {first_line(e)}")
                 self.events.emit(Event.WARNING, message=f"{choice.reason}; recovering from disk")
+                alive = None
         self.clock.disk_because(choice.reason)
+        lost, why_not = self._kept(fault, alive)
+        if why_not is None:
+            try:
+                ckpt, secs, started = self._regroup(lost)
+            except Exception as e:  # noqa: BLE001 - whatever broke the new group, every rank starts again
+                self.events.emit(Event.WARNING, message=f"keeping the ranks that answered failed: "
+                                                        f"{type(e).__name__}: {first_line(e)}; every rank starts again")
+            else:
+                self._spares_taken(len(lost))
+                self._load(ckpt, secs, started, kept=sorted(alive))
+                return
         self._restart_train_group()
 
-    def _recovery_source(self, fault: Fault) -> Choice:
+    def _answering(self, fault: Fault) -> set[int] | None:
+        """The ranks alive and settled after `fault` (a hang's culprits killed first), or None where no repair
+        would keep them: no group running, a fault after which the ranks may not be settled, or neither the
+        memory tier nor the engine's rejoin to keep them with."""
+        trainers, memory = self.fleet.trainers, self.runner.memory
+        tier = memory is not None and memory.off is None
+        if trainers is None or fault.kind not in MEMORY_FAULTS or not (tier or self._rejoins):
+            return None
+        if fault.kind is FaultKind.HANG:
+            self._kill_hang_culprits(fault)
+        return trainers.answering(ANSWER_SECS)
+
+    @property
+    def _rejoins(self) -> bool:
+        return self.config.actor.backend in MEMORY_TIER_BACKENDS
+
+    def _recovery_source(self, fault: Fault, alive: set[int] | None) -> Choice:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
         r, trainers = self.runner, self.fleet.trainers
         if r.memory is None or r.memory.off is not None:
@@ -336,12 +369,24 @@ class Controller:
         if trainers is None:  # a restarted Supervisor, or a start that failed
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
-        if fault.kind is FaultKind.HANG:
-            self._kill_hang_culprits(fault)
-        alive = trainers.answering(ANSWER_SECS)
-        return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size,
-                               lost=set(range(trainers.world_size)) - alive, buddies=r.memory.buddies,
-                               holding=r.memory.holding(), staged=r.memory.staged, snapshots=set(r.snapshots))
+        lost = set() if alive is None else set(range(trainers.world_size)) - alive
+        return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size, lost=lost,
+                               buddies=r.memory.buddies, holding=r.memory.holding(), staged=r.memory.staged,
+                               snapshots=set(r.snapshots))
+
+    def _kept(self, fault: Fault, alive: set[int] | None) -> tuple[list[int], str | None]:
+        """For a repair from disk: the lost ranks, and None when the others keep their processes
+        (recovery_source.keep_survivors), else why every rank starts again."""
+        trainers = self.fleet.trainers
+        if trainers is None or alive is None:
+            return [], "no rank was asked whether it still answers"
+        lost = set(range(trainers.world_size)) - alive
+        unbundled = sorted(r for r in lost if r not in trainers.bundles)
+        placeable = (lost - set(unbundled)) | set(unbundled[:len(self.spares) if self.spares is not None else 0])
+        gone = fault.node_lost or bool({trainers.nodes[r] for r in lost} & dead_nodes())
+        return sorted(lost), keep_survivors(rejoins=self._rejoins, kind=fault.kind, world_size=trainers.world_size,
+                                            lost=lost, placeable=placeable, node_lost=gone,
+                                            committed=self.checkpoints.committed_step() is not None)
 
     def _kill_hang_culprits(self, fault: Fault) -> None:
         """Turn a hang into deaths: kill the ranks the others wait on (recovery_source.hang_culprits), so that
@@ -375,7 +420,8 @@ class Controller:
         self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
         self.clock.loaded(choice.step, Source.MEMORY)
         self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
-                         nodes=trainers.nodes, missing_state=[], secs=round(sum(trainers.timings.values()), 3))
+                         nodes=trainers.nodes, kept=[rank for rank in range(trainers.world_size) if rank not in lost],
+                         missing_state=[], secs=round(sum(trainers.timings.values()), 3))
         self._resync()
 
     def _restart_train_group(self) -> None:
@@ -393,29 +439,53 @@ class Controller:
             validated = pool.submit(self._validate)
             fleet.trainers = self._new_train_group()
             ckpt, secs = validated.result()
+        self._spares_taken(len(fleet.trainers.nodes))
+        if self.spares is not None and r.memory is not None and r.memory.off is None and not self.clock.running:
+            self._refill_pool()  # the job's start, no repair: the pool starts now, so that the memory tier holds
+            # the first steps' copies (its spares hold them before they are warm)
+        self._load(ckpt, secs, started)
+        if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
+            self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
+
+    def _regroup(self, lost: list[int]) -> tuple[Checkpoint, float, float]:
+        """A repair from disk that keeps the survivors' processes: only the `lost` ranks start again (from warm
+        spares, or cold in their bundles) and every rank re-forms the group; returns the last valid checkpoint
+        for all to load (`_load`), the seconds its validation took, and when the regroup began. Raises if the new
+        group does not form, or if no checkpoint is valid any more (a survivor holds no initial weights)."""
+        with self.clock.part("teardown"):
+            self.runner.drop_group(keep=True)
+        started = time.monotonic()
+        self.fleet.trainers.regroup(lost, self.spares)
+        ckpt, secs = self._validate()  # after: it cleans up interrupted saves, which the survivors have left now
+        if ckpt is None:
+            raise CheckpointError("no valid checkpoint is left to load")
+        return ckpt, secs, started
+
+    def _spares_taken(self, started: int) -> None:
+        """The `spares` event of a (re)started group: of the `started` ranks, how many the pool gave."""
         if self.spares is not None:
-            taken = fleet.trainers.from_spares
-            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(fleet.trainers.nodes) - taken,
+            taken = self.fleet.trainers.from_spares
+            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=started - taken,
                              pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
-            memory = r.memory is not None and r.memory.off is None
-            if memory and not self.clock.running:  # the job's start, no repair: the pool starts now, so that the
-                self._refill_pool()  # memory tier holds the first steps' copies (its spares hold them before warm)
-        for part, part_secs in [*fleet.trainers.timings.items(), ("validate", secs)]:
+
+    def _load(self, ckpt: Checkpoint | None, validate_secs: float, started: float, kept: list[int] = ()) -> None:
+        """Every rank of the new group loads `ckpt` (or starts fresh), the Supervisor rolls back to its step, and
+        the engines are resynced to its weights. `kept`: the ranks that kept their processes (a regroup)."""
+        r, fleet = self.runner, self.fleet
+        for part, part_secs in [*fleet.trainers.timings.items(), ("validate", validate_secs)]:
             self.clock.add(part, part_secs)
         with self.clock.part("load"):
             missing = fleet.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
         r.roll_back(self._state_of(ckpt, warn=True))
         self.clock.loaded(r.state.step.global_step, Source.DISK)
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
-                         source=Source.DISK.value,
-                         nodes=fleet.trainers.nodes, missing_state=missing, secs=round(time.monotonic() - started, 3))
+                         source=Source.DISK.value, nodes=fleet.trainers.nodes, kept=list(kept), missing_state=missing,
+                         secs=round(time.monotonic() - started, 3))
         if missing:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
         self._resync()
-        if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
-            self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
 
     def _resync(self) -> None:
         """After the TrainGroup's repair: replace the engines found dead, and bring every engine to the trainer's

@@ -93,10 +93,10 @@ class Fleet:
             self.stream.close()
         self.stream = None
 
-    def drop_trainers(self) -> None:
-        """Kill the TrainGroup (survivors may be stuck in a collective): its weights stream to the engines and the
-        digest of its weights go with it (the next group's weights are a checkpoint's)."""
-        if self.trainers is not None:
+    def drop_trainers(self, keep: bool = False) -> None:
+        """Kill the TrainGroup (survivors may be stuck in a collective), or with `keep` leave it to a regroup: its
+        weights stream to the engines and the digest of its weights go (the next weights are a checkpoint's)."""
+        if self.trainers is not None and not keep:
             self.trainers.shutdown()
             self.trainers = None
         self.digest, self.digests = None, {}

@@ -1,6 +1,6 @@
 """Where a TrainGroup repair loads from: the memory tier (survivors roll back in place, buddies take the dead
-ranks' places) or the last valid disk checkpoint. Pure: every reason memory cannot serve is one line here,
-the job log's and the `recovery` event's.
+ranks' places) or the last valid disk checkpoint, and, from disk, whether the survivors keep their processes.
+Pure: every reason memory cannot serve is one line here, the job log's and the `recovery` event's.
 """
 from __future__ import annotations
 
@@ -65,6 +65,30 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
                     f"held {[holding[buddies[r]].get(r, []) for r in sorted(lost)]})")
     step = max(common)
     return Choice(Source.MEMORY, f"step {step} from memory", step, adopters)
+
+
+def keep_survivors(*, rejoins: bool, kind: FaultKind, world_size: int, lost: set[int], placeable: set[int],
+                   committed: bool, node_lost: bool) -> str | None:
+    """For a repair from disk: None when the ranks that still answer can keep their processes (they re-form the
+    group with the built model and load the checkpoint, like the ranks started again in the lost ones' places),
+    else why every rank starts again. `rejoins`: the engine re-forms its process group in place (fsdp);
+    `placeable`: the lost ranks that a bundle of the group's placement group or a warm spare can take; `committed`:
+    a checkpoint exists (else every rank starts from the initial weights, which a survivor no longer holds);
+    `node_lost`: a lost rank's node is gone (the group is placed again, and elastically, by a new start)."""
+    if not rejoins:
+        return "the engine cannot re-form its process group in place"
+    if kind not in MEMORY_FAULTS:
+        return f"a {kind.value} fault: the ranks may not be settled"
+    if not world_size or len(lost) == world_size:
+        return "no rank is left to keep"
+    if not committed:
+        return "no checkpoint yet: every rank starts from the initial weights"
+    if node_lost:
+        return "a lost rank's node is gone"
+    unplaced = sorted(lost - placeable)
+    if unplaced:
+        return f"rank {unplaced[0]} has no bundle to start again in and no warm spare is free"
+    return None
 
 
 def hang_culprits(pending: set[int], progress: dict[int, dict | None]) -> set[int]:

@@ -112,10 +112,11 @@ class StepRunner:
             self.checkpoints.collect(self.fleet.trainers, block=True)
         return completed
 
-    def drop_group(self) -> None:
-        """Kill the TrainGroup (survivors may be stuck in a collective, or still writing a save): what it
-        held dies with it, its weights stream to the engines and the background writes, unpublished."""
-        self.fleet.drop_trainers()
+    def drop_group(self, keep: bool = False) -> None:
+        """Kill the TrainGroup (survivors may be stuck in a collective, or still writing a save), or with `keep`
+        leave its actors to `TrainGroup.regroup`: what it held is dropped, its weights stream to the engines and
+        the background writes, unpublished."""
+        self.fleet.drop_trainers(keep)
         if self.memory is not None:
             self.memory.reset()
         self.owed = None  # the new group's weights are the checkpoint's

@@ -126,8 +126,9 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
 
 def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by_the_refill(
         cluster, reference, trial, tmp_path):
-    """The pool's spare is placed away from the ranks; its node is killed; the next rank death restarts the
-    group cold (the dead spare skipped); the refilled spare then serves the restart after that."""
+    """The pool's spare is placed away from the ranks; its node is killed; the next rank death starts that rank
+    again cold (the dead spare skipped), the other rank keeping its process; the refilled spare then takes the
+    place of the rank killed after that."""
     faults = "TrainWorker.train.enter:kill:step=14:rank=1,TrainWorker.train.enter:kill:step=21:rank=0"
     env = job_env({"RELAUNCH_FAULT": faults, "RELAUNCH_FAULT_DIR": str(tmp_path)})
     proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "recover.spare_workers=1",
@@ -152,7 +153,8 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
         if not added:
             cluster.add_node()
     spares = trial.events("spares")
-    assert [(e["taken"], e["cold"]) for e in spares if e["action"] == "taken"] == [(0, 2), (0, 2), (1, 1)]
+    assert [(e["taken"], e["cold"]) for e in spares if e["action"] == "taken"] == [(0, 2), (0, 1), (1, 0)]
+    assert [e["kept"] for e in trial.events("loaded")] == [[], [0], [1]]
     assert [e["pool"] for e in spares if e["action"] == "refilled"] == [1, 1, 1]  # refilled after each start
     train_failures = [e["cause"] for e in trial.events("failure") if e["group"] == "train"]
     # two rank kills, two restarts; a death seen again while its own repair runs is part of that incident: a

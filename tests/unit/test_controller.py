@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ class World:
         self.then: list[tuple[tuple[str, int], str]] = []  # armed one by one, each after the previous fired
         self.storage_full = self.reward_raises = self.env_fails = False
         self.train_groups = 0
+        self.regroups = 0  # repairs from disk that kept the survivors' processes
         self.digest_passes = 0  # how often the trainers went over their weights only to hash them
         self.groups = 0  # weights-update groups made
         self.write_polls = 1  # a background save is reported unfinished to this many polls
@@ -89,6 +91,31 @@ class FakeTrainers:
         self.world, self.world_size, self.history = world, world_size, []
         self.nodes = ["n1"] * world_size
         self.timings = {"scheduling": 0.0, "process_start": 0.0, "rendezvous": 0.0}
+        self.members = [SimpleNamespace(name=f"TrainWorker[rank {r}]") for r in range(world_size)]
+        self.bundles = {r: r for r in range(world_size)}  # every rank started cold, in a bundle of its own
+        self.from_spares = 0
+
+    def _lost(self) -> set[int]:
+        """The ranks a fault took: rank 1 died (its death also breaks rank 0's collective), rank 0 hung."""
+        return {1} if self.world.dead_ranks else {0} if self.world.hung_ranks else set()
+
+    def answering(self, timeout):
+        return set(range(self.world_size)) - self._lost()
+
+    def progress(self, timeout):
+        return {r: None if r in self._lost() else {"phase": "train", "secs": 1.0, "seq": 3}
+                for r in range(self.world_size)}
+
+    def kill_ranks(self, ranks):
+        assert ranks == self._lost()
+
+    def regroup(self, lost, spares):
+        """The lost ranks start again and the survivors keep their processes (and their history, which
+        load_recover then replaces with the checkpoint's)."""
+        assert set(lost) == self._lost()
+        self.world.regroups += 1
+        self.from_spares = spares.take(len(lost)) if spares is not None else 0
+        self.world.dead_ranks = self.world.hung_ranks = self.world.broken_collective = False
 
     def _check(self, phase: str, step: int) -> None:
         self.world.strike(phase, step)
@@ -350,7 +377,10 @@ def test_a_train_group_fault_at_any_phase_rolls_back_and_ends_exact(tmp_path, cl
     failed_at = next(e["time"] for e in events if e["event"] == "failure")
     committed = [e["global_step"] for e in events if e["event"] == "commit" and e["time"] < failed_at]
     assert loaded == [-1, committed[-1]] and committed[-1] in (1, 3)  # rolled back to the last commit
-    assert world.train_groups == 2
+    # from disk, the ranks that still answer keep their processes: the lost ones start again beside them
+    assert (world.train_groups, world.regroups) == (1, 1)
+    assert [e["kept"] for e in events if e["event"] == "loaded"] == [[], {"rank_death": [0], "rank_hang": [1],
+                                                                         "peer_collective": [0, 1]}[fault]]
     assert not [e for e in events if e["event"] == "failure" and e["cause"] == "stale_weights"]
     recovery = [e for e in events if e["event"] == "recovery"]
     assert len(recovery) == 1 and recovery[0]["what"] == "restart_train_group"
@@ -616,10 +646,10 @@ def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_st
     assert_complete_and_exact(layout, clean[0])
     spares = [(e["action"], e.get("taken"), e.get("cold"), e["pool"])
               for e in read_jsonl(layout.events_log) if e["event"] == "spares"]
-    # the first group starts cold; the pool fills after its first step; the restart takes the spare for one
-    # rank and starts the other cold; the pool is full again after the new group's first step
+    # the first group starts cold; the pool fills after its first step; the repair from disk takes the spare for
+    # the dead rank, the other keeps its process; the pool is full again after the next step
     assert spares == [("taken", 0, 2, 0), ("refilled", None, None, 1),
-                      ("taken", 1, 1, 0), ("refilled", None, None, 1)]
+                      ("taken", 1, 0, 0), ("refilled", None, None, 1)]
     assert pool.refills == [["n1", "n1"], ["n1", "n1"]]  # away from the ranks' nodes
     assert len(pool) == 0  # the pool is shut down with the job
 
@@ -690,7 +720,44 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(tmp_path
     events = read_jsonl(layout.events_log)
     assert [(e["event"], e["cause"], e["what"]) for e in events if e["event"] in ("restart", "repair")] == [
         ("restart", "engine_died", "restart_engines"), ("repair", "worker_died", "restart_train_group")]
-    assert world.train_groups == 2
+    assert (world.train_groups, world.regroups) == (1, 1)  # Ray has its node alive here: the survivor stays
+
+
+def test_before_the_first_checkpoint_and_when_the_regroup_fails_every_rank_starts_again(tmp_path, clean):
+    """A survivor keeps its process only where it can load a checkpoint and the new group forms: a rank dead
+    before the first commit restarts the whole group from the initial weights; a regroup that fails (a
+    rendezvous that times out) is followed, in the same repair, by a restart of every rank."""
+    world = World()
+    world.armed[("train", 0)] = "rank_death"
+    result, layout, *_ = run(tmp_path / "first", world)
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    assert (world.train_groups, world.regroups) == (2, 0)
+    assert [e["kept"] for e in read_jsonl(layout.events_log) if e["event"] == "loaded"] == [[], []]
+
+    world = World()
+    world.armed[("train", 4)] = "rank_death"
+
+    def regroup(lost, spares):
+        world.regroups += 1
+        raise GroupError(Group.TRAIN, rex.GetTimeoutError("no answer"), ("TrainWorker[rank 0]",), "n1", 60.0)
+
+    controller, layout, _ = make_controller(tmp_path / "failed", world)
+    make_train_group = controller.make_train_group
+
+    def make_group(n):
+        group = make_train_group(n)
+        group.regroup = regroup
+        return group
+
+    controller.make_train_group = make_group
+    result = controller.run()
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    assert (world.train_groups, world.regroups) == (2, 1)
+    assert any("keeping the ranks that answered failed: GroupError" in e.get("message", "")
+               for e in read_jsonl(layout.events_log) if e["event"] == "warning")
+    assert [e["what"] for e in read_jsonl(layout.events_log) if e["event"] == "restart"] == ["restart_train_group"]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

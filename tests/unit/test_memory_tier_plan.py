@@ -1,10 +1,10 @@
 """The memory tier's pure decisions: which spare holds which rank (buddies.py), and whether a repair loads
-from memory or disk (recovery_source.py)."""
+from memory or disk, and from disk whether the survivors keep their processes (recovery_source.py)."""
 import pytest
 
 from supervisor.cluster.buddies import buddy_plan, link_steps
 from supervisor.control.classify import FaultKind
-from supervisor.control.recovery_source import Source, hang_culprits, recovery_source
+from supervisor.control.recovery_source import Source, hang_culprits, keep_survivors, recovery_source
 
 
 def test_one_spare_per_rank_on_other_nodes():
@@ -131,3 +131,25 @@ def waiting(seq):
 ])
 def test_the_culprits_of_a_hang_are_the_ranks_the_others_wait_on(pending, progress, culprits):
     assert hang_culprits(pending, progress) == culprits
+
+
+KEEP = dict(rejoins=True, kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, placeable={1}, committed=True,
+            node_lost=False)
+
+
+def test_a_repair_from_disk_keeps_the_ranks_that_still_answer():
+    assert keep_survivors(**KEEP) is None
+    assert keep_survivors(**KEEP | {"kind": FaultKind.HANG, "lost": set(), "placeable": set()}) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"rejoins": False}, "cannot re-form its process group"),          # deepspeed
+    ({"kind": FaultKind.STORAGE_ERROR}, "may not be settled"),
+    ({"lost": {0, 1}, "placeable": {0, 1}}, "no rank is left to keep"),
+    ({"world_size": 0}, "no rank is left to keep"),                    # the fault struck as the group started
+    ({"committed": False}, "no checkpoint yet"),                       # a survivor no longer holds the initial weights
+    ({"node_lost": True}, "node is gone"),                             # placed again (and elastically) by a new start
+    ({"placeable": set()}, "rank 1 has no bundle"),                    # a rank adopted from a spare, none left
+])
+def test_every_repair_from_disk_that_starts_every_rank_again_says_why(change, reason):
+    assert reason in keep_survivors(**KEEP | change)
