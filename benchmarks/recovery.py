@@ -12,8 +12,9 @@ engine, vLLM, and vLLM with a warm spare engine (`rollout.spare_engines=1`), eac
 
 Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took,
 the time from the fault to the completion of the killed step and what it lost beyond one steady step, where
-that time went, how many ranks came from spares, the step loaded and how many steps were trained again,
-what the recover checkpoints cost, and whether the final weights are identical. `--quick` runs one epoch,
+that time went, how many ranks came from spares, started cold or kept their processes, the step loaded and
+how many steps were trained again, what the recover checkpoints cost, and whether the final weights are
+identical. `--quick` runs one epoch,
 kills at step 10, with 0 and 2 spares (CI runs it so that it cannot rot).
 """
 from __future__ import annotations
@@ -98,7 +99,8 @@ def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_s
             "cause": failure["cause"], "loaded_secs": loaded["time"] - failure["time"], "load_secs": loaded["secs"],
             "resynced_secs": resync["time"] - failure["time"], "recovery": recovery,
             "ranks_from_spares": taken["taken"] if taken else 0,
-            "cold_ranks": taken["cold"] if taken else len(loaded["nodes"]),
+            "cold_ranks": taken["cold"] if taken else len(loaded["nodes"]) - len(loaded["kept"]),
+            "kept_ranks": len(loaded["kept"]),  # the ranks that kept their processes (from disk: all but the lost)
             "replayed_steps": recovery["replayed_steps"],
             "identical": final_weights(clean) == final_weights(faulty)}
 
@@ -116,7 +118,8 @@ def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list
         row("wall time, job with a TrainWorker killed", lambda f: f"{f['killed_secs']:.1f} s"),
         row("ratio killed / uninterrupted", lambda f: f"{f['ratio']:.2f}"),
         row("fault detected after", lambda f: f"{f['detect_secs']:.2f} s ({f['cause']})"),
-        row("ranks from spares / cold", lambda f: f"{f['ranks_from_spares']} / {f['cold_ranks']}"),
+        row("ranks from spares / cold / kept", lambda f: f"{f['ranks_from_spares']} / {f['cold_ranks']} / "
+                                                         f"{f['kept_ranks']}"),
         row("failure -> new TrainGroup loaded", lambda f: f"{f['loaded_secs']:.1f} s"),
         row("failure -> engines resynced", lambda f: f"{f['resynced_secs']:.1f} s"),
         row("fault -> killed step completed", lambda f: f"{f['recovery']['total']:.1f} s"),
