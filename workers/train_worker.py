@@ -398,7 +398,12 @@ class TrainWorker:
         """A survivor of a repair from disk: leave its background writes behind and join the new group as the same
         rank with the built model (the new ranks `setup` beside it); `load_recover` then overwrites its whole
         state with the checkpoint's, as it does theirs. Its process, imports and model are kept: about 10 s of
-        a core less than a new rank's start, at every rank fault the memory tier does not serve."""
+        a core less than a new rank's start, at every rank fault the memory tier does not serve. Refused while
+        its background save still runs after ABANDON_SECS (on an object store, a late upload could land in the
+        step saved again): the Supervisor then starts every rank again, and the kill ends that write."""
+        if self._abandon_writes():
+            raise RuntimeError(f"rank {self.rank}: a background recover save was still being written after "
+                               f"{ABANDON_SECS:g}s; this process is not kept")
         self._leave_group(master_addr, master_port, rank, world_size)
 
     def _leave_group(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -422,23 +427,26 @@ class TrainWorker:
         self.link.close()
         self.link = None
 
-    def _abandon_writes(self) -> None:
+    def _abandon_writes(self) -> bool:
         """Stop waiting for this rank's background writes: the memory send, and a recover save whose peers
         may be dead. Each gets ABANDON_SECS to end; a save still running keeps its thread, and later saves get
-        a writer thread of their own. What they ended with is one log line, never an error."""
+        a writer thread of their own. What they ended with is one log line, never an error. Returns whether a
+        save was left running."""
         self._drop_link()
         save, self.saving = self.saving, None
         if save is None or save.future is None:
-            return
+            return False
         wait([save.future], timeout=ABANDON_SECS)
         if not save.future.done():
             self._writer.shutdown(wait=False)
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
             log.warning("rank %s: the background recover save of step %d was still running at the rejoin; "
                         "abandoned", self.rank, save.global_step)
-        elif save.future.exception() is not None:
+            return True
+        if save.future.exception() is not None:
             log.warning("rank %s: the background recover save of step %d failed before the rejoin: %s",
                         self.rank, save.global_step, save.future.exception())
+        return False
 
     # ---- the memory tier: a holder's side, answered from the spare's start (HOLDER) ----------------------
     @ray.method(concurrency_group=HOLDER)
