@@ -58,8 +58,9 @@ def timeline(layout: TrialLayout, killed_at: float | None) -> list[str]:
             out.append(f"TrainGroup rejoined on node {loaded['nodes'][0][:8]} at step {loaded['global_step']} from "
                        f"memory (the dead ranks' buddies took their places; nothing read from disk)")
         elif loaded:
+            kept = f"; ranks {loaded['kept']} kept their processes" if loaded.get("kept") else ""
             out.append(f"TrainGroup restarted on node {loaded['nodes'][0][:8]} from step {loaded['global_step']} "
-                       f"({loaded['path']})")
+                       f"({loaded['path']}{kept})")
         resync = next((e for e in later if e["event"] == Event.RESYNC), None)
         if resync:
             out.append(f"engines resynced to weights version {resync['version']} (checksum {resync['checksum']})")

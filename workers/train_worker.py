@@ -398,11 +398,13 @@ class TrainWorker:
         """A survivor of a repair from disk: leave its background writes behind and join the new group as the same
         rank with the built model (the new ranks `setup` beside it); `load_recover` then overwrites its whole
         state with the checkpoint's, as it does theirs. Its process, imports and model are kept: about 10 s of
-        a core less than a new rank's start, at every rank fault the memory tier does not serve. Refused while
-        its background save still runs after ABANDON_SECS (on an object store, a late upload could land in the
-        step saved again): the Supervisor then starts every rank again, and the kill ends that write."""
-        if self._abandon_writes():
-            raise RuntimeError(f"rank {self.rank}: a background recover save was still being written after "
+        a core less than a new rank's start (measured: a TrainWorker's start), at every rank fault the memory
+        tier does not serve. Refused while a background save or export still runs after ABANDON_SECS (on an
+        object store, a late upload could land in the step saved again; and it would hold the writer thread):
+        the Supervisor then starts every rank again, and the kill ends that write."""
+        export = self.exporting.future if self.exporting is not None else None
+        if self._abandon_writes() or (export is not None and not wait([export], timeout=ABANDON_SECS).done):
+            raise RuntimeError(f"rank {self.rank}: a background save or export was still being written after "
                                f"{ABANDON_SECS:g}s; this process is not kept")
         self._leave_group(master_addr, master_port, rank, world_size)
 

@@ -174,6 +174,7 @@ class TrainGroup(_Members):
         taken = spares.take(world_size) if spares is not None else []
         self.from_spares, cold = len(taken), world_size - len(taken)
         self.bundles = {r: r - len(taken) for r in range(len(taken), world_size)}  # rank -> its bundle of self.pg
+        self.free: list[int] = []  # bundles of self.pg whose rank a spare took over: a later lost rank starts there
         self.members = [Member(handle, "") for handle, _ in taken]
         self.pg = None
         try:
@@ -278,11 +279,8 @@ class TrainGroup(_Members):
         self._kill([self.members[r] for r in lost])
         for r in lost:
             self.members[r] = Member(adopters[r], f"TrainWorker[rank {r}]")
-        for r in lost:
-            self.bundles.pop(r, None)
-        if self.pg is not None and not self.bundles:  # its resources go back to the cluster (a lost rank's
-            remove_placement_group(self.pg)          # bundle stays reserved while another rank holds one)
-            self.pg = None
+        self._free_bundles(lost)
+        self._release_unused()
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs
         where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], bound)
@@ -295,27 +293,50 @@ class TrainGroup(_Members):
         self.timings["rendezvous"] = time.monotonic() - started - self.timings["teardown"]
         self.from_spares = len(adopters)
 
+    def _free_bundles(self, ranks: list[int]) -> None:
+        """These ranks' processes are spares now: their bundles are free for a later lost rank."""
+        self.free += [self.bundles.pop(r) for r in ranks if r in self.bundles]
+
+    def _release_unused(self) -> None:
+        """The placement group goes back to the cluster once no rank holds a bundle of it (Ray cannot give back
+        one bundle)."""
+        if self.pg is not None and not self.bundles:
+            remove_placement_group(self.pg)
+            self.pg, self.free = None, []
+
+    def placeable(self, lost: set[int], spares: int) -> set[int]:
+        """The lost ranks that a repair from disk can start again: those holding a bundle, and as many of the
+        others as `spares` (the pool's size) and the free bundles can take."""
+        unbundled = sorted(r for r in lost if r not in self.bundles)
+        return (lost - set(unbundled)) | set(unbundled[:spares + len(self.free)])
+
     def regroup(self, lost: list[int], spares=None) -> None:
         """A repair from disk that keeps the processes of the ranks that still answer: the `lost` ranks' actors are
-        killed and replaced, by warm spares where `spares` has them (first for the ranks that held no bundle),
-        else by new processes in their bundles; every rank joins a new process group, the survivors with their
-        built models (`rejoin`). Each rank's state is then the checkpoint's: `load_recover` follows, on every rank.
-        RuntimeError, nothing started, when a lost rank has neither a bundle nor a spare to take its place."""
+        killed and replaced, by warm spares where `spares` has them (first for the ranks without a bundle), else
+        by new processes in their bundles or in free ones; every rank joins a new process group, the survivors
+        with their built models (`TrainWorker.regroup`). Each rank's state is then the checkpoint's:
+        `load_recover` follows, on every rank. RuntimeError, nothing left running, when a lost rank finds no
+        place."""
         started = time.monotonic()
         self._kill([self.members[r] for r in lost])
         self.timings = {"teardown": time.monotonic() - started}
-        order = sorted(lost, key=lambda r: r in self.bundles)  # the ranks without a bundle take the spares first
-        taken = spares.take(len(lost)) if spares is not None else []
-        unplaced = [r for r in order[len(taken):] if r not in self.bundles]
-        if unplaced:
-            for handle, _ in taken:  # started processes that no rank uses: not left running
+        taken = [handle for handle, _ in spares.take(len(lost))] if spares is not None else []
+        order = sorted(lost, key=lambda r: r in self.bundles)
+        warm, cold = order[:len(taken)], order[len(taken):]
+        homeless = [r for r in cold if r not in self.bundles]
+        if len(homeless) > len(self.free) + len([r for r in warm if r in self.bundles]):
+            for handle in taken:
                 ray.kill(handle, no_restart=True)
-            raise RuntimeError(f"rank {unplaced[0]} has no bundle to start again in and no warm spare is free")
-        for r, (handle, _) in zip(order, taken):
+            raise RuntimeError(f"rank {homeless[0]} has no bundle to start again in and no warm spare is free")
+        for r, handle in zip(warm, taken):
             self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
-            self.bundles.pop(r, None)
-        for r in order[len(taken):]:
+        self._free_bundles(warm)
+        for r in cold:
+            if r not in self.bundles:
+                self.bundles[r] = self.free.pop(0)
             self.members[r] = Member(self._cold(self.bundles[r]), f"TrainWorker[rank {r}]")
+        self._release_unused()
+        self.from_spares, self.steps = len(taken), 0  # a new group's first steps: its weight stream checks them whole
         self.timings["scheduling"] = time.monotonic() - started - self.timings["teardown"]
         bound = self.config.recover.start_timeout_secs
         where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], bound)
@@ -327,7 +348,6 @@ class TrainGroup(_Members):
                      m.handle.regroup.remote(ip, port, r, self.world_size)
                      for r, m in enumerate(self.members)], bound)
         self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
-        self.from_spares = len(taken)
 
     def load_recover(self, step_dir: str, saved_world_size: int) -> list[str]:
         return self.call_all("load_recover", step_dir, saved_world_size)[0]

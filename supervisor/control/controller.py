@@ -30,7 +30,7 @@ from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
-from supervisor.control.recovery_source import (MEMORY_FAULTS, Choice, Source, hang_culprits,
+from supervisor.control.recovery_source import (MEMORY_FAULTS, Choice, Source, can_keep, hang_culprits,
                                                 keep_survivors, recovery_source)
 from supervisor.control.repair_clock import RepairClock, steady_steps
 from supervisor.control.run_state import IncompatibleCheckpoint, RunState
@@ -336,6 +336,8 @@ class Controller:
         if why_not is None:
             try:
                 ckpt, secs, started = self._regroup(lost)
+            except CheckpointError:
+                raise  # no valid checkpoint fits the run: fatal, as it is for a new group
             except Exception as e:  # noqa: BLE001 - whatever broke the new group, every rank starts again
                 self.events.emit(Event.WARNING, message=f"keeping the ranks that answered failed: "
                                                         f"{type(e).__name__}: {first_line(e)}; every rank starts again")
@@ -347,19 +349,21 @@ class Controller:
 
     def _answering(self, fault: Fault) -> set[int] | None:
         """The ranks alive and settled after `fault` (a hang's culprits killed first), or None where no repair
-        would keep them: no group running, a fault after which the ranks may not be settled, or neither the
-        memory tier nor the engine's rejoin to keep them with."""
+        would keep them: no group running, or neither the memory tier nor a regroup could (recovery_source)."""
         trainers, memory = self.fleet.trainers, self.runner.memory
         tier = memory is not None and memory.off is None
-        if trainers is None or fault.kind not in MEMORY_FAULTS or not (tier or self._rejoins):
+        if trainers is None or fault.kind not in MEMORY_FAULTS or not (tier or self._can_keep(fault) is None):
             return None
         if fault.kind is FaultKind.HANG:
             self._kill_hang_culprits(fault)
         return trainers.answering(ANSWER_SECS)
 
-    @property
-    def _rejoins(self) -> bool:
-        return self.config.actor.backend in MEMORY_TIER_BACKENDS
+    def _can_keep(self, fault: Fault) -> str | None:
+        """recovery_source.can_keep, for this job and its group."""
+        cfg, trainers = self.config, self.fleet.trainers
+        return can_keep(rejoins=cfg.actor.backend in MEMORY_TIER_BACKENDS, kind=fault.kind,
+                        committed=self.checkpoints.committed_step() is not None, reference=cfg.actor.kl_coef > 0,
+                        shrunk=trainers is not None and trainers.world_size < cfg.cluster.n_train_workers)
 
     def _recovery_source(self, fault: Fault, alive: set[int] | None) -> Choice:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
@@ -381,12 +385,10 @@ class Controller:
         if trainers is None or alive is None:
             return [], "no rank was asked whether it still answers"
         lost = set(range(trainers.world_size)) - alive
-        unbundled = sorted(r for r in lost if r not in trainers.bundles)
-        placeable = (lost - set(unbundled)) | set(unbundled[:len(self.spares) if self.spares is not None else 0])
         gone = fault.node_lost or bool({trainers.nodes[r] for r in lost} & dead_nodes())
-        return sorted(lost), keep_survivors(rejoins=self._rejoins, kind=fault.kind, world_size=trainers.world_size,
-                                            lost=lost, placeable=placeable, node_lost=gone,
-                                            committed=self.checkpoints.committed_step() is not None)
+        placeable = trainers.placeable(lost, len(self.spares) if self.spares is not None else 0)
+        return sorted(lost), self._can_keep(fault) or keep_survivors(
+            kind=fault.kind, world_size=trainers.world_size, lost=lost, placeable=placeable, node_lost=gone)
 
     def _kill_hang_culprits(self, fault: Fault) -> None:
         """Turn a hang into deaths: kill the ranks the others wait on (recovery_source.hang_culprits), so that

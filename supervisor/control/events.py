@@ -24,7 +24,7 @@ class Event(str, enum.Enum):
     FAILURE = "failure"                      # a fault, classified: cause, group, actor, node, step, phase
     RESTART = "restart"                      # the policy's decision to repair: n of limit, what, delay
     REPAIR = "repair"                        # a further fault of the same incident, repaired without a retry
-    LOADED = "loaded"                        # a new TrainGroup loaded a checkpoint (or started fresh)
+    LOADED = "loaded"                        # a (re)formed TrainGroup loaded a checkpoint (or started fresh)
     RESYNC = "resync"                        # every engine holds the trainer's version and checksum
     COMMIT = "commit"                        # a recover checkpoint was published
     EXPORT = "export"                        # an HF export was published

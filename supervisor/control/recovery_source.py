@@ -67,22 +67,36 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     return Choice(Source.MEMORY, f"step {step} from memory", step, adopters)
 
 
-def keep_survivors(*, rejoins: bool, kind: FaultKind, world_size: int, lost: set[int], placeable: set[int],
-                   committed: bool, node_lost: bool) -> str | None:
-    """For a repair from disk: None when the ranks that still answer can keep their processes (they re-form the
-    group with the built model and load the checkpoint, like the ranks started again in the lost ones' places),
-    else why every rank starts again. `rejoins`: the engine re-forms its process group in place (fsdp);
-    `placeable`: the lost ranks that a bundle of the group's placement group or a warm spare can take; `committed`:
-    a checkpoint exists (else every rank starts from the initial weights, which a survivor no longer holds);
-    `node_lost`: a lost rank's node is gone (the group is placed again, and elastically, by a new start)."""
+def can_keep(*, rejoins: bool, kind: FaultKind, committed: bool, reference: bool, shrunk: bool) -> str | None:
+    """What decides before any rank is asked whether a repair from disk can keep the ranks that still answer:
+    None if it may, else why every rank starts again. `rejoins`: the engine re-forms its process group in place
+    (fsdp); `committed`: a checkpoint exists (else every rank starts from the initial weights, which a survivor
+    no longer holds); `reference`: the job has a KL reference, which a survivor may have refreshed past the
+    checkpoint's; `shrunk`: the group runs with fewer ranks than asked (a new start tries every rank again)."""
     if not rejoins:
         return "the engine cannot re-form its process group in place"
     if kind not in MEMORY_FAULTS:
         return f"a {kind.value} fault: the ranks may not be settled"
-    if not world_size or len(lost) == world_size:
-        return "no rank is left to keep"
     if not committed:
         return "no checkpoint yet: every rank starts from the initial weights"
+    if reference:
+        return "a survivor's KL reference may be newer than the checkpoint's"
+    if shrunk:
+        return "the group runs shrunk: a new start asks for every rank again"
+    return None
+
+
+def keep_survivors(*, kind: FaultKind, world_size: int, lost: set[int], placeable: set[int],
+                   node_lost: bool) -> str | None:
+    """For a repair from disk that can_keep allowed, once the ranks were asked: None when those that still
+    answer keep their processes (they re-form the group with the built model and load the checkpoint, like the
+    ranks started again in the lost ones' places), else why every rank starts again. `placeable`: the lost ranks
+    that a bundle of the group's placement group or a warm spare can take; `node_lost`: a lost rank's node is
+    gone (the group is placed again, and elastically, by a new start)."""
+    if not world_size or len(lost) == world_size:
+        return "no rank is left to keep"
+    if kind is FaultKind.HANG and not lost:
+        return "every rank answered after a hang: what hung may still run in one of them"
     if node_lost:
         return "a lost rank's node is gone"
     unplaced = sorted(lost - placeable)

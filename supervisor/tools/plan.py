@@ -137,7 +137,7 @@ def _spares(config: Config, shape: dict | None) -> str:
         count = (f"up to {c.n_train_workers} (auto: one per rank as far as the cluster has room beside the "
                  f"TrainGroup and the engines; counted when the job starts)")
     elif setting == 0:
-        return "none (recover.spare_workers=0): a restart starts every rank cold"
+        return "none (recover.spare_workers=0): a restart starts its lost ranks cold"
     else:
         count = f"{setting}"
     return (f"{count}, each on a node that runs no rank when one has room, each holding {bundle} and {model}, "

@@ -99,6 +99,9 @@ class FakeTrainers:
         """The ranks a fault took: rank 1 died (its death also breaks rank 0's collective), rank 0 hung."""
         return {1} if self.world.dead_ranks else {0} if self.world.hung_ranks else set()
 
+    def placeable(self, lost, spares):
+        return set(lost)
+
     def answering(self, timeout):
         return set(range(self.world_size)) - self._lost()
 

@@ -4,7 +4,7 @@ import pytest
 
 from supervisor.cluster.buddies import buddy_plan, link_steps
 from supervisor.control.classify import FaultKind
-from supervisor.control.recovery_source import Source, hang_culprits, keep_survivors, recovery_source
+from supervisor.control.recovery_source import Source, can_keep, hang_culprits, keep_survivors, recovery_source
 
 
 def test_one_spare_per_rank_on_other_nodes():
@@ -133,21 +133,31 @@ def test_the_culprits_of_a_hang_are_the_ranks_the_others_wait_on(pending, progre
     assert hang_culprits(pending, progress) == culprits
 
 
-KEEP = dict(rejoins=True, kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, placeable={1}, committed=True,
-            node_lost=False)
+STATIC = dict(rejoins=True, kind=FaultKind.WORKER_DIED, committed=True, reference=False, shrunk=False)
+KEEP = dict(kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, placeable={1}, node_lost=False)
 
 
 def test_a_repair_from_disk_keeps_the_ranks_that_still_answer():
-    assert keep_survivors(**KEEP) is None
-    assert keep_survivors(**KEEP | {"kind": FaultKind.HANG, "lost": set(), "placeable": set()}) is None
+    assert can_keep(**STATIC) is None and keep_survivors(**KEEP) is None
+    assert keep_survivors(**KEEP | {"kind": FaultKind.HANG, "lost": {0}, "placeable": {0}}) is None
+    assert keep_survivors(**KEEP | {"kind": FaultKind.COLLECTIVE_FAILED, "lost": set(), "placeable": set()}) is None
 
 
 @pytest.mark.parametrize("change, reason", [
     ({"rejoins": False}, "cannot re-form its process group"),          # deepspeed
     ({"kind": FaultKind.STORAGE_ERROR}, "may not be settled"),
+    ({"committed": False}, "no checkpoint yet"),                       # a survivor no longer holds the initial weights
+    ({"reference": True}, "KL reference"),                             # refreshed past the checkpoint, maybe
+    ({"shrunk": True}, "runs shrunk"),                                 # elastic: a new start grows it back
+])
+def test_what_rules_out_keeping_any_rank_before_they_are_asked(change, reason):
+    assert reason in can_keep(**STATIC | change)
+
+
+@pytest.mark.parametrize("change, reason", [
     ({"lost": {0, 1}, "placeable": {0, 1}}, "no rank is left to keep"),
     ({"world_size": 0}, "no rank is left to keep"),                    # the fault struck as the group started
-    ({"committed": False}, "no checkpoint yet"),                       # a survivor no longer holds the initial weights
+    ({"kind": FaultKind.HANG, "lost": set(), "placeable": set()}, "every rank answered after a hang"),
     ({"node_lost": True}, "node is gone"),                             # placed again (and elastically) by a new start
     ({"placeable": set()}, "rank 1 has no bundle"),                    # a rank adopted from a spare, none left
 ])

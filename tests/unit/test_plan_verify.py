@@ -104,7 +104,7 @@ def test_plan_shows_an_explicit_spare_count_and_none():
     one = make_plan(Config.model_validate({"recover": {"spare_workers": 1}}), dataset_size=100)
     assert any(line.startswith("spares     1, each on a node that runs no rank") for line in one.lines)
     none = make_plan(Config.model_validate({"recover": {"spare_workers": 0}}), dataset_size=100)
-    assert "spares     none (recover.spare_workers=0): a restart starts every rank cold" in none.lines
+    assert "spares     none (recover.spare_workers=0): a restart starts its lost ranks cold" in none.lines
 
 
 def test_plan_refuses_bad_input_with_one_line():
