@@ -277,9 +277,9 @@ class TrainGroup(_Members):
         The actors of the survivors stay: no new placement group, no new process, no model built again."""
         started = time.monotonic()
         self._kill([self.members[r] for r in lost])
+        self._free_bundles(lost)
         for r in lost:
             self.members[r] = Member(adopters[r], f"TrainWorker[rank {r}]")
-        self._free_bundles(lost)
         self._release_unused()
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs
@@ -294,8 +294,15 @@ class TrainGroup(_Members):
         self.from_spares = len(adopters)
 
     def _free_bundles(self, ranks: list[int]) -> None:
-        """These ranks' processes are spares now: their bundles are free for a later lost rank."""
-        self.free += [self.bundles.pop(r) for r in ranks if r in self.bundles]
+        """These ranks' places go to spares: their bundles are free for a later lost rank, but for those on a
+        node Ray has dead (Ray places such a bundle again only when the cluster has room). Before the members
+        are replaced: a member's node is its bundle's."""
+        dead = dead_nodes() if any(r in self.bundles for r in ranks) else set()
+        for r in ranks:
+            if r in self.bundles:
+                bundle = self.bundles.pop(r)
+                if self.members[r].node_id not in dead:
+                    self.free.append(bundle)
 
     def _release_unused(self) -> None:
         """The placement group goes back to the cluster once no rank holds a bundle of it (Ray cannot give back
@@ -328,9 +335,9 @@ class TrainGroup(_Members):
             for handle in taken:
                 ray.kill(handle, no_restart=True)
             raise RuntimeError(f"rank {homeless[0]} has no bundle to start again in and no warm spare is free")
+        self._free_bundles(warm)
         for r, handle in zip(warm, taken):
             self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
-        self._free_bundles(warm)
         for r in cold:
             if r not in self.bundles:
                 self.bundles[r] = self.free.pop(0)

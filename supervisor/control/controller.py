@@ -362,7 +362,7 @@ class Controller:
         """recovery_source.can_keep, for this job and its group."""
         cfg, trainers = self.config, self.fleet.trainers
         return can_keep(rejoins=cfg.actor.backend in MEMORY_TIER_BACKENDS, kind=fault.kind,
-                        committed=self.checkpoints.committed_step() is not None, reference=cfg.actor.kl_coef > 0,
+                        committed=self.checkpoints.last_commit is not None, reference=cfg.actor.kl_coef > 0,
                         shrunk=trainers is not None and trainers.world_size < cfg.cluster.n_train_workers)
 
     def _recovery_source(self, fault: Fault, alive: set[int] | None) -> Choice:
