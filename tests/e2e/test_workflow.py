@@ -48,15 +48,18 @@ def test_submitted_job_survives_a_node_kill(ray_start_cluster, trial):
         assert client.get_job_status(job_id) in (JobStatus.PENDING, JobStatus.RUNNING), \
             client.get_job_logs(job_id)[-3000:]
         time.sleep(0.3)
+    # the node is killed as soon as the job is past step 6, before anything slow: CI's two loaded cores once took
+    # the job from step 6 to step 42 while `relaunch status` started. The spare is added only after the live
+    # Supervisor has answered: the repair waits for it (recover.capacity_timeout_secs), so the job cannot end first
+    assert client.get_job_status(job_id) == JobStatus.RUNNING
+    c.kill(node_a)
+    while not trial.events("failure"):
+        assert time.time() < deadline, "the node's loss was not detected"
+        time.sleep(0.3)
     st = status_json(trial, "--address", c.gcs_address, env=c.env)
     live = st["live"]
     assert live, st["live_error"]
-    assert live["phase"] and live["global_step"] >= 6 and len(live["train_nodes"]) == 2
-
-    # killed first, then the spare is added (the restart waits for it, recover.capacity_timeout_secs): a spare
-    # added first took so long to join on CI's two loaded cores that the job had ended before the kill
-    assert client.get_job_status(job_id) == JobStatus.RUNNING and trial.stats()[-1]["global_step"] < 40
-    c.kill(node_a)
+    assert live["phase"] in ("repairing", "starting") and live["global_step"] >= 6 and live["restarts"] >= 1, live
     c.add_worker()  # the spare
     while client.get_job_status(job_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
         assert time.time() < deadline + 300
