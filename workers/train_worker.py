@@ -10,6 +10,7 @@ and uploads them itself (checkpoint/transfer.py), and downloads a step to load i
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import logging
 import math
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from supervisor.checkpoint.durable import file_digest
-from supervisor.checkpoint.layout import step_of
+from supervisor.checkpoint.layout import as_path, step_of
 from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.transfer import RankDir
 from supervisor.config import Config
@@ -91,6 +92,7 @@ class TrainWorker:
         self.engine = None
         self.saving: Write | None = None    # the last background recover save begun on this rank
         self.exporting: Write | None = None  # rank 0: the last background HF export begun
+        self.abandoned: list[Write] = []  # background saves a repair left running on a thread of their own
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
         self.parts = None  # what warm() built, until setup hands it to the engine
         self.weights_group = None  # rank 0: its member of the weights-update group (workers/weight_sync.py)
@@ -207,6 +209,7 @@ class TrainWorker:
     def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
         """Collective; returns {file: {size, sha256}} for the files this rank wrote (and, on an object store,
         uploaded)."""
+        self._fence(staging)
         with self._rank_dir(staging) as target:
             mine = self.engine.save(target.local, global_step)
             fault_point("after_shards", step=global_step, rank=self.rank)
@@ -217,6 +220,18 @@ class TrainWorker:
     def _rank_dir(self, url: str) -> RankDir:
         return RankDir(url, retry_budget(self.config))
 
+    def _fence(self, staging: str) -> None:
+        """No save into a directory that an abandoned save of this rank may still write: on an object store a
+        step saved again after a repair from memory is written into the same prefix (there is no rename), and
+        a late upload of the abandoned one would replace an object of the new, with the same size and other
+        bytes. It gets ABANDON_SECS more to end; then this save fails as a storage error (the run skips it)."""
+        self.abandoned = [w for w in self.abandoned if not w.future.done()]
+        late = [w for w in self.abandoned if w.target.remote == as_path(staging)]
+        if late and wait([w.future for w in late], timeout=ABANDON_SECS).not_done:
+            raise OSError(errno.EIO, f"rank {self.rank}: the save of step {late[0].global_step} abandoned at a "
+                                     f"repair is still uploading into this directory; this save is skipped",
+                          staging)
+
     @fault_points
     def begin_save(self, staging: str, global_step: int) -> None:
         """This rank's part of a background save that needs no peer: the first of two calls, so that a storage
@@ -226,6 +241,7 @@ class TrainWorker:
             wait([self.saving.future])  # the Supervisor waits for the previous one first; this is a backstop
         elif self.saving is not None:
             self.saving.target.close()  # begun, never started: given up
+        self._fence(staging)
         target = self._rank_dir(staging)
         self.saving = Write(global_step, target, self.engine.save_local(target.local, global_step))
 
@@ -440,6 +456,7 @@ class TrainWorker:
             return False
         wait([save.future], timeout=ABANDON_SECS)
         if not save.future.done():
+            self.abandoned.append(save)
             self._writer.shutdown(wait=False)
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-writer")
             log.warning("rank %s: the background recover save of step %d was still running at the rejoin; "

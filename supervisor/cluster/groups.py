@@ -15,10 +15,10 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
-from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from supervisor.cluster.blame import Call, Outcome, blame, dead_nodes, group_error, outcome_of
+from supervisor.cluster.drains import draining_nodes, room_per_node
 from supervisor.cluster.errors import CapacityError, Group, GroupError
 from supervisor.cluster.spare_placement import choose_nodes, engine_resources, take_spares
 from supervisor.cluster.weights import WeightStream
@@ -291,13 +291,13 @@ class TrainGroup(_Members):
                      m.handle.rejoin.remote(ip, port, r, self.world_size, global_step)
                      for r, m in enumerate(self.members)], bound)
         self.timings["rendezvous"] = time.monotonic() - started - self.timings["teardown"]
-        self.from_spares = len(adopters)
+        self.from_spares, self.steps = len(adopters), 0  # as a new group's: its weight stream checks them whole
 
     def _free_bundles(self, ranks: list[int]) -> None:
         """These ranks' places go to spares: their bundles are free for a later lost rank, but for those on a
-        node Ray has dead (Ray places such a bundle again only when the cluster has room). Before the members
-        are replaced: a member's node is its bundle's."""
-        dead = dead_nodes() if any(r in self.bundles for r in ranks) else set()
+        node Ray has dead (Ray places such a bundle again only when the cluster has room) or draining (it starts
+        nothing new there). Before the members are replaced: a member's node is its bundle's."""
+        dead = dead_nodes() | set(draining_nodes()) if any(r in self.bundles for r in ranks) else set()
         for r in ranks:
             if r in self.bundles:
                 bundle = self.bundles.pop(r)
@@ -409,7 +409,7 @@ class RolloutGroup(_Members):
         """Start spare engines up to rollout.spare_engines on nodes with room, away from the engines' nodes where
         possible (a node's loss then takes no spare with its engines); not waited for. Returns how many."""
         missing = self.config.rollout.spare_engines - len(self.spares)
-        nodes = choose_nodes(available_resources_per_node(), {n for n in self.nodes if n},
+        nodes = choose_nodes(room_per_node(), {n for n in self.nodes if n},
                              engine_resources(self.config.cluster), missing)
         for node in nodes:
             index = len(self.members) + len(self.spares)

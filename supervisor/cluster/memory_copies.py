@@ -294,6 +294,14 @@ class MemoryCopies:
                       f"({type(cause).__name__}: {first_line(cause)}); dropped from the spare pool, its ranks "
                       f"linked to another at the next step")
 
+    def retired(self, names: tuple[str, ...]) -> None:
+        """Holders taken out of the pool while alive (their node drains): their ranks are uncovered until they are
+        linked to another holder, from the next step on."""
+        kept = {rank: name for rank, name in self.buddies.items() if name not in names}
+        if kept != self.buddies:
+            self.buddies = kept
+            self._announce(self.spares.holders())
+
     def _announce(self, holders: dict) -> None:
         nodes = {name: s.node for name, s in holders.items()}
         self.linked({rank: nodes.get(name) for rank, name in self.buddies.items()})

@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass
 
 import ray
-from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from supervisor.cluster.drains import room_per_node
 from supervisor.cluster.groups import drain, kill
 from supervisor.cluster.spare_placement import choose_nodes, rank_resources
 from supervisor.config import Config
@@ -149,7 +149,7 @@ class SparePool:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
         nodes they were placed on. Not waited for: each is checked when it is next taken."""
         need = rank_resources(self.config.cluster)
-        nodes = choose_nodes(available_resources_per_node(), {n for n in avoid if n}, need,
+        nodes = choose_nodes(room_per_node(), {n for n in avoid if n}, need,
                              self.size - len(self.spares))
         for node in nodes:
             name = spare_prefix(self.config) + uuid.uuid4().hex[:8]

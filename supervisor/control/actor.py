@@ -18,6 +18,7 @@ import ray
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.trial_lock import trial_lock
+from supervisor.cluster.drains import DrainWatch
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.config import Config
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
@@ -139,7 +140,7 @@ class Supervisor:
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
-            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off)
+            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off, drains=DrainWatch())
         try:
             result = self.controller.run()
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver

@@ -30,6 +30,7 @@ from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
+from supervisor.control.preemption import Handoff, plan_handoff
 from supervisor.control.recovery_source import (MEMORY_FAULTS, Choice, Source, can_keep, hang_culprits,
                                                 keep_survivors, recovery_source)
 from supervisor.control.repair_clock import RepairClock, steady_steps
@@ -110,7 +111,7 @@ class Controller:
     def __init__(self, config: Config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
                  sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None,
-                 memory_off: str | None = None):
+                 memory_off: str | None = None, drains=None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
         self.fleet = runner.fleet  # the groups it replaces, the ones the runner steps on
         self.events, self.stats, self.sleep = events, stats, sleep
@@ -121,6 +122,7 @@ class Controller:
         self.clock = RepairClock()          # where the time of the repair in progress goes
         self.spares = spares                # the warm spare pool (cluster/spares.py), or None
         self.memory_off = memory_off        # why the memory tier does not serve this job (recover.memory), or None
+        self.drains = drains                # Ray's drain notices not acted on yet (cluster/drains.py), or None
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
         self.transitioned = time.monotonic()  # when the last transition was applied (the driver's watchdog)
 
@@ -178,6 +180,7 @@ class Controller:
 
     def _step(self) -> Result:
         if not self.runner.finished:
+            self._act_on_drains()
             completed = self.runner.advance()
             if completed is not None and self.clock.running:
                 rows = read_jsonl(self.stats.path)
@@ -197,6 +200,67 @@ class Controller:
         else:
             step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
         return min(step, self.runner.total_steps - 1)
+
+    # ---- drain notices: a node that will go -----------------------------------------------------------
+    def _act_on_drains(self) -> None:
+        """At a step boundary (the last step paid what it owed), the nodes Ray says will go: their work moves off
+        now, before their deadlines (preemption.py)."""
+        fleet = self.fleet
+        if self.drains is None or self.runner.owed is not None or fleet.trainers is None or fleet.engines is None:
+            return
+        pool = self.spares.holders() if self.spares is not None else {}
+        used = {n for n in fleet.trainers.nodes + fleet.engines.nodes if n} | {s.node for s in pool.values()}
+        for node, deadline in self.drains.new(used).items():
+            self.drains.done(node)
+            self._preempt(node, deadline)
+
+    def _preempt(self, node: str, deadline: float | None) -> None:
+        """Move the work off a node that will go: its ranks to the spares holding their copies of the step just
+        completed, its engines to spare or new ones, its spares retired. No retry is spent; the `preemption`
+        event says what moved where, and the `recovery` event what it cost, timed as a repair is."""
+        r, fleet, started = self.runner, self.fleet, time.monotonic()
+        trainers, engines, step = fleet.trainers, fleet.engines, r.state.step.global_step
+        lost = {rank for rank, n in enumerate(trainers.nodes) if n == node}
+        choice = None
+        if lost:
+            if r.memory is not None and r.memory.off is None:
+                r.memory.wait_landed(trainers, step)  # the copy of the step just completed, sent beside the step
+            choice = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
+                                           set(range(trainers.world_size)) - lost)
+        pool = self.spares.holders() if self.spares is not None else {}
+        handoff = plan_handoff(node=node, deadline=deadline, now=time.time(), rank_nodes=trainers.nodes,
+                               engine_nodes={m.name: m.node_id for m in engines.members},
+                               spare_nodes={name: s.node for name, s in pool.items()}, global_step=step,
+                               memory=choice)
+        if handoff is None:
+            return
+        self.log.info(f"node {node[:8]} drains (deadline {_until(deadline)}): moving ranks {list(handoff.ranks)}, "
+                      f"engines {list(handoff.engines)}, spares {len(handoff.spares)}"
+                      + (f"; {handoff.fallback}" if handoff.fallback else ""), extra={"step": step, "phase": self.phase})
+        if handoff.moves:
+            self._hand_off(handoff, choice, step)
+        self.events.emit(Event.PREEMPTION, node=node, deadline=deadline, global_step=step, ranks=list(handoff.ranks),
+                         to=[trainers.nodes[rank] for rank in handoff.ranks], engines=list(handoff.engines),
+                         spares=list(handoff.spares), fallback=handoff.fallback,
+                         secs=round(time.monotonic() - started, 3))
+
+    def _hand_off(self, handoff: Handoff, choice: Choice | None, step: int) -> None:
+        fleet = self.fleet
+        self.clock.start("preemption", "handoff", 0.0, step + 1)  # timed to the next step's completion
+        if handoff.spares:
+            self.spares.drop(list(handoff.spares))  # refilled elsewhere after the next step
+            if self.runner.memory is not None:
+                self.runner.memory.retired(handoff.spares)
+        if handoff.engines:
+            with self.clock.part("teardown"):
+                replaced = fleet.engines.replace(handoff.engines)
+            self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
+        if handoff.ranks:
+            self._rejoin_from_memory(choice)  # resyncs every engine
+            return
+        with self.clock.part("resync"):
+            fleet.sync_engines(self.runner.weights_version, gate=True)
+        self.clock.resumed()
 
     # ---- faults ---------------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault, error: BaseException | None = None) -> Result:
@@ -558,3 +622,7 @@ class Controller:
                 self.spares.shutdown()
             except Exception:  # noqa: BLE001 - best effort at the end of the run
                 pass
+
+
+def _until(deadline: float | None) -> str:
+    return "none" if deadline is None else f"in {max(deadline - time.time(), 0):.0f}s"

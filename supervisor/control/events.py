@@ -37,6 +37,7 @@ class Event(str, enum.Enum):
     BUDDIES = "buddies"                      # the memory tier's links changed: rank -> the node holding its copies
     ENGINES_RESTARTED = "engines_restarted"
     RECOVERY = "recovery"                    # where a repair's time went
+    PREEMPTION = "preemption"                # a node's drain notice acted on: what moved off it, or why not
     RECOVER_INTERVAL = "recover_interval"    # recover.freq_secs auto moved
     DONE = "done"
     FAILED = "failed"                        # a user-code error or a bug: no retry

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -374,6 +376,50 @@ def test_a_trainGroup_that_does_not_fit_shrinks_when_allowed(cluster, trial):
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert "did not offer 4 x {'CPU': 2" in last and "capacity_timeout_secs" in last
+
+
+def drain(cluster, node_id: str, deadline_secs: int) -> None:
+    """A preemption notice, as the autoscaler v2 or KubeRay gives one, by hand: `ray drain-node`."""
+    r = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                        "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                        "--reason-message", "spot instance reclaimed (test)",
+                        "--deadline-remaining-seconds", str(deadline_secs)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.quick
+def test_a_drained_node_hands_its_ranks_to_the_spares_before_it_goes_and_nothing_is_trained_again(
+        cluster, reference, trial, tmp_path):
+    """The job as shipped; both ranks' node gets a preemption notice (`ray drain-node`, 30 s) after step 4 and is
+    killed once the job says its work moved: at the next step boundary each rank handed its place to the spare
+    holding its copy of the step just completed, so the node's loss is nothing to the job: no failure, no retry
+    spent, no step trained again, bit-identical."""
+    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address",
+                          cluster.address, env=env, log=tmp_path / "job.log")
+    try:
+        trial.wait_for_step(4, proc)
+        train_node = trial.events("loaded")[-1]["nodes"][0]
+        drain(cluster, train_node, 30)
+        deadline = time.time() + 30
+        while not trial.events("preemption"):
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        cluster.kill_node(cluster.node_of(train_node))
+        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.add_node()
+    preemption, = trial.events("preemption")
+    assert (preemption["node"], preemption["ranks"], preemption["fallback"]) == (train_node, [0, 1], None)
+    assert train_node not in preemption["to"] and preemption["secs"] < 20
+    assert not trial.events("failure") and not trial.events("restart")
+    recovery, = trial.events("recovery")
+    assert (recovery["cause"], recovery["source"], recovery["replayed_steps"]) == ("preemption", "memory", 0)
+    assert recovery["global_step"] == preemption["global_step"] + 1
+    assert_recovered_exactly(trial, reference, restarts=0)
 
 
 def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster, reference, trial, tmp_path):

@@ -4,7 +4,8 @@ survivor rejoins a new process group in its own process and rolls back in place,
 rank's place from what it holds, and the run ends bitwise equal to one that never failed (params, AdamW state,
 LR scheduler, RNGs). Two kills in one run: rank 1 while rank 0 waits in the step's forward (before any optimizer
 step), then rank 0 (itself a survivor of the first) after the step's optimizer step but before its memory copy
-(the survivor rolls back one step), while its background save of the step before still hangs: it is abandoned.
+(the survivor rolls back one step), while its background save of the step before still hangs: it is abandoned,
+and a save into that save's directory is refused while it may still land there.
 A background recover save after the rejoins writes through the new writer group. The first spare receives the
 copies over side links (as a holder on another host does), the second is written into (this machine is one
 host)."""
@@ -201,6 +202,11 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         ray.get([spare.adopt.remote(where["ip"], where["port"], 0, 2, 3),
                  ranks[1].rejoin.remote(where["ip"], where["port"], 1, 2, 3)], timeout=120)
         ranks = [spare, ranks[1]]
+        # step 3 saved again into the same directory (on an object store, the step's own prefix): refused on the
+        # survivor while its abandoned upload may still land there, as a storage error (the run skips the save)
+        with pytest.raises(ray.exceptions.RayTaskError, match="abandoned at a repair is still uploading") as e:
+            ray.get(ranks[1].begin_save.remote(str(tmp_path / "step3"), 3))
+        assert isinstance(e.value.cause, OSError)
         for step in (4, 5):
             train(ranks, step)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import torch
 from ray import exceptions as rex
 
 from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
+from supervisor.cluster.drains import DrainWatch
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.config import load_config
 from supervisor.control.controller import Controller, Outcome, Result, State, UnexpectedState, transition
@@ -216,6 +218,10 @@ class FakeEngines:
     @property
     def nodes(self):
         return ["n0"] * len(self.held)
+
+    @property
+    def members(self):
+        return [SimpleNamespace(name=f"RolloutWorker[{i}]", node_id="n0") for i in range(len(self.held))]
 
     def _check(self, phase: str, step: int) -> None:
         self.world.strike(phase, step)
@@ -844,3 +850,30 @@ def test_spare_engines_start_after_the_first_step_and_after_a_repair_never_durin
     assert [e["from_spares"] for e in events if e["event"] == "engines_restarted"] == [1]
     assert [(e["kind"], e["started"], e["pool"], e["size"]) for e in events if e["event"] == "spares"] == \
         [("engine", 1, 1, 1)] * 2
+
+
+def test_a_drain_notice_moves_the_engines_off_their_node_at_a_step_boundary_and_spends_no_retry(tmp_path, clean):
+    """Drain notices arrive after step 2: for the engines' node (replaced and resynced before step 3, nothing
+    trained again), for the ranks' node (the memory tier does not serve here: they stay, and the event says why)
+    and for a node the job does not use (nothing)."""
+    world = World()
+    controller, layout, engines = make_controller(tmp_path, world)
+    at = lambda: controller.runner.state.step.global_step  # noqa: E731
+    deadline = time.time() + 60
+    polls = iter(range(0, 10**6, 10))  # every boundary polls
+    controller.drains = DrainWatch(source=lambda: {"n0": deadline, "n1": None, "n9": deadline} if at() >= 2 else {},
+                                   clock=lambda: next(polls))
+    result = controller.run()
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    events = read_jsonl(layout.events_log)
+    assert not [e for e in events if e["event"] in ("failure", "restart", "repair")]
+    moved = [(e["node"], e["global_step"], e["engines"], e["ranks"], e["fallback"]) for e in events
+             if e["event"] == "preemption"]
+    assert moved[0] == ("n0", 2, ["RolloutWorker[0]", "RolloutWorker[1]"], [], None)
+    assert moved[1][:4] == ("n1", 2, [], []) and moved[1][4] == \
+        "ranks [0, 1] stay until the node goes (these tests have no memory tier), then recover as from its loss"
+    assert len(moved) == 2
+    recovery = [e for e in events if e["event"] == "recovery"]
+    assert [(e["cause"], e["global_step"], e["replayed_steps"]) for e in recovery] == [("preemption", 3, 0)]
+    assert sorted(set(engines.generated)) == sorted(set(clean[1]))

@@ -1,0 +1,69 @@
+"""What a drain notice moves off its node, and when it moves nothing (control/preemption.py); which notices the
+Supervisor acts on (cluster/drains.py). Pure: no Ray."""
+from __future__ import annotations
+
+import pytest
+
+from supervisor.cluster.drains import POLL_SECS, DrainWatch
+from supervisor.control.preemption import HANDOFF_SECS, Handoff, plan_handoff
+from supervisor.control.recovery_source import Choice, Source
+
+pytestmark = pytest.mark.quick
+
+NOW = 1_000_000.0
+MEMORY = Choice(Source.MEMORY, "step 7 from memory", 7, {1: "spare-a"})
+
+
+def plan(node="b", deadline=NOW + 30, ranks=("a", "b"), engines=None, spares=None, step=7, memory=MEMORY):
+    return plan_handoff(node=node, deadline=deadline, now=NOW, rank_nodes=list(ranks),
+                        engine_nodes=engines or {"RolloutWorker[0]": "head"}, spare_nodes=spares or {},
+                        global_step=step, memory=memory)
+
+
+def test_a_node_with_a_rank_an_engine_and_a_spare_hands_all_three_off():
+    assert plan(engines={"RolloutWorker[0]": "b", "RolloutWorker[1]": "head"}, spares={"spare-c": "b"}) == \
+        Handoff("b", NOW + 30, (1,), ("RolloutWorker[0]",), ("spare-c",))
+
+
+def test_a_node_the_job_does_not_use_changes_nothing():
+    assert plan(node="elsewhere") is None
+
+
+def test_a_notice_without_a_deadline_is_handed_off():
+    assert plan(deadline=None).ranks == (1,)
+
+
+@pytest.mark.parametrize("left", [HANDOFF_SECS - 0.1, 0.0, -3.0])
+def test_a_deadline_too_close_moves_nothing_and_says_why(left):
+    h = plan(deadline=NOW + left, engines={"RolloutWorker[0]": "b"})
+    assert not h.moves and "less than the 5s a handoff needs" in h.fallback
+
+
+@pytest.mark.parametrize("memory, why", [
+    (None, "the memory tier does not serve this job"),
+    (Choice(Source.DISK, "rank 1 had no buddy holding its state"), "rank 1 had no buddy holding its state"),
+    (Choice(Source.MEMORY, "step 6 from memory", 6, {1: "spare-a"}), "holds step 6, not step 7 just completed"),
+])
+def test_ranks_the_memory_tier_cannot_hand_off_stay_while_the_engines_and_spares_move(memory, why):
+    h = plan(memory=memory, engines={"RolloutWorker[0]": "b"}, spares={"spare-c": "b"})
+    assert (h.ranks, h.engines, h.spares) == ((), ("RolloutWorker[0]",), ("spare-c",))
+    assert why in h.fallback and h.fallback.startswith("ranks [1] stay until the node goes")
+
+
+def test_a_notice_is_acted_on_once_and_again_after_a_cancelled_drain():
+    now, draining = [0.0], {"b": NOW + 30, "elsewhere": None}
+    watch = DrainWatch(source=lambda: dict(draining), clock=lambda: now[0])
+    assert watch.new({"a", "b"}) == {"b": NOW + 30}
+    watch.done("b")
+    now[0] += POLL_SECS / 2
+    draining["a"] = None
+    assert watch.new({"a", "b"}) == {}  # not polled again yet
+    now[0] += POLL_SECS
+    assert watch.new({"a", "b"}) == {"a": None}
+    watch.done("a")
+    del draining["b"]  # its drain was cancelled: the node stays
+    now[0] += POLL_SECS
+    assert watch.new({"a", "b"}) == {}
+    draining["b"] = NOW + 60  # drained again
+    now[0] += POLL_SECS
+    assert watch.new({"a", "b"}) == {"b": NOW + 60}
