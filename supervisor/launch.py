@@ -10,8 +10,10 @@ actor (`relaunch/{experiment}/{trial}`), so one trial can never have two control
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -37,6 +39,22 @@ def _runtime_env() -> dict:
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     env.update({k: os.environ[k] for k in FAULT_ENV_VARS + WANDB_ENV_VARS if k in os.environ})
     return {"env_vars": env}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the driver (a pod evicted, `ray job stop`): the run stops at the next step boundary, saved there,
+    within recover.term_grace_secs (`_stop`)."""
+
+
+TERM = threading.Event()  # set by the SIGTERM handler: raising there, inside Ray's waits, comes out as Ctrl-C
+
+
+def _terminated(signum, frame) -> None:
+    TERM.set()
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    return ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
 
 
 class ClusterUnreachable(Exception):
@@ -93,6 +111,8 @@ def run_job(config: Config, address: str | None) -> int:
     except OSError as e:  # the lock's disk or store failed it: nothing has started
         print(f"relaunch: error: cannot take the trial's lock {lock.path}: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    TERM.clear()
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         if taken_over:
             print(f"relaunch: {taken_over}", file=sys.stderr)
@@ -105,11 +125,13 @@ def run_job(config: Config, address: str | None) -> int:
         print("relaunch: interrupted while starting; the last valid checkpoint is kept", file=sys.stderr)
         return ExitCode.INTERRUPTED
     finally:
+        signal.signal(signal.SIGTERM, previous)
         lock.release()
 
 
 def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
     connect(config, address)
+    signal.signal(signal.SIGTERM, _terminated)  # ray.init put its own in (sys.exit), without a step boundary
     try:
         name = supervisor_name(config)
         try:
@@ -133,13 +155,18 @@ def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
             # spent the run's retries first (ActorUnavailableError) and was lost while it had restarts left.
             # The run is retried as long as the Supervisor lives; its max_restarts stays the one backstop.
             run = supervisor.run.options(max_task_retries=-1).remote()
-            result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress, lock)
-        except KeyboardInterrupt:
+            try:
+                result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress, lock)
+            except Terminated:
+                result = _stop(supervisor, run, config.recover.term_grace_secs)
+                if result is None:
+                    raise
+        except KeyboardInterrupt as e:
             # Leaving Ray ends the Supervisor and its workers (their owner is gone) without the "will be
             # retried" line that killing the actor under a pending task makes Ray print.
             ray.shutdown()
             print(progress.interrupted(), file=sys.stderr)
-            return ExitCode.INTERRUPTED
+            return _interrupted(e)
     finally:
         ray.shutdown()
     if result["details"]:
@@ -148,6 +175,8 @@ def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
     if code == 0:
         reward = f", last mean reward {result['reward']:.3f}" if result["reward"] is not None else ""
         print(f"relaunch: {result['message']} (global step {result['global_step']}{reward})")
+    elif code == ExitCode.TERMINATED:
+        print(f"relaunch: {result['message']}", file=sys.stderr)
     else:
         print(f"relaunch: failed: {result['message']}", file=sys.stderr)
     return code
@@ -162,6 +191,8 @@ def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock
             done, _ = ray.wait([run_ref], timeout=1.0)
             if done:
                 break
+            if TERM.is_set():
+                raise Terminated()
             if lock.lost:
                 ray.kill(supervisor, no_restart=True)
                 return {"exit_code": ExitCode.FAILED, "message": f"stopped: {lock.lost}", "global_step": -1,
@@ -186,6 +217,19 @@ def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock
                     "global_step": -1, "reward": None, "details": ""}
     finally:
         progress.close()
+
+
+def _stop(supervisor, run_ref, grace: float) -> dict | None:
+    """SIGTERM: the Supervisor ends the run at the next step boundary, saved there; its result, or None when it
+    did not end within `grace` seconds (the step in flight is then abandoned, the last commit kept)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second notice changes nothing: the bound is set
+    print(f"[relaunch] SIGTERM: stopping at the next step boundary, within {grace:g}s", file=sys.stderr, flush=True)
+    try:
+        supervisor.stop.remote("SIGTERM")
+        done, _ = ray.wait([run_ref], timeout=grace)
+        return ray.get(run_ref) if done else None
+    except ray.exceptions.RayError:
+        return None
 
 
 def _alive(supervisor) -> bool:

@@ -8,6 +8,7 @@ copy of the working dir.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shlex
 import time
@@ -36,6 +37,7 @@ def entrypoint(config_path: Path, overrides: list[str], config: Config) -> str:
 
 
 AGENT_WAIT_SECS = 120.0  # how long a newly started head's job agent may take to come up
+STOP_SHUTDOWN_SECS = 15  # beyond recover.term_grace_secs: Ray's shutdown of the job's actors, and the driver's exit
 
 
 def submit_when_ready(client, address: str, **job) -> str:
@@ -69,9 +71,12 @@ def submit(config_path: Path, overrides: list[str], config: Config, address: str
     except ConnectionError as e:
         raise SubmitError(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
     env = {k: os.environ[k] for k in FAULT_ENV_VARS + WANDB_ENV_VARS if k in os.environ}
+    # `ray job stop` sends SIGTERM, then SIGKILL after this many seconds (Ray's default, 3, is too short for the
+    # driver to stop at a step boundary and save there: recover.term_grace_secs, then Ray's shutdown)
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = str(math.ceil(config.recover.term_grace_secs) + STOP_SHUTDOWN_SECS)
     job_id = submit_when_ready(
         client, address, entrypoint=entrypoint(config_path, overrides, config),
-        runtime_env={"working_dir": str(Path.cwd()), **({"env_vars": env} if env else {})},
+        runtime_env={"working_dir": str(Path.cwd()), "env_vars": env},
         metadata={"relaunch": f"{config.experiment_name}/{config.trial_name}"},
     )
     print(f"submitted {job_id}")

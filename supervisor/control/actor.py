@@ -71,6 +71,7 @@ class Supervisor:
         if layout.log_mirror is not None:
             self.events.listeners.append(LogMirror(layout, self.events, retry_budget(config)).on_event)
         self.controller: Controller | None = None
+        self.stop_requested: str | None = None  # asked before the controller was made: handed to it
         self.trackers: Trackers | None = None
         self.created = time.monotonic()
         self._run_once = threading.Lock()
@@ -96,6 +97,12 @@ class Supervisor:
             "workers": (f.trainers.describe() if f and f.trainers else []) +
                        (f.engines.describe() if f and f.engines else []),
         }
+
+    def stop(self, why: str) -> None:
+        """End the run at the next step boundary, saved there (the driver got SIGTERM): `run` returns exit 143."""
+        self.stop_requested = why
+        if self.controller is not None:
+            self.controller.stop_requested = why
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -141,6 +148,7 @@ class Supervisor:
             make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
             supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off, drains=DrainWatch())
+        self.controller.stop_requested = self.stop_requested
         try:
             result = self.controller.run()
         except Exception as e:  # noqa: BLE001 - a bug in the controller itself: report it, never hang the driver

@@ -48,10 +48,11 @@ class State(str, enum.Enum):
     REPAIRING = "repairing"  # apply a repair decision: restart the TrainGroup, the engines, or skip a save
     FINISHED = "finished"
     FAILED = "failed"
+    STOPPED = "stopped"      # SIGTERM to the driver: stopped at a step boundary, saved there; the same command resumes
 
     @property
     def terminal(self) -> bool:
-        return self in (State.FINISHED, State.FAILED)
+        return self in (State.FINISHED, State.FAILED, State.STOPPED)
 
 
 class Outcome(str, enum.Enum):
@@ -59,6 +60,7 @@ class Outcome(str, enum.Enum):
     DONE = "done"      # every step trained and settled
     FAULT = "fault"    # a repairable fault; the decision says how
     FATAL = "fatal"    # stop: the decision (or a bad checkpoint, missing capacity) says why
+    STOPPED = "stopped"  # a stop was asked for (SIGTERM): the run ends at a step boundary, resumable
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def transition(current: State, result: Result) -> State:
         raise UnexpectedState(f"no transition out of {current.value}")
     if result.outcome is Outcome.FATAL:
         return State.FAILED
+    if result.outcome is Outcome.STOPPED:
+        return State.STOPPED
     if result.outcome is Outcome.FAULT:
         return State.REPAIRING
     if result.outcome is Outcome.DONE:
@@ -123,6 +127,7 @@ class Controller:
         self.spares = spares                # the warm spare pool (cluster/spares.py), or None
         self.memory_off = memory_off        # why the memory tier does not serve this job (recover.memory), or None
         self.drains = drains                # Ray's drain notices not acted on yet (cluster/drains.py), or None
+        self.stop_requested: str | None = None  # why the run is to stop at the next step boundary (SIGTERM)
         self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
         self.transitioned = time.monotonic()  # when the last transition was applied (the driver's watchdog)
 
@@ -143,6 +148,10 @@ class Controller:
             self.events.emit(Event.DONE, global_step=step, reward=self.runner.last_reward, message=r.message)
             return JobResult(ExitCode.OK, r.message or f"finished {self.runner.total_steps} steps", step,
                              self.runner.last_reward)
+        if self.state is State.STOPPED:
+            self.events.emit(Event.INTERRUPTED, global_step=self.checkpoints.last_commit, signal=self.stop_requested,
+                             message=r.message)
+            return JobResult(ExitCode.TERMINATED, r.message, step, self.runner.last_reward)
         kind = Event.FAILED if r.fault is None or r.fault.kind in (FaultKind.USER_ERROR, FaultKind.INTERNAL_ERROR,
                                                                    FaultKind.START_FAILED) \
             else Event.GAVE_UP
@@ -155,7 +164,8 @@ class Controller:
         if new is not self.state:
             self.events.emit(Event.STATE, previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
-        self.current = Current(new, result if new in (State.REPAIRING, State.FINISHED, State.FAILED) else None)
+        self.current = Current(new, result if new in (State.REPAIRING, State.FINISHED, State.FAILED, State.STOPPED)
+                               else None)
         if new is State.RUNNING:
             self.policy.started = True
 
@@ -180,6 +190,8 @@ class Controller:
 
     def _step(self) -> Result:
         if not self.runner.finished:
+            if self.stop_requested is not None and self.runner.owed is None:
+                return self._stop()
             self._act_on_drains()
             completed = self.runner.advance()
             if completed is not None and self.clock.running:
@@ -200,6 +212,17 @@ class Controller:
         else:
             step = self.runner.state.step.global_step + (0 if self.runner.owed else 1)
         return min(step, self.runner.total_steps - 1)
+
+    def _stop(self) -> Result:
+        """A stop asked for (SIGTERM to the driver), at a step boundary: the background writes are committed and the
+        step just completed is saved, so that the same command resumes after it with nothing trained again."""
+        step = self.runner.state.step.global_step
+        saved = self.runner.save_now()
+        kept = self.checkpoints.last_commit
+        where = f"saved at global step {step}" if saved else \
+            "nothing saved: no checkpoint yet" if kept is None else f"the last checkpoint is global step {kept}"
+        return Result(Outcome.STOPPED, message=f"stopped by {self.stop_requested} after global step {step} ({where});"
+                                               f" the same command resumes")
 
     # ---- drain notices: a node that will go -----------------------------------------------------------
     def _act_on_drains(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -389,15 +390,17 @@ def drain(cluster, node_id: str, deadline_secs: int) -> None:
 
 
 @pytest.mark.quick
-def test_a_drained_node_hands_its_ranks_to_the_spares_before_it_goes_and_nothing_is_trained_again(
+def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_same_command_to_resume(
         cluster, reference, trial, tmp_path):
-    """The job as shipped; both ranks' node gets a preemption notice (`ray drain-node`, 30 s) after step 4 and is
+    """The job as shipped. Both ranks' node gets a preemption notice (`ray drain-node`, 30 s) after step 4 and is
     killed once the job says its work moved: at the next step boundary each rank handed its place to the spare
     holding its copy of the step just completed, so the node's loss is nothing to the job: no failure, no retry
-    spent, no step trained again, bit-identical."""
+    spent, no step trained again. After step 12 the driver gets SIGTERM (a pod evicted): it exits 143 within
+    recover.term_grace_secs, the step it stopped after saved; the same command resumes there. Bit-identical."""
     env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address",
-                          cluster.address, env=env, log=tmp_path / "job.log")
+    command = ("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address", cluster.address)
+    proc = start_relaunch(*command, env=env, log=tmp_path / "job.log")
+    added = False
     try:
         trial.wait_for_step(4, proc)
         train_node = trial.events("loaded")[-1]["nodes"][0]
@@ -407,11 +410,18 @@ def test_a_drained_node_hands_its_ranks_to_the_spares_before_it_goes_and_nothing
             assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
             time.sleep(0.2)
         cluster.kill_node(cluster.node_of(train_node))
-        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        cluster.add_node()
+        added = True
+        trial.wait_for_step(12, proc)
+        proc.send_signal(signal.SIGTERM)
+        termed = time.monotonic()
+        assert proc.wait(timeout=60) == 143, (tmp_path / "job.log").read_text()[-3000:]
+        stopped_in = time.monotonic() - termed
     finally:
         if proc.poll() is None:
             proc.kill()
-        cluster.add_node()
+        if not added:
+            cluster.add_node()
     preemption, = trial.events("preemption")
     assert (preemption["node"], preemption["ranks"], preemption["fallback"]) == (train_node, [0, 1], None)
     assert train_node not in preemption["to"] and preemption["secs"] < 20
@@ -419,6 +429,19 @@ def test_a_drained_node_hands_its_ranks_to_the_spares_before_it_goes_and_nothing
     recovery, = trial.events("recovery")
     assert (recovery["cause"], recovery["source"], recovery["replayed_steps"]) == ("preemption", "memory", 0)
     assert recovery["global_step"] == preemption["global_step"] + 1
+
+    interrupted, = trial.events("interrupted")
+    stopped_at = trial.stats()[-1]["global_step"]
+    assert interrupted["signal"] == "SIGTERM" and interrupted["global_step"] == stopped_at >= 12
+    assert stopped_in < 25 + 10, stopped_in  # recover.term_grace_secs, and Ray's shutdown
+    last = (tmp_path / "job.log").read_text().strip().splitlines()[-1]
+    assert last == f"relaunch: stopped by SIGTERM after global step {stopped_at} (saved at global step " \
+                   f"{stopped_at}); the same command resumes", last
+    assert not (trial.root / "run.lock").exists()  # the trial's lock released: the same command may run now
+
+    r = relaunch(*command)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert trial.events("loaded")[-1]["global_step"] == stopped_at  # nothing trained again
     assert_recovered_exactly(trial, reference, restarts=0)
 
 

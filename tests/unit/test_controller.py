@@ -877,3 +877,31 @@ def test_a_drain_notice_moves_the_engines_off_their_node_at_a_step_boundary_and_
     recovery = [e for e in events if e["event"] == "recovery"]
     assert [(e["cause"], e["global_step"], e["replayed_steps"]) for e in recovery] == [("preemption", 3, 0)]
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
+
+
+@pytest.mark.parametrize("at", [2, 4])  # 4: a step whose own save was not due (saves every 2 steps: 1, 3, ...)
+def test_a_stop_asked_for_ends_at_the_next_step_boundary_saved_there_and_the_same_command_resumes_exact(
+        tmp_path, clean, at, monkeypatch):
+    """SIGTERM to the driver: the run stops after the step in flight, with that step saved (and a background
+    save still in flight committed first), exit 143; run again, it resumes after it and ends exact."""
+    controller, layout, engines = make_controller(tmp_path, World())
+    train = FakeTrainers.train
+
+    def asked_while_training(self, shards, global_step):
+        if global_step == at:
+            controller.stop_requested = "SIGTERM"
+        return train(self, shards, global_step)
+
+    monkeypatch.setattr(FakeTrainers, "train", asked_while_training)
+    result = controller.run()
+    monkeypatch.undo()
+    assert result.exit_code == ExitCode.TERMINATED and controller.state is State.STOPPED
+    assert result.message == f"stopped by SIGTERM after global step {at} (saved at global step {at}); " \
+                             "the same command resumes"
+    events = read_jsonl(layout.events_log)
+    assert [(e["global_step"], e["signal"]) for e in events if e["event"] == "interrupted"] == [(at, "SIGTERM")]
+    assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(at + 1))
+    result, layout, engines, _ = run(tmp_path, World())
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    assert [e["global_step"] for e in read_jsonl(layout.events_log) if e["event"] == "loaded"] == [-1, at]
