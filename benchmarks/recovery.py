@@ -5,10 +5,14 @@ from disk (`recover.memory=off`): what spares buy there; benchmarks/baselines.py
 With `--engine-kill`, the engine is killed instead (SIGKILLed as its rollout of step 6 begins; vLLM's engine core
 runs in the engine's process, so this is the engine core's death), once per engine, side by side: the built-in
 engine, vLLM, and vLLM with a warm spare engine (`rollout.spare_engines=1`), each at the shape vLLM runs
-(`--quick`: tiny, the built-in engine and vLLM with its spare).
+(`--quick`: tiny, the built-in engine and vLLM with its spare). With `--drain`, the ranks' node is lost after step
+`--kill-at-step` (default 20), side by side: killed without notice, and drained first (a preemption notice through
+`ray drain-node`, 30 s) then killed once its work moved and the next step completed; both with the memory
+tier and a warm spare per rank, linked before the loss (`--quick`: one epoch, the loss after step 8).
 
     .venv/bin/python benchmarks/recovery.py [--size tiny|100m|0.5b] [--kill-at-step 30] [--spares 0,1,2]
-                                            [--engine-kill] [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
+                                            [--engine-kill | --drain] [--quick] [--address ADDR] [--json FILE]
+                                            [KEY=VALUE ...]
 
 Prints, one column per pool size, wall times and their ratio, how long detection, restart and resync took,
 the time from the fault to the completion of the killed step and what it lost beyond one steady step, where
@@ -21,7 +25,10 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -178,10 +185,107 @@ def engine_table(runs: dict[str, dict]) -> list[tuple[str, ...]]:
     ]
 
 
+DRAIN_SECS = 30  # the notice's deadline: between GCP's 30 s and AWS's 2 min
+
+
+def node_lost_run(address: str, fileroot: Path, trial: str, overrides: list[str], at: int, config_path: Path,
+                  cluster: LocalCluster, notice: bool) -> tuple[float, TrialLayout]:
+    """The job with its ranks' node lost after step `at` (the spare pools warm before step 1): with `notice`,
+    drained first (`ray drain-node`, a preemption with DRAIN_SECS to go) and killed once its work moved and the next
+    step completed (the `recovery` event), else killed without notice. A node is added back once the job ended."""
+    fault_dir = fileroot / f"faults-{trial}"
+    fault_dir.mkdir()
+
+    def during(config):
+        layout = TrialLayout.from_config(config)
+        thread = threading.Thread(target=lose_node, args=(layout,), daemon=True)
+        thread.start()
+        return lambda: thread.join(timeout=60)
+
+    def lose_node(layout: TrialLayout) -> None:
+        rows = lambda: [r for r in read_jsonl(layout.stats_log) if "global_step" in r]  # noqa: E731
+        events = lambda kind: [e for e in read_jsonl(layout.events_log) if e["event"] == kind]  # noqa: E731
+        while not (rows() and rows()[-1]["global_step"] >= at):
+            time.sleep(0.05)
+        node = events(Event.LOADED)[-1]["nodes"][0]
+        if notice:
+            subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", address, "--node-id",
+                            node, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "benchmark",
+                            "--deadline-remaining-seconds", str(DRAIN_SECS)], check=True, capture_output=True)
+            deadline = time.monotonic() + DRAIN_SECS  # the node goes then, whatever the job did
+            while not events(Event.RECOVERY) and time.monotonic() < deadline:  # its handoff, and the next step
+                time.sleep(0.05)
+        cluster.kill_node(cluster.node_of(node))
+
+    os.environ.update(RELAUNCH_FAULT="step.begin:wait_spares:step=1", RELAUNCH_FAULT_DIR=str(fault_dir))
+    try:
+        return run(address, fileroot, trial, overrides, config_path, during=during)
+    finally:
+        del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
+        cluster.add_node()
+
+
+def drain_figures(clean: TrialLayout, layout: TrialLayout, secs: float) -> dict:
+    events = read_jsonl(layout.events_log)
+    recovery = next(e for e in events if e["event"] == Event.RECOVERY)
+    preemption = next((e for e in events if e["event"] == Event.PREEMPTION), None)
+    return {"wall_secs": secs, "recovery": recovery, "preemption": preemption,
+            "failures": sum(e["event"] == Event.FAILURE for e in events),
+            "retries": sum(e["event"] == Event.RESTART for e in events),
+            "identical": final_weights(clean) == final_weights(layout)}
+
+
+def drain_table(runs: dict[str, dict], clean_secs: float) -> list[tuple[str, ...]]:
+    """One row per figure, one column per way the node went."""
+    cols = list(runs.values())
+
+    def row(label: str, fmt) -> tuple[str, ...]:
+        return (label, *(fmt(f) for f in cols))
+
+    return [
+        ("the ranks' node", *runs),
+        ("wall time, uninterrupted job", *(f"{clean_secs:.1f} s" for _ in cols)),
+        row("wall time, job that lost the node", lambda f: f"{f['wall_secs']:.1f} s"),
+        row("failures seen, retries spent", lambda f: f"{f['failures']}, {f['retries']}"),
+        row("handoff (preemption event)", lambda f: f"{f['preemption']['secs']:.2f} s" if f["preemption"] else "-"),
+        row("fault or notice -> step in flight completed", lambda f: f"{f['recovery']['total']:.2f} s"),
+        row("  lost beyond one steady step", lambda f: f"{f['recovery']['lost']:.2f} s "
+                                                     f"(step {f['recovery']['steady_step']:.2f} s)"),
+        *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
+        row("step loaded (from), steps trained again",
+            lambda f: f"{f['recovery']['loaded_step']} ({f['recovery']['source']}), "
+                      f"{f['recovery']['replayed_steps']}"),
+        row("final weights identical", lambda f: str(f["identical"])),
+    ]
+
+
+def drain_main(args, fileroot: Path, cluster: LocalCluster) -> None:
+    """--drain: the uninterrupted job, then the node killed, then the node drained and killed, on one cluster."""
+    config = SIZES[args.size].config
+    overrides, at = (["total_train_epochs=1", *args.overrides], 8) if args.quick else \
+        (args.overrides, args.kill_at_step or 20)
+    tier = [*overrides, "recover.spare_workers=2", "recover.memory=on"]
+    try:
+        clean_secs, clean = run(cluster.address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"],
+                                config)
+        runs = {}
+        for label, notice in (("killed", False), ("drained, then killed", True)):
+            trial = "node-" + label.split(",")[0]
+            secs, layout = node_lost_run(cluster.address, fileroot, trial, tier, at, config, cluster, notice)
+            runs[label] = drain_figures(clean, layout, secs)
+    finally:
+        cluster.shutdown()
+    print(f"model: {args.size} ({config.name}), the node lost after step {at}")
+    report(drain_table(runs, clean_secs), {"benchmark": "recovery", "size": args.size, "kill": "node",
+                                           "uninterrupted_secs": clean_secs, "runs": runs}, args.json)
+    print(f"(runs under {fileroot})")
+
+
 def main() -> None:
     parser = arguments(__doc__, "one epoch, the kill at step 10, spares 0 and 2")
     parser.add_argument("--kill-at-step", type=int, default=None, help="default 30 (--engine-kill: 6)")
     parser.add_argument("--engine-kill", action="store_true", help="kill an engine (hf, vllm, vllm with a spare)")
+    parser.add_argument("--drain", action="store_true", help="lose the ranks' node, with and without a drain notice")
     parser.add_argument("--spares", default="0,1,2",
                         help="recover.spare_workers of each killed run, side by side (--quick: 0,2)")
     parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model (benchmarks/sizes.py)")
@@ -194,6 +298,11 @@ def main() -> None:
     spares = [int(n) for n in ("0,2" if args.quick and args.spares == parser.get_default("spares")
                                else args.spares).split(",")]
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
+    if args.drain:
+        if args.address:
+            parser.error("--drain kills a node: it runs on a local cluster of its own, not --address")
+        drain_main(args, fileroot, LocalCluster(object_store=SIZES[args.size].object_store))
+        return
     cluster = None if args.address else LocalCluster(object_store=SIZES[args.size].object_store)
     address = args.address or cluster.address
     if args.engine_kill:

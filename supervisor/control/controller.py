@@ -48,11 +48,11 @@ class State(str, enum.Enum):
     REPAIRING = "repairing"  # apply a repair decision: restart the TrainGroup, the engines, or skip a save
     FINISHED = "finished"
     FAILED = "failed"
-    STOPPED = "stopped"      # SIGTERM to the driver: stopped at a step boundary, saved there; the same command resumes
+    TERMINATED = "terminated"  # SIGTERM to the driver: stopped at a step boundary, saved there; the same command resumes
 
     @property
     def terminal(self) -> bool:
-        return self in (State.FINISHED, State.FAILED, State.STOPPED)
+        return self in (State.FINISHED, State.FAILED, State.TERMINATED)
 
 
 class Outcome(str, enum.Enum):
@@ -60,7 +60,7 @@ class Outcome(str, enum.Enum):
     DONE = "done"      # every step trained and settled
     FAULT = "fault"    # a repairable fault; the decision says how
     FATAL = "fatal"    # stop: the decision (or a bad checkpoint, missing capacity) says why
-    STOPPED = "stopped"  # a stop was asked for (SIGTERM): the run ends at a step boundary, resumable
+    TERMINATED = "terminated"  # a stop was asked for (SIGTERM): the run ends at a step boundary, resumable
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class Result:
 
 @dataclass(frozen=True)
 class Current:
-    """The controller's state and its payload: REPAIRING carries the decision to apply, FINISHED and FAILED
-    the result that ended the run."""
+    """The controller's state and its payload: REPAIRING carries the decision to apply, the terminal states the
+    result that ended the run."""
     state: State
     result: Optional[Result] = None
 
@@ -91,8 +91,8 @@ def transition(current: State, result: Result) -> State:
         raise UnexpectedState(f"no transition out of {current.value}")
     if result.outcome is Outcome.FATAL:
         return State.FAILED
-    if result.outcome is Outcome.STOPPED:
-        return State.STOPPED
+    if result.outcome is Outcome.TERMINATED:
+        return State.TERMINATED
     if result.outcome is Outcome.FAULT:
         return State.REPAIRING
     if result.outcome is Outcome.DONE:
@@ -148,7 +148,7 @@ class Controller:
             self.events.emit(Event.DONE, global_step=step, reward=self.runner.last_reward, message=r.message)
             return JobResult(ExitCode.OK, r.message or f"finished {self.runner.total_steps} steps", step,
                              self.runner.last_reward)
-        if self.state is State.STOPPED:
+        if self.state is State.TERMINATED:
             self.events.emit(Event.INTERRUPTED, global_step=self.checkpoints.last_commit, signal=self.stop_requested,
                              message=r.message)
             return JobResult(ExitCode.TERMINATED, r.message, step, self.runner.last_reward)
@@ -164,8 +164,7 @@ class Controller:
         if new is not self.state:
             self.events.emit(Event.STATE, previous=self.state.value, state=new.value,
                              global_step=self.runner.state.step.global_step)
-        self.current = Current(new, result if new in (State.REPAIRING, State.FINISHED, State.FAILED, State.STOPPED)
-                               else None)
+        self.current = Current(new, None if new is State.RUNNING else result)
         if new is State.RUNNING:
             self.policy.started = True
 
@@ -221,7 +220,7 @@ class Controller:
         kept = self.checkpoints.last_commit
         where = f"saved at global step {step}" if saved else \
             "nothing saved: no checkpoint yet" if kept is None else f"the last checkpoint is global step {kept}"
-        return Result(Outcome.STOPPED, message=f"stopped by {self.stop_requested} after global step {step} ({where});"
+        return Result(Outcome.TERMINATED, message=f"stopped by {self.stop_requested} after global step {step} ({where});"
                                                f" the same command resumes")
 
     # ---- drain notices: a node that will go -----------------------------------------------------------

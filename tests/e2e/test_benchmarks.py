@@ -136,6 +136,21 @@ def test_weight_sync_benchmark(cluster, tmp_path):
     assert "speed-up shared memory / object store" in figures["stdout"]
 
 
+def test_drain_benchmark(tmp_path):
+    """The ranks' node lost after step 8, killed and then drained before it is killed, side by side on a cluster of
+    the benchmark's own: both from memory with nothing trained again; the drained one sees no failure and spends
+    no retry, and its figures start at the notice (no detection)."""
+    figures = bench("recovery", "--drain", tmp_path=tmp_path)
+    killed, drained = figures["runs"]["killed"], figures["runs"]["drained, then killed"]
+    assert killed["failures"] >= 1 and (killed["retries"], killed["recovery"]["cause"]) == (1, "worker_died")
+    assert (drained["failures"], drained["retries"], drained["recovery"]["cause"]) == (0, 0, "preemption")
+    assert drained["preemption"]["ranks"] == [0, 1] and drained["preemption"]["fallback"] is None
+    for run in (killed, drained):
+        assert (run["recovery"]["source"], run["recovery"]["replayed_steps"]) == ("memory", 0) and run["identical"]
+    assert drained["recovery"]["detection"] == 0 < killed["recovery"]["detection"]
+    assert "lost beyond one steady step" in figures["stdout"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (./dev.sh installs it)")
 def test_engine_kill_benchmark(cluster, tmp_path):
     """An engine SIGKILLed at step 6, the built-in engine and vLLM with a warm spare side by side: each timed to

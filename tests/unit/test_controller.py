@@ -580,13 +580,14 @@ def test_a_restarted_supervisor_spends_what_is_left_of_the_budget_and_keeps_the_
     (State.REPAIRING, Outcome.FAULT, State.REPAIRING),    # a fault while repairing: decided again
     (State.RUNNING, Outcome.FATAL, State.FAILED),
     (State.REPAIRING, Outcome.FATAL, State.FAILED),
+    (State.RUNNING, Outcome.TERMINATED, State.TERMINATED),  # SIGTERM, at a step boundary
 ])
 def test_transitions(state, outcome, expected):
     assert transition(state, Result(outcome)) is expected
 
 
 @pytest.mark.parametrize("state, outcome", [
-    (State.FINISHED, Outcome.OK), (State.FAILED, Outcome.FAULT),   # nothing leaves a terminal state
+    (State.FINISHED, Outcome.OK), (State.FAILED, Outcome.FAULT), (State.TERMINATED, Outcome.OK),  # terminal
     (State.REPAIRING, Outcome.DONE),                               # a repair never finishes the run
 ])
 def test_unexpected_transitions_raise(state, outcome):
@@ -895,7 +896,7 @@ def test_a_stop_asked_for_ends_at_the_next_step_boundary_saved_there_and_the_sam
     monkeypatch.setattr(FakeTrainers, "train", asked_while_training)
     result = controller.run()
     monkeypatch.undo()
-    assert result.exit_code == ExitCode.TERMINATED and controller.state is State.STOPPED
+    assert result.exit_code == ExitCode.TERMINATED and controller.state is State.TERMINATED
     assert result.message == f"stopped by SIGTERM after global step {at} (saved at global step {at}); " \
                              "the same command resumes"
     events = read_jsonl(layout.events_log)
