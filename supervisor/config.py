@@ -276,8 +276,9 @@ class RecoverConfig(Frequency):
     start_timeout_secs: float = Field(180.0, gt=0, description="a worker that takes longer to start (imports, "
                                                                 "model build, rendezvous) is hung")
     capacity_timeout_secs: float = Field(120.0, gt=0, description="wait for cluster resources at most")
-    term_grace_secs: float = Field(25.0, gt=0, description="on SIGTERM to the driver (a pod evicted, `ray job "
-                                                           "stop`): the step in flight completes, the last one "
+    term_grace_secs: float = Field(25.0, gt=0, description="on SIGTERM to the driver (`ray job stop`, a "
+                                                           "scheduler's preemption): the step in flight completes, "
+                                                           "the last one "
                                                            "completed is saved, and the run exits 143 within this "
                                                            "long; past it, the step is abandoned and the last "
                                                            "committed checkpoint is kept. The same command resumes")

@@ -42,15 +42,36 @@ def _runtime_env() -> dict:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM to the driver (a pod evicted, `ray job stop`): the run stops at the next step boundary, saved there,
-    within recover.term_grace_secs (`_stop`)."""
+    """SIGTERM to the driver (`ray job stop`, a driver that is its container's main process evicted): the run stops
+    at the next step boundary, saved there, within recover.term_grace_secs (`_stop`)."""
 
 
-TERM = threading.Event()  # set by the SIGTERM handler: raising there, inside Ray's waits, comes out as Ctrl-C
+class Termination:
+    """SIGTERM, noted by its handler (an exception raised there, inside Ray's waits, comes out as Ctrl-C): when it
+    came, and the Supervisor told at once by a thread of its own, so that the stop lands at the next step boundary
+    whatever the driver's loop is waiting on."""
 
+    def __init__(self):
+        self.at: float | None = None
+        self.noted = threading.Event()
 
-def _terminated(signum, frame) -> None:
-    TERM.set()
+    def handler(self, signum, frame) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        self.noted.set()
+
+    def forward(self, supervisor) -> None:
+        def tell() -> None:
+            self.noted.wait()
+            try:
+                supervisor.stop.remote("SIGTERM")
+            except Exception:  # noqa: BLE001 - Ray already shut down: the driver ends the run itself
+                pass
+        threading.Thread(target=tell, daemon=True, name="sigterm").start()
+
+    def left(self, grace: float) -> float:
+        return max(grace - (time.monotonic() - self.at), 0.0)
+
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:
@@ -111,12 +132,12 @@ def run_job(config: Config, address: str | None) -> int:
     except OSError as e:  # the lock's disk or store failed it: nothing has started
         print(f"relaunch: error: cannot take the trial's lock {lock.path}: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    TERM.clear()
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    term = Termination()
+    previous = signal.signal(signal.SIGTERM, term.handler)
     try:
         if taken_over:
             print(f"relaunch: {taken_over}", file=sys.stderr)
-        return _run_locked(config, address, lock)
+        return _run_locked(config, address, lock, term)
     except ClusterUnreachable as e:
         print(f"relaunch: error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -129,9 +150,9 @@ def run_job(config: Config, address: str | None) -> int:
         lock.release()
 
 
-def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
+def _run_locked(config: Config, address: str | None, lock: TrialLock, term: Termination) -> int:
     connect(config, address)
-    signal.signal(signal.SIGTERM, _terminated)  # ray.init put its own in (sys.exit), without a step boundary
+    signal.signal(signal.SIGTERM, term.handler)  # ray.init put its own in (sys.exit), without a step boundary
     try:
         name = supervisor_name(config)
         try:
@@ -155,10 +176,12 @@ def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
             # spent the run's retries first (ActorUnavailableError) and was lost while it had restarts left.
             # The run is retried as long as the Supervisor lives; its max_restarts stays the one backstop.
             run = supervisor.run.options(max_task_retries=-1).remote()
+            term.forward(supervisor)
             try:
-                result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress, lock)
+                result = _follow(supervisor, run, Watchdog.from_config(config, time.monotonic()), progress, lock,
+                                 term)
             except Terminated:
-                result = _stop(supervisor, run, config.recover.term_grace_secs)
+                result = _stop(run, term.left(config.recover.term_grace_secs))
                 if result is None:
                     raise
         except KeyboardInterrupt as e:
@@ -182,7 +205,8 @@ def _run_locked(config: Config, address: str | None, lock: TrialLock) -> int:
     return code
 
 
-def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock: TrialLock) -> dict:
+def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock: TrialLock,
+            term: Termination) -> dict:
     """Wait for the run, drawing a progress bar from the Supervisor's progress answers; have Ray restart a
     Supervisor that the watchdog finds hung (it rebuilds from disk and counts the restart); end the run once
     its trial's lock is another run's (two runs must never write one trial)."""
@@ -191,7 +215,7 @@ def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock
             done, _ = ray.wait([run_ref], timeout=1.0)
             if done:
                 break
-            if TERM.is_set():
+            if term.noted.is_set():
                 raise Terminated()
             if lock.lost:
                 ray.kill(supervisor, no_restart=True)
@@ -219,14 +243,14 @@ def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock
         progress.close()
 
 
-def _stop(supervisor, run_ref, grace: float) -> dict | None:
-    """SIGTERM: the Supervisor ends the run at the next step boundary, saved there; its result, or None when it
-    did not end within `grace` seconds (the step in flight is then abandoned, the last commit kept)."""
+def _stop(run_ref, left: float) -> dict | None:
+    """SIGTERM (the Supervisor was told at once, `Termination.forward`): its result once it ended the run at the
+    next step boundary, saved there, or None when it did not in the `left` seconds of the grace (the step in
+    flight is then abandoned, the last commit kept)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second notice changes nothing: the bound is set
-    print(f"[relaunch] SIGTERM: stopping at the next step boundary, within {grace:g}s", file=sys.stderr, flush=True)
+    print(f"[relaunch] SIGTERM: stopping at the next step boundary, within {left:.0f}s", file=sys.stderr, flush=True)
     try:
-        supervisor.stop.remote("SIGTERM")
-        done, _ = ray.wait([run_ref], timeout=grace)
+        done, _ = ray.wait([run_ref], timeout=left)
         return ray.get(run_ref) if done else None
     except ray.exceptions.RayError:
         return None

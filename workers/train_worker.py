@@ -209,11 +209,11 @@ class TrainWorker:
     def save_recover(self, staging: str, global_step: int) -> dict[str, dict]:
         """Collective; returns {file: {size, sha256}} for the files this rank wrote (and, on an object store,
         uploaded)."""
-        self._fence(staging)
         with self._rank_dir(staging) as target:
             mine = self.engine.save(target.local, global_step)
             fault_point("after_shards", step=global_step, rank=self.rank)
             digests = _digests(target.local, mine)
+            self._fence(staging)  # after the collective: a rank that raises here leaves no peer waiting in it
             target.upload(mine, global_step, self.rank)
         return digests
 

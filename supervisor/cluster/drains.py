@@ -14,17 +14,17 @@ RPC_SECS = 2.0   # one GCS call's bound: a GCS that does not answer costs a step
 POLL_SECS = 1.0  # at most one call per this many seconds, however short the steps
 
 
-def draining_nodes() -> dict[str, float | None]:
-    """node id -> its deadline (seconds since the epoch; None: no deadline). Empty when Ray is not connected or
-    its GCS does not answer in RPC_SECS: a notice missed is a node loss repaired when it goes, as without one."""
+def draining_nodes() -> dict[str, float | None] | None:
+    """node id -> its deadline (seconds since the epoch; None: no deadline). None when Ray is not connected or its
+    GCS does not answer in RPC_SECS: not known (a notice missed is a node loss, repaired when the node goes)."""
     import ray
 
     if not ray.is_initialized():
-        return {}
+        return None
     try:  # this process's own GCS client (Ray Train reads the same list through ray._private.state, unbounded)
         nodes = ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=RPC_SECS)
     except Exception:  # noqa: BLE001 - see above
-        return {}
+        return None
     return {node: (ms / 1000 if ms else None) for node, ms in nodes.items()}  # GCS: 0 for no deadline
 
 
@@ -33,7 +33,7 @@ def room_per_node() -> dict[str, dict[str, float]]:
     draining node, and one started there would go with it)."""
     from ray._private.state import available_resources_per_node
 
-    draining = draining_nodes()
+    draining = draining_nodes() or {}
     return {node: free for node, free in available_resources_per_node().items() if node not in draining}
 
 
@@ -41,7 +41,7 @@ class DrainWatch:
     """The drain notices not acted on yet. A node is acted on once; a node whose drain was cancelled (it left the
     list while alive) is forgotten, so that a later notice for it is acted on again."""
 
-    def __init__(self, source: Callable[[], dict[str, float | None]] = draining_nodes,
+    def __init__(self, source: Callable[[], dict[str, float | None] | None] = draining_nodes,
                  clock: Callable[[], float] = time.monotonic):
         self.source, self.clock = source, clock
         self.acted: set[str] = set()
@@ -54,6 +54,8 @@ class DrainWatch:
             return {}
         self.polled = now
         draining = self.source()
+        if draining is None:  # not known this time: nothing is taken for a cancelled drain
+            return {}
         self.acted &= set(draining)
         return {node: deadline for node, deadline in draining.items() if node in used and node not in self.acted}
 

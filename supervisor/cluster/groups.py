@@ -297,7 +297,7 @@ class TrainGroup(_Members):
         """These ranks' places go to spares: their bundles are free for a later lost rank, but for those on a
         node Ray has dead (Ray places such a bundle again only when the cluster has room) or draining (it starts
         nothing new there). Before the members are replaced: a member's node is its bundle's."""
-        dead = dead_nodes() | set(draining_nodes()) if any(r in self.bundles for r in ranks) else set()
+        dead = dead_nodes() | set(draining_nodes() or ()) if any(r in self.bundles for r in ranks) else set()
         for r in ranks:
             if r in self.bundles:
                 bundle = self.bundles.pop(r)

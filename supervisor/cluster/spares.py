@@ -163,7 +163,7 @@ class SparePool:
     def make_room(self, n: int) -> int:
         """Kill spares until the cluster has free CPUs for `n` more workers (replacements of engines lost with
         a node must not wait behind spares); returns how many were killed. The pool refills when there is room."""
-        free = ray.available_resources().get("CPU", 0.0) // self.config.cluster.cpus_per_worker
+        free = sum(r.get("CPU", 0.0) for r in room_per_node().values()) // self.config.cluster.cpus_per_worker
         victims, self.spares = self.spares[:max(0, n - int(free))], self.spares[max(0, n - int(free)):]
         self._kill(victims)
         return len(victims)

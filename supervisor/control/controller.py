@@ -30,7 +30,7 @@ from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
-from supervisor.control.preemption import Handoff, plan_handoff
+from supervisor.control.preemption import HANDOFF_SECS, Handoff, plan_handoff
 from supervisor.control.recovery_source import (MEMORY_FAULTS, Choice, Source, can_keep, hang_culprits,
                                                 keep_survivors, recovery_source)
 from supervisor.control.repair_clock import RepairClock, steady_steps
@@ -40,6 +40,7 @@ from supervisor.exit_codes import ExitCode
 
 ANSWER_SECS = 5.0  # how long a rank may take to answer after a fault before it counts as lost
 PROGRESS_SECS = 2.0  # how long a hung rank's progress probe may take (a live one answers in milliseconds)
+WRITE_POLL_SECS = 0.05  # how often a handoff asks whether the background writes it waits for are published
 
 
 class State(str, enum.Enum):
@@ -189,8 +190,8 @@ class Controller:
 
     def _step(self) -> Result:
         if not self.runner.finished:
-            if self.stop_requested is not None and self.runner.owed is None:
-                return self._stop()
+            if self.stop_requested is not None and self.runner.owed is None and not self.runner.finished_training:
+                return self._stop()  # (once every step is trained, the run ends as it would have)
             self._act_on_drains()
             completed = self.runner.advance()
             if completed is not None and self.clock.running:
@@ -216,9 +217,14 @@ class Controller:
         """A stop asked for (SIGTERM to the driver), at a step boundary: the background writes are committed and the
         step just completed is saved, so that the same command resumes after it with nothing trained again."""
         step = self.runner.state.step.global_step
-        saved = self.runner.save_now()
+        try:
+            self.runner.save_now()
+        except Exception as e:  # noqa: BLE001 - a failed save keeps the last commit; the driver ends the workers
+            self.checkpoints.discard_failed_save()
+            self.events.emit(Event.WARNING, message=f"the save before the stop failed: {type(e).__name__}: "
+                                                    f"{first_line(e)}; the last checkpoint is kept")
         kept = self.checkpoints.last_commit
-        where = f"saved at global step {step}" if saved else \
+        where = f"saved at global step {step}" if kept == step else \
             "nothing saved: no checkpoint yet" if kept is None else f"the last checkpoint is global step {kept}"
         return Result(Outcome.TERMINATED, message=f"stopped by {self.stop_requested} after global step {step} ({where});"
                                                f" the same command resumes")
@@ -232,11 +238,12 @@ class Controller:
             return
         pool = self.spares.holders() if self.spares is not None else {}
         used = {n for n in fleet.trainers.nodes + fleet.engines.nodes if n} | {s.node for s in pool.values()}
-        for node, deadline in self.drains.new(used).items():
+        notices = self.drains.new(used)
+        for node, deadline in notices.items():
             self.drains.done(node)
-            self._preempt(node, deadline)
+            self._preempt(node, deadline, set(notices))
 
-    def _preempt(self, node: str, deadline: float | None) -> None:
+    def _preempt(self, node: str, deadline: float | None, draining: set[str]) -> None:
         """Move the work off a node that will go: its ranks to the spares holding their copies of the step just
         completed, its engines to spare or new ones, its spares retired. No retry is spent; the `preemption`
         event says what moved where, and the `recovery` event what it cost, timed as a repair is."""
@@ -253,7 +260,7 @@ class Controller:
         handoff = plan_handoff(node=node, deadline=deadline, now=time.time(), rank_nodes=trainers.nodes,
                                engine_nodes={m.name: m.node_id for m in engines.members},
                                spare_nodes={name: s.node for name, s in pool.items()}, global_step=step,
-                               memory=choice)
+                               memory=choice, draining=draining)
         if handoff is None:
             return
         self.log.info(f"node {node[:8]} drains (deadline {_until(deadline)}): moving ranks {list(handoff.ranks)}, "
@@ -269,12 +276,16 @@ class Controller:
     def _hand_off(self, handoff: Handoff, choice: Choice | None, step: int) -> None:
         fleet = self.fleet
         self.clock.start("preemption", "handoff", 0.0, step + 1)  # timed to the next step's completion
+        if handoff.ranks:
+            with self.clock.part("teardown"):
+                self._finish_writes(handoff.deadline)
         if handoff.spares:
             self.spares.drop(list(handoff.spares))  # refilled elsewhere after the next step
             if self.runner.memory is not None:
                 self.runner.memory.retired(handoff.spares)
         if handoff.engines:
             with self.clock.part("teardown"):
+                self._make_room_for_engines(len(handoff.engines))
                 replaced = fleet.engines.replace(handoff.engines)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
         if handoff.ranks:
@@ -283,6 +294,15 @@ class Controller:
         with self.clock.part("resync"):
             fleet.sync_engines(self.runner.weights_version, gate=True)
         self.clock.resumed()
+
+    def _finish_writes(self, deadline: float | None) -> None:
+        """Before ranks hand their places off: the background save and export in flight are published (the ranks
+        writing them are healthy; a handoff would drop them), as long as the deadline leaves a handoff's time."""
+        trainers, in_flight = self.fleet.trainers, self.checkpoints.in_flight
+        while not in_flight.idle and (deadline is None or time.time() < deadline - HANDOFF_SECS):
+            self.checkpoints.collect(trainers, block=deadline is None)
+            if not in_flight.idle:
+                self.sleep(WRITE_POLL_SECS)
 
     # ---- faults ---------------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault, error: BaseException | None = None) -> Result:
@@ -595,15 +615,20 @@ class Controller:
         engines = self.fleet.engines
         with self.clock.part("teardown"):
             faulty = engines_to_replace(fault)
-            if self.spares is not None and self._best_effort(
-                    "making room for the engines", lambda: self.spares.make_room(len(faulty) - engines.live_spares())):
-                self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
-                self.refill_due = True
+            self._make_room_for_engines(len(faulty))
             replaced = engines.replace(faulty)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=engines.from_spares)
         with self.clock.part("resync"):
             self.fleet.sync_engines(self.runner.weights_version, gate=True)  # a new engine starts in its sync
         self.clock.resumed()
+
+    def _make_room_for_engines(self, n: int) -> None:
+        """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room."""
+        engines = self.fleet.engines
+        if self.spares is not None and self._best_effort(
+                "making room for the engines", lambda: self.spares.make_room(n - engines.live_spares())):
+            self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
+            self.refill_due = True
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and

@@ -36,10 +36,11 @@ class Handoff:
 
 def plan_handoff(*, node: str, deadline: float | None, now: float, rank_nodes: list[str | None],
                  engine_nodes: dict[str, str | None], spare_nodes: dict[str, str | None], global_step: int,
-                 memory: Choice | None) -> Handoff | None:
+                 memory: Choice | None, draining: set[str] = frozenset()) -> Handoff | None:
     """What moves off `node`, None when the job has nothing there. `rank_nodes`: each rank's node; `engine_nodes`
     and `spare_nodes`: name -> node; `global_step`: the step just completed; `memory`: where a repair of the
-    node's ranks would load from (recovery_source, asked as if they were lost), None when no rank is there."""
+    node's ranks would load from (recovery_source, asked as if they were lost), None when no rank is there;
+    `draining`: every node that drains now (a rank is not handed to a spare that goes too)."""
     ranks = tuple(r for r, n in enumerate(rank_nodes) if n == node)
     engines = tuple(name for name, n in engine_nodes.items() if n == node)
     spares = tuple(name for name, n in spare_nodes.items() if n == node)
@@ -55,6 +56,8 @@ def plan_handoff(*, node: str, deadline: float | None, now: float, rank_nodes: l
         why = memory.reason if memory is not None else "the memory tier does not serve this job"
     elif ranks and memory.step != global_step:
         why = f"the memory tier holds step {memory.step}, not step {global_step} just completed"
+    elif ranks and any(spare_nodes.get(spare) in draining for spare in memory.adopters.values()):
+        why = "a buddy holding their state is on a node that drains too"
     if why is not None:
         return Handoff(node, deadline, (), engines, spares,
                        fallback=f"ranks {list(ranks)} stay until the node goes ({why}), then recover as from its loss")

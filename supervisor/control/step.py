@@ -274,20 +274,19 @@ class StepRunner:
         self.stats.append(o.row)
         o.logged = True
 
-    def save_now(self) -> bool:
+    def save_now(self) -> None:
         """Before a stop: the background writes in flight are committed, then the last step completed is saved and
-        committed now, unless it is already; returns whether it was saved here. Its recover_info is the one its own
-        save would have had, so the resumed run goes on exactly as an uninterrupted one."""
+        committed now, unless it is already. Its recover_info is the one its own save would have had, so the
+        resumed run goes on exactly as an uninterrupted one."""
         s = self.state.step
         self.checkpoints.collect(self.fleet.trainers, block=True)
         if s.global_step < 0 or not self.checkpoints.enabled or self.checkpoints.committed_already(s.global_step):
-            return False
+            return
         self.phase = Phase.SAVE
         nxt = s.next()
         infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
         staged = self.checkpoints.write_recover(self.fleet.trainers, s, infos)
         self.checkpoints.commit_recover(staged, self.fleet.weights_checksum(self.weights_version))
-        return True
 
     def skip_owed_save(self) -> str | None:
         """After this step's export or recover save failed on storage: give it up; returns what was skipped."""

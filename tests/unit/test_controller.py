@@ -880,29 +880,35 @@ def test_a_drain_notice_moves_the_engines_off_their_node_at_a_step_boundary_and_
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
 
 
-@pytest.mark.parametrize("at", [2, 4])  # 4: a step whose own save was not due (saves every 2 steps: 1, 3, ...)
+@pytest.mark.parametrize("at, full", [(2, False), (3, False), (4, False), (4, True)])
 def test_a_stop_asked_for_ends_at_the_next_step_boundary_saved_there_and_the_same_command_resumes_exact(
-        tmp_path, clean, at, monkeypatch):
-    """SIGTERM to the driver: the run stops after the step in flight, with that step saved (and a background
-    save still in flight committed first), exit 143; run again, it resumes after it and ends exact."""
-    controller, layout, engines = make_controller(tmp_path, World())
+        tmp_path, clean, at, full, monkeypatch):
+    """SIGTERM to the driver: the run stops after the step in flight, with that step saved (2, 4: not a save step;
+    3: its own background save, committed first), exit 143; run again, it resumes after it and ends exact. A disk
+    full at that save (`full`) keeps the last checkpoint, and the stop is still a stop."""
+    world = World()
+    controller, layout, engines = make_controller(tmp_path, world)
     train = FakeTrainers.train
 
     def asked_while_training(self, shards, global_step):
         if global_step == at:
             controller.stop_requested = "SIGTERM"
+            world.storage_full = full
         return train(self, shards, global_step)
 
     monkeypatch.setattr(FakeTrainers, "train", asked_while_training)
     result = controller.run()
     monkeypatch.undo()
     assert result.exit_code == ExitCode.TERMINATED and controller.state is State.TERMINATED
-    assert result.message == f"stopped by SIGTERM after global step {at} (saved at global step {at}); " \
-                             "the same command resumes"
     events = read_jsonl(layout.events_log)
-    assert [(e["global_step"], e["signal"]) for e in events if e["event"] == "interrupted"] == [(at, "SIGTERM")]
+    kept = max(e["global_step"] for e in events if e["event"] == "commit")
+    where = f"the last checkpoint is global step {kept}" if full else f"saved at global step {at}"
+    assert result.message == f"stopped by SIGTERM after global step {at} ({where}); the same command resumes"
+    assert (kept < at) == full == any("the save before the stop failed: GroupError" in e.get("message", "")
+                                      for e in events if e["event"] == "warning")
+    assert [(e["global_step"], e["signal"]) for e in events if e["event"] == "interrupted"] == [(kept, "SIGTERM")]
     assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(at + 1))
     result, layout, engines, _ = run(tmp_path, World())
     assert result.exit_code == 0, result.message
     assert_complete_and_exact(layout, clean[0])
-    assert [e["global_step"] for e in read_jsonl(layout.events_log) if e["event"] == "loaded"] == [-1, at]
+    assert [e["global_step"] for e in read_jsonl(layout.events_log) if e["event"] == "loaded"] == [-1, kept]

@@ -67,3 +67,20 @@ def test_a_notice_is_acted_on_once_and_again_after_a_cancelled_drain():
     draining["b"] = NOW + 60  # drained again
     now[0] += POLL_SECS
     assert watch.new({"a", "b"}) == {"b": NOW + 60}
+
+
+def test_a_rank_is_not_handed_to_a_buddy_whose_node_drains_too():
+    h = plan_handoff(node="b", deadline=NOW + 30, now=NOW, rank_nodes=["a", "b"], engine_nodes={},
+                     spare_nodes={"spare-a": "c"}, global_step=7, memory=MEMORY, draining={"b", "c"})
+    assert h.ranks == () and "a buddy holding their state is on a node that drains too" in h.fallback
+
+
+def test_a_notice_not_known_this_time_is_no_cancelled_drain():
+    answers = iter([{"b": None}, None, {"b": None}])
+    now = [0.0]
+    watch = DrainWatch(source=lambda: next(answers), clock=lambda: now[0])
+    assert watch.new({"b"}) == {"b": None}
+    watch.done("b")
+    for _ in range(2):  # the GCS did not answer, then answers with the same drain: acted on once only
+        now[0] += POLL_SECS
+        assert watch.new({"b"}) == {}
