@@ -212,7 +212,11 @@ def _follow(supervisor, run_ref, watchdog: Watchdog, progress: RunProgress, lock
     its trial's lock is another run's (two runs must never write one trial)."""
     try:
         while True:
-            done, _ = ray.wait([run_ref], timeout=1.0)
+            done = []
+            for _ in range(5):  # a second in slices: a signal's handler runs only between them, in this thread
+                done, _ = ray.wait([run_ref], timeout=0.2)
+                if done or term.noted.is_set():
+                    break
             if done:
                 break
             if term.noted.is_set():

@@ -16,7 +16,8 @@ that has written its part of a shared-memory weight sync, before its peers have;
 TrainWorker's memory-tier sender thread, as it begins to send a step's copy to its holder.
 
 Actions: `kill` (SIGKILL this process), `stop` (SIGSTOP it: a frozen process, seen only as a hang), `hang`
-(sleep forever), `killjob` (SIGKILL every process of this session: a local job's driver and its whole
+(sleep forever), `pause` (wait until the test creates `go` in `RELAUNCH_FAULT_DIR`, at most 300 s; each `go` ends
+one pause), `killjob` (SIGKILL every process of this session: a local job's driver and its whole
 embedded Ray cluster), `enospc` (raise a disk-full OSError). At the Supervisor's points, `kill_rank`,
 `stop_rank`, `kill_engine` and `stop_engine` break the last TrainWorker or the first engine instead, and
 `wait_spares` waits until the spare pools (TrainWorkers, and engines) are full and warm.
@@ -36,6 +37,7 @@ from pathlib import Path
 from supervisor.testing.processes import command_line, kill_all, session_members
 
 ENV_VARS = ("RELAUNCH_FAULT", "RELAUNCH_FAULT_DIR")
+PAUSE_SECS = 300.0
 
 
 def armed(point: str, step: int | None = None, rank: int | None = None) -> str | None:
@@ -70,6 +72,18 @@ def _kill_job() -> None:
     kill_all(session_members(sid))
 
 
+def _pause(bound: float = PAUSE_SECS) -> None:
+    """Wait until the test creates `go` in RELAUNCH_FAULT_DIR (taken, so that the next pause waits again)."""
+    go, deadline = Path(os.environ["RELAUNCH_FAULT_DIR"]) / "go", time.monotonic() + bound
+    while time.monotonic() < deadline:
+        try:
+            go.unlink()
+            return
+        except FileNotFoundError:
+            time.sleep(0.05)
+    raise RuntimeError(f"paused at a fault point: no `go` came within {bound:.0f}s")
+
+
 def fault_point(point: str, step: int | None = None, rank: int | None = None) -> None:
     apply(armed(point, step, rank), point)
 
@@ -85,6 +99,8 @@ def apply(action: str | None, point: str, pid: int | None = None) -> None:
     elif action == "hang":
         while True:
             time.sleep(3600)
+    elif action == "pause":
+        _pause()
     elif action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (fault point {point})")
 

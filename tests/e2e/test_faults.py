@@ -392,56 +392,71 @@ def drain(cluster, node_id: str, deadline_secs: int) -> None:
 @pytest.mark.quick
 def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_same_command_to_resume(
         cluster, reference, trial, tmp_path):
-    """The job as shipped. Both ranks' node gets a preemption notice (`ray drain-node`, 30 s) after step 4 and is
-    killed once the job says its work moved: at the next step boundary each rank handed its place to the spare
-    holding its copy of the step just completed, so the node's loss is nothing to the job: no failure, no retry
-    spent, no step trained again. After step 12 the driver gets SIGTERM (a pod evicted): it exits 143 within
-    recover.term_grace_secs, the step it stopped after saved; the same command resumes there. Bit-identical."""
-    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    """The job as shipped. While it is paused as step 6 begins, both ranks' node gets a preemption notice (`ray
+    drain-node`, 30 s); at the boundary after step 6 each rank hands its place to the spare holding its copy of that
+    step, and the node is killed once the job says so: the node's loss is nothing to the job (no failure, no retry
+    spent, no step trained again). While it is paused as step 13 begins, the driver gets SIGTERM: it exits 143
+    within recover.term_grace_secs with step 13 saved, and the same command resumes after it. Bit-identical."""
+    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=6,step.begin:pause:step=13",
+                   "RELAUNCH_FAULT_DIR": str(tmp_path)})
     command = ("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address", cluster.address)
     proc = start_relaunch(*command, env=env, log=tmp_path / "job.log")
+
+    def paused(step: int) -> None:
+        deadline = time.time() + 300
+        while not any(p.name.endswith("step.begin") and p.name.startswith(f"fired-{[2, 6, 13].index(step)}-")
+                      for p in tmp_path.glob("fired-*")):
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.1)
+
     added = False
     try:
-        trial.wait_for_step(4, proc)
+        paused(6)
         train_node = trial.events("loaded")[-1]["nodes"][0]
         drain(cluster, train_node, 30)
-        deadline = time.time() + 30
+        (tmp_path / "go").touch()
+        deadline = time.time() + 60
         while not trial.events("preemption"):
             assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
             time.sleep(0.2)
         cluster.kill_node(cluster.node_of(train_node))
-        cluster.add_node()
-        added = True
-        trial.wait_for_step(12, proc)
+        paused(13)
         proc.send_signal(signal.SIGTERM)
         termed = time.monotonic()
+        while "[relaunch] SIGTERM: stopping" not in (tmp_path / "job.log").read_text():  # the driver has it
+            assert time.monotonic() < termed + 30 and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # and the Supervisor: told by the driver's thread as the signal was noted
+        (tmp_path / "go").touch()
         assert proc.wait(timeout=60) == 143, (tmp_path / "job.log").read_text()[-3000:]
         stopped_in = time.monotonic() - termed
+        cluster.add_node()
+        added = True
     finally:
         if proc.poll() is None:
             proc.kill()
         if not added:
             cluster.add_node()
     preemption, = trial.events("preemption")
-    assert (preemption["node"], preemption["ranks"], preemption["fallback"]) == (train_node, [0, 1], None)
+    assert (preemption["node"], preemption["global_step"], preemption["ranks"], preemption["fallback"]) == \
+        (train_node, 6, [0, 1], None)
     assert train_node not in preemption["to"] and preemption["secs"] < 20
     assert not trial.events("failure") and not trial.events("restart")
     recovery, = trial.events("recovery")
-    assert (recovery["cause"], recovery["source"], recovery["replayed_steps"]) == ("preemption", "memory", 0)
-    assert recovery["global_step"] == preemption["global_step"] + 1
+    assert (recovery["cause"], recovery["source"], recovery["replayed_steps"], recovery["global_step"]) == \
+        ("preemption", "memory", 0, 7)
 
     interrupted, = trial.events("interrupted")
-    stopped_at = trial.stats()[-1]["global_step"]
-    assert interrupted["signal"] == "SIGTERM" and interrupted["global_step"] == stopped_at >= 12
+    assert (interrupted["signal"], interrupted["global_step"], trial.stats()[-1]["global_step"]) == ("SIGTERM", 13, 13)
     assert stopped_in < 25 + 10, stopped_in  # recover.term_grace_secs, and Ray's shutdown
     last = (tmp_path / "job.log").read_text().strip().splitlines()[-1]
-    assert last == f"relaunch: stopped by SIGTERM after global step {stopped_at} (saved at global step " \
-                   f"{stopped_at}); the same command resumes", last
+    assert last == "relaunch: stopped by SIGTERM after global step 13 (saved at global step 13); the same command " \
+                   "resumes", last
     assert not (trial.root / "run.lock").exists()  # the trial's lock released: the same command may run now
 
     r = relaunch(*command)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert trial.events("loaded")[-1]["global_step"] == stopped_at  # nothing trained again
+    assert trial.events("loaded")[-1]["global_step"] == 13  # nothing trained again
     assert_recovered_exactly(trial, reference, restarts=0)
 
 
