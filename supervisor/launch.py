@@ -73,7 +73,6 @@ class Termination:
         return max(grace - (time.monotonic() - self.at), 0.0)
 
 
-
 def _interrupted(e: KeyboardInterrupt) -> int:
     return ExitCode.TERMINATED if isinstance(e, Terminated) else ExitCode.INTERRUPTED
 

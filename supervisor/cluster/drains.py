@@ -1,9 +1,10 @@
 """Ray's drain notices: the nodes that are about to go, and by when.
 
-A preempted spot VM, a Kubernetes node the scheduler reclaims, a capacity block that expires: the autoscaler v2
-and KubeRay tell Ray's GCS that the node is draining, with a reason and a deadline (`ray drain-node` does the same
-by hand). Ray then starts nothing new there, and the node is killed at the deadline. Ray Serve and Ray Train read
-the same list (GCS `get_draining_nodes`); the Supervisor reads it at each step boundary (control/preemption.py).
+A preempted spot VM, a Kubernetes node the scheduler reclaims, a capacity block that expires: whatever watches
+for that calls Ray's drain API with a reason and a deadline (`ray drain-node` by hand, a `preStop` hook; Ray's own
+autoscaler drains only the nodes it removes itself). Ray then starts nothing new there; the caller takes the node
+away at the deadline. Ray Serve and Ray Train read the same list (GCS `get_draining_nodes`); the Supervisor reads
+it at each step boundary (control/preemption.py, docs/failures.md#preemption).
 """
 from __future__ import annotations
 

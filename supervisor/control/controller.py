@@ -256,7 +256,7 @@ class Controller:
                 r.memory.wait_landed(trainers, step)  # the copy of the step just completed, sent beside the step
             choice = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
                                            set(range(trainers.world_size)) - lost)
-        pool = self.spares.holders() if self.spares is not None else {}
+        pool = self.spares.holders() if self.spares is not None else {}  # as it is now: an earlier handoff took some
         handoff = plan_handoff(node=node, deadline=deadline, now=time.time(), rank_nodes=trainers.nodes,
                                engine_nodes={m.name: m.node_id for m in engines.members},
                                spare_nodes={name: s.node for name, s in pool.items()}, global_step=step,
