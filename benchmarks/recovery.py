@@ -191,10 +191,13 @@ DRAIN_SECS = 30  # the notice's deadline: between GCP's 30 s and AWS's 2 min
 def node_lost_run(address: str, fileroot: Path, trial: str, overrides: list[str], at: int, config_path: Path,
                   cluster: LocalCluster, notice: bool) -> tuple[float, TrialLayout]:
     """The job with its ranks' node lost after step `at` (the spare pools warm before step 1): with `notice`,
-    drained first (`ray drain-node`, a preemption with DRAIN_SECS to go) and killed once its work moved and the next
-    step completed (the `recovery` event), else killed without notice. A node is added back once the job ended."""
+    drained first (`ray drain-node`, a preemption with DRAIN_SECS to go, sent while the job waits as step `at`
+    begins, so that the notice lands at a known step however fast the job runs) and killed once its work moved and
+    the next step completed (the `recovery` event), else killed without notice once step `at` is logged. The wall
+    time leaves out the wait for the notice. A node is added back once the job ended."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
+    paused = [0.0]
 
     def during(config):
         layout = TrialLayout.from_config(config)
@@ -205,21 +208,30 @@ def node_lost_run(address: str, fileroot: Path, trial: str, overrides: list[str]
     def lose_node(layout: TrialLayout) -> None:
         rows = lambda: [r for r in read_jsonl(layout.stats_log) if "global_step" in r]  # noqa: E731
         events = lambda kind: [e for e in read_jsonl(layout.events_log) if e["event"] == kind]  # noqa: E731
-        while not (rows() and rows()[-1]["global_step"] >= at):
-            time.sleep(0.05)
-        node = events(Event.LOADED)[-1]["nodes"][0]
         if notice:
+            pause = fault_dir / "fired-1-step.begin"
+            while not pause.exists():
+                time.sleep(0.05)
+            node = events(Event.LOADED)[-1]["nodes"][0]
             subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", address, "--node-id",
                             node, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "benchmark",
                             "--deadline-remaining-seconds", str(DRAIN_SECS)], check=True, capture_output=True)
             deadline = time.monotonic() + DRAIN_SECS  # the node goes then, whatever the job did
+            paused[0] = time.time() - pause.stat().st_mtime
+            (fault_dir / "go").touch()
             while not events(Event.RECOVERY) and time.monotonic() < deadline:  # its handoff, and the next step
                 time.sleep(0.05)
+        else:
+            while not (rows() and rows()[-1]["global_step"] >= at):
+                time.sleep(0.05)
+            node = events(Event.LOADED)[-1]["nodes"][0]
         cluster.kill_node(cluster.node_of(node))
 
-    os.environ.update(RELAUNCH_FAULT="step.begin:wait_spares:step=1", RELAUNCH_FAULT_DIR=str(fault_dir))
+    faults = ["step.begin:wait_spares:step=1"] + [f"step.begin:pause:step={at}"] * notice
+    os.environ.update(RELAUNCH_FAULT=",".join(faults), RELAUNCH_FAULT_DIR=str(fault_dir))
     try:
-        return run(address, fileroot, trial, overrides, config_path, during=during)
+        secs, layout = run(address, fileroot, trial, overrides, config_path, during=during)
+        return secs - paused[0], layout
     finally:
         del os.environ["RELAUNCH_FAULT"], os.environ["RELAUNCH_FAULT_DIR"]
         cluster.add_node()
