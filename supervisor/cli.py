@@ -21,6 +21,19 @@ def _fail(message: str) -> None:
     sys.exit(ExitCode.BAD_INPUT)
 
 
+def _dataset_size(config) -> int:
+    """The number of prompts in data.path, every row checked as the Supervisor will read it (one line on error)."""
+    from workers.data import DataError, read_prompts
+
+    try:
+        rows = len(read_prompts(config.data.path, config.data.prompt_key, config.data.answer_key))
+    except DataError as e:
+        _fail(str(e))
+    if rows < config.data.batch_size:
+        _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({rows} prompts)")
+    return rows
+
+
 def _split_args(args: tuple[str, ...]) -> tuple[Path, list[str]]:
     """`[CONFIG] [KEY=VALUE ...]`: the first argument without '=' is the config file."""
     path, overrides = None, []
@@ -100,6 +113,7 @@ def run(args, address):
         load_reward_fn(config.reward.fn)
     except UserCodeError as e:
         _fail(str(e))
+    _dataset_size(config)
     if missing_packages(config.logging.trackers):
         _fail(f"logging.trackers: {', '.join(missing_packages(config.logging.trackers))} is not installed "
               f"(pip install 'relaunch[trackers]')")
@@ -116,20 +130,17 @@ def plan(args):
     except ConfigError as e:
         _fail(str(e))
     from supervisor.tools.plan import make_plan
-    from workers.data import read_prompts
     from workers.rewards import UserCodeError, load_reward_fn
 
     try:
-        rows = read_prompts(config.data.path)
         load_reward_fn(config.reward.fn)
-    except (ValueError, UserCodeError) as e:
+    except UserCodeError as e:
         _fail(str(e))
-    if len(rows) < config.data.batch_size:
-        _fail(f"data.batch_size {config.data.batch_size} is larger than the dataset ({len(rows)} prompts)")
+    prompts = _dataset_size(config)
     _check_fileroot(config)
     hf_config = config.model.path / "config.json" if config.model.path is not None else None
     shape = json.loads(hf_config.read_text()) if hf_config is not None and hf_config.is_file() else None
-    result = make_plan(config, len(rows), shape)
+    result = make_plan(config, prompts, shape)
     click.echo(f"{'run':<10} {config.experiment_name}/{config.trial_name} -> {config.cluster.fileroot}")
     for line in result.lines:
         click.echo(line)
@@ -178,6 +189,7 @@ def demo(args, kill_at_step):
         check_engine_installed(config)
     except ConfigError as e:
         _fail(str(e))
+    _dataset_size(config)
     from supervisor.demo import run_demo
 
     sys.exit(run_demo(config, kill_at_step))

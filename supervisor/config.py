@@ -152,7 +152,15 @@ class ActorConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    path: Path = Field(Path("examples/max_digit/data.jsonl"), description="JSONL with prompt and answer")
+    path: Path = Field(Path("examples/max_digit/data.jsonl"),
+                       description="the prompts: a JSONL file, a Parquet file (.parquet, .pq) or a directory saved "
+                                   "by HF datasets (save_to_disk; one split)")
+    prompt_key: str = Field("prompt", min_length=1, description="the key of a row's prompt (a string); a dotted key "
+                                                                "names a nested field")
+    answer_key: str | None = Field(None, min_length=1,
+                                   description="the key of a row's reference answer, handed to the reward as "
+                                               "row['answer'] (e.g. reward_model.ground_truth, as verl keeps it); "
+                                               "null: rows are handed as they are")
     batch_size: int = Field(16, gt=0, description="prompts per step")
     group_size: int = Field(8, gt=0, description="samples per prompt (the GRPO group)")
     max_new_tokens: int = Field(1, gt=0, description="longest completion, in tokens")
@@ -487,8 +495,8 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
     config.cluster.fileroot = _fileroot(str(config.cluster.fileroot))
     config.cluster.local_root = config.cluster.local_root.expanduser().resolve()
     config.data.path = resolve_path(config.data.path)
-    if not config.data.path.is_file():
-        raise ConfigError(f"data.path: no such file {config.data.path}")
+    if not config.data.path.exists():
+        raise ConfigError(f"data.path: no such file or directory {config.data.path}")
     if config.model.path is not None:
         config.model.path = resolve_path(config.model.path)
         if model_here and not (config.model.path / "config.json").is_file():

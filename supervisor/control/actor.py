@@ -60,8 +60,8 @@ class Supervisor:
         append = lambda: self.waits.on("an append to the run's logs", config.recover.step_timeout_secs)  # noqa: E731
         self.events = EventLog(layout.events_log, attempt=self.attempt, job=job_id, guard=append)
         self.policy = RestartPolicy.from_history(config, prior)
-        self.loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed,
-                                   config.data.shuffle)
+        rows = read_prompts(config.data.path, config.data.prompt_key, config.data.answer_key)
+        self.loader = PromptLoader(rows, config.data.batch_size, config.seed, config.data.shuffle)
         self.stats = StatsLog(layout.stats_log, guard=append)
         lock = trial_lock(layout)
         fence = (lambda: lock.check_held(lock_token)) if lock_token else None  # noqa: E731

@@ -46,6 +46,27 @@ AS_SHIPPED_SPARES = "recover.spare_workers=auto"
 SHORT = ["total_train_epochs=2"]
 
 
+def data_as(form: str, directory: Path) -> str:
+    """The `data.path=` override of the default task's prompts written as users keep data: `parquet` (a Parquet
+    file, in several record batches) or `saved` (a directory saved by HF datasets); a job reading it must reach
+    the figures of the JSONL it came from."""
+    from workers.data import read_prompts
+
+    rows = read_prompts(REPO / yaml.safe_load(DEFAULT_JOB.read_text())["data"]["path"])
+    if form == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = directory / "data.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=16)
+    else:
+        import datasets
+
+        path = directory / "saved-dataset"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return f"data.path={path}"
+
+
 def kill_session(sid: int) -> None:
     """SIGKILL a driver started with start_new_session and its whole embedded Ray cluster."""
     kill_all(session_members(sid))

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import (AS_SHIPPED_SPARES, CONFIG, SHORT, Trial, curve, job_env, kill_session, metrics, relaunch,
-                     start_relaunch, status_json)
+from harness import (AS_SHIPPED_SPARES, CONFIG, SHORT, Trial, curve, data_as, job_env, kill_session, metrics,
+                     relaunch, start_relaunch, status_json)
 
 pytestmark = pytest.mark.e2e
 
@@ -94,10 +94,10 @@ def test_user_code_error_fails_fast_with_its_traceback(cluster, trial):
 def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path):
     """Both ranks' node killed mid-run; the warm spares (one per rank, on the other node) are their memory-tier
     buddies (linked from step 2 on): each takes its rank's place with the state it holds, no step trained
-    again, and the run ends bit-identical."""
+    again, and the run ends bit-identical to the reference, whose prompts this job reads from a Parquet file."""
     env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address",
-                          cluster.address, env=env, log=tmp_path / "job.log")
+    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, data_as("parquet", tmp_path),
+                          *trial.overrides, "--address", cluster.address, env=env, log=tmp_path / "job.log")
     try:
         trial.wait_for_step(6, proc)
         train_node = trial.events("loaded")[-1]["nodes"][0]
@@ -617,9 +617,10 @@ def test_a_rank_killed_in_the_first_steps_of_the_job_as_shipped_is_recovered_fro
                                                                                        tmp_path):
     """The default job as shipped, nobody waiting for the spares: the pool starts with the TrainGroup and its
     spares hold the ranks' copies from their start, before they are warm, so a rank SIGKILLed as step 2 trains
-    (then the other as step 5 does) is replaced from memory, no completed step trained again, bit-identical."""
+    (then the other as step 5 does) is replaced from memory, no completed step trained again, bit-identical to
+    the reference, whose prompts this job reads from a directory saved by HF datasets."""
     faults = "TrainWorker.train.enter:kill:step=2:rank=1,TrainWorker.train.enter:kill:step=5:rank=0"
-    r = run_with_fault(cluster, trial, tmp_path, faults, AS_SHIPPED_SPARES)
+    r = run_with_fault(cluster, trial, tmp_path, faults, AS_SHIPPED_SPARES, data_as("saved", tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recoveries = trial.events("recovery")
     assert [(e["global_step"], e["source"], e["replayed_steps"]) for e in recoveries] == \
@@ -628,7 +629,6 @@ def test_a_rank_killed_in_the_first_steps_of_the_job_as_shipped_is_recovered_fro
     buddies = trial.events("buddies")
     assert buddies and buddies[0]["time"] < min(e["time"] for e in trial.events("commit"))
     assert_recovered_exactly(trial, reference, restarts=2)
-
 
 
 def test_a_frozen_holder_is_dropped_and_a_copy_that_never_landed_rolls_back_past_a_committed_step(
