@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 
 
 AUTO = "auto"  # a value relaunch decides while the job runs (recover.freq_secs, recover.spare_workers)
+RECOVERY_OFF = ("recover.mode={mode}: no recover checkpoint is written and no failure is survived: the first one "
+                "ends the job (leave recover.mode out, or set it on, to have the job survive failures)")
 
 
 class _Strict(BaseModel):
@@ -254,8 +256,9 @@ class SaveErrorAction(str, enum.Enum):
 
 
 class RecoverConfig(Frequency):
-    mode: RecoverMode = Field(RecoverMode.DISABLED, description="on | auto: write recover checkpoints and resume "
-                                                                  "from them; off | disabled: neither")
+    mode: RecoverMode = Field(RecoverMode.ON, description="on | auto: write recover checkpoints and resume from "
+                                                            "them; off | disabled: neither, and a failure ends the "
+                                                            "job (plan and the job log say so)")
     write_mode: SaveMode = Field(SaveMode.AUTO, description="auto | sync | async: async blocks training only while "
                                                             "the state is copied to CPU memory and writes it in "
                                                             "the background; auto = async where the engine can "
@@ -322,6 +325,14 @@ class RecoverConfig(Frequency):
             raise ValueError("must be an integer >= 0 or 'auto'")
         return value
 
+    @model_validator(mode="after")
+    def _default_cadence(self) -> "RecoverConfig":
+        """Recovery on without a cadence saves on the Young/Daly interval (freq_secs auto): the safe default for a
+        config that leaves the section out."""
+        if self.mode.enabled and not self.any_set:
+            self.freq_secs = AUTO
+        return self
+
 
 class EvaluatorConfig(Frequency):
     pass
@@ -355,8 +366,6 @@ class Config(_Strict):
         if (self.recover.min_train_workers or 0) > self.cluster.n_train_workers:
             raise ValueError(f"recover.min_train_workers = {self.recover.min_train_workers} exceeds "
                              f"cluster.n_train_workers = {self.cluster.n_train_workers}")
-        if self.recover.mode.enabled and not self.recover.any_set:
-            raise ValueError("recover.mode is on but none of recover.freq_epochs/freq_steps/freq_secs is set")
         self._check_engine()
         self._check_rollout_engine()
         if self.cluster.user in ("", ".", "..") or "/" in self.cluster.user:

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.trial_lock import TrialLock, TrialLocked, trial_lock
-from supervisor.config import REPO_ROOT, Config
+from supervisor.config import RECOVERY_OFF, REPO_ROOT, Config
 from supervisor.control.actor import NAMESPACE, Supervisor, supervisor_name
 from supervisor.control.policy import budget
 from supervisor.control.trackers import ENV_VARS as WANDB_ENV_VARS
@@ -120,6 +120,8 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def run_job(config: Config, address: str | None) -> int:
+    if not config.recover.mode.enabled:
+        print(f"relaunch: warning: {RECOVERY_OFF.format(mode=config.recover.mode.value)}", file=sys.stderr)
     lock = trial_lock(TrialLayout.from_config(config))
     try:
         if address:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from supervisor.cluster.spare_placement import rank_resources
-from supervisor.config import AUTO, Config, Frequency, TokenizerKind
+from supervisor.config import AUTO, RECOVERY_OFF, Config, Frequency, TokenizerKind
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 
@@ -182,6 +182,7 @@ def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None
         _schedule("recover", config.recover, steps_per_epoch, total, plan, "; and after the last step")
     else:
         plan.lines.append(f"{'recover':<10} off (recover.mode={config.recover.mode.value}): a failure is not survived")
+        plan.warnings.append(RECOVERY_OFF.format(mode=config.recover.mode.value))
     _schedule("evaluator", config.evaluator, steps_per_epoch, total, plan)
     if config.logging.trackers:
         when = "at every recover checkpoint and the end" if config.recover.mode.enabled else "as each step ends"

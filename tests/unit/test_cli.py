@@ -122,6 +122,12 @@ def test_run_with_an_unreachable_address_is_one_line_and_touches_nothing(tmp_pat
     assert r.output == (f"relaunch: error: --address 127.0.0.1:{port}: no Ray cluster answers there (Connection "
                         "refused); start one (docs/cli.md), or leave --address out for a Ray of the job's own\n")
     assert list(tmp_path.iterdir()) == []
+    # with recovery off, the run says first that the job survives nothing (and so does plan)
+    r = relaunch("run", f"cluster.fileroot={tmp_path}", "recover.mode=off", "--address", f"127.0.0.1:{port}")
+    warning = "relaunch: warning: recover.mode=off: no recover checkpoint is written and no failure is survived"
+    assert r.exit_code == 2 and r.output.startswith(warning), r.output
+    r = relaunch("plan", f"cluster.fileroot={tmp_path}", "recover.mode=disabled")
+    assert r.exit_code == 0 and "warning: recover.mode=disabled: no recover checkpoint is written" in r.output
 
 
 def test_submit_of_a_live_trial_refuses_before_it_contacts_the_cluster(layout, tmp_path):

@@ -46,9 +46,14 @@ def test_bad_values_name_the_key(override, names):
     assert "\n" not in str(e.value)
 
 
-def test_recover_on_without_any_frequency_is_rejected():
-    with pytest.raises(ConfigError, match="recover.freq_epochs"):
-        load_config(DEFAULT_CONFIG, ["recover.freq_steps=null"])
+def test_a_config_without_a_recover_section_survives_failures_saving_on_the_young_daly_interval(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("model: {hidden_size: 64, intermediate_size: 128, num_layers: 2, num_heads: 2}\n")
+    recover = load_config(path).recover
+    assert recover.mode is RecoverMode.ON and recover.secs_auto and recover.retries == 3
+    # a cadence given is the only one; recovery on without one (the shipped config's freq_steps removed) is auto
+    assert load_config(path, ["recover.freq_epochs=1"]).recover.freq_secs is None
+    assert load_config(DEFAULT_CONFIG, ["recover.freq_steps=null"]).recover.secs_auto
 
 
 def test_yaml_file_errors_name_the_file(tmp_path):
