@@ -76,7 +76,7 @@ def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
             generate(model, tokenizer, prompts, list(range(samples)), seed=1, step=0, max_new_tokens=new_tokens)
         else:
             encoded = [encode_prompt(tokenizer, p, config.data.chat_template) for p in prompts]
-            vllm.generate(encoded, [sample_seed(1, 0, s) for s in range(samples)], new_tokens, 1.0, False)
+            vllm.generate(encoded, [sample_seed(1, 0, s) for s in range(samples)], new_tokens, Sampling(), False)
 
     bucket_bytes = config.rollout.weight_bucket_mb * 2**20
     params = list(model.parameters())

@@ -8,8 +8,50 @@ batch or which device produced them, and `use_cache=False` (the full recomputati
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a sample is drawn, beside its seed (rollout.temperature, top_p, top_k, stop): a stop token id or a stop
+    string ends the completion with the token that completed it, which is trained on as EOS is; the text the
+    reward sees ends before the stop string, as vLLM's does. Evaluation is greedy, and stops the same way."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, rollout) -> "Sampling":
+        """From the config's `rollout` section: its `stop` list holds strings and token ids alike."""
+        return cls(rollout.temperature, rollout.top_p, rollout.top_k,
+                   tuple(s for s in rollout.stop if isinstance(s, str)),
+                   tuple(s for s in rollout.stop if isinstance(s, int)))
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token's probabilities: temperature, then top-k and top-p (transformers' own warpers)."""
+        scores = logits.float() / self.temperature
+        if self.top_k:
+            from transformers.generation.logits_process import TopKLogitsWarper
+
+            scores = TopKLogitsWarper(self.top_k)(None, scores)
+        if self.top_p < 1.0:
+            from transformers.generation.logits_process import TopPLogitsWarper
+
+            scores = TopPLogitsWarper(self.top_p)(None, scores)
+        return torch.softmax(scores, dim=-1)
+
+    def stops(self, text: str) -> bool:
+        return any(s in text for s in self.stop_strings)
+
+    def cut(self, text: str) -> str:
+        """The completion's text before its first stop string."""
+        ends = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        return text[:min(ends)] if ends else text
 
 
 def sample_seed(seed: int, step: int, sample: int) -> int:
@@ -23,19 +65,20 @@ def sample_generator(seed: int, step: int, sample: int) -> torch.Generator:
     return g
 
 
-def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
-    """The prompt as the model expects it: through its chat template when it has one, else after BOS."""
+def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+    """The prompt (a string, the user's message, or a chat: a list of messages) as the model expects it: through
+    its chat template when it has one, else its messages' contents, one a line, after BOS."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return bos + tokenizer.encode(prompt, add_special_tokens=False)
+    return bos + tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], sample_ids: list[int], *, seed: int, step: int,
-             max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, chat_template: bool = True,
+def generate(model, tokenizer, prompts: list[str | list[dict]], sample_ids: list[int], *, seed: int, step: int,
+             max_new_tokens: int, sampling: Sampling = Sampling(), greedy: bool = False, chat_template: bool = True,
              use_cache: bool = True) -> dict:
     """One completion per prompt; left-padded ids, attention and response masks (on CPU) and the texts."""
     device = next(model.parameters()).device
@@ -55,7 +98,7 @@ def generate(model, tokenizer, prompts: list[str], sample_ids: list[int], *, see
             out = model(input_ids=ids[:, -1:], attention_mask=attn, position_ids=positions[:, -1:],
                         past_key_values=past, use_cache=True)
         past = out.past_key_values if use_cache else None
-        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1).cpu()
+        probs = sampling.warp(out.logits[:, -1]).cpu()
         if greedy:
             nxt = probs.argmax(dim=-1)
         else:
@@ -65,18 +108,24 @@ def generate(model, tokenizer, prompts: list[str], sample_ids: list[int], *, see
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
         done |= nxt == tokenizer.eos_token_id
+        if sampling.stop_token_ids:
+            done |= torch.isin(nxt, torch.tensor(sampling.stop_token_ids, dtype=nxt.dtype, device=device))
+        if sampling.stop_strings:
+            done |= torch.tensor([sampling.stops(tokenizer.decode(row[width:], skip_special_tokens=True))
+                                  for row in ids.tolist()], device=device)
         if done.all():
             break
     ids, attn = ids.cpu(), attn.cpu()
     response_mask = torch.zeros_like(ids)
     response_mask[:, width:] = torch.stack(response, dim=1).long().cpu()
-    completions = [tokenizer.decode(row[width:][response_mask[i, width:].bool()], skip_special_tokens=True)
-                   for i, row in enumerate(ids)]
+    completions = [sampling.cut(tokenizer.decode(row[width:][response_mask[i, width:].bool()],
+                                                 skip_special_tokens=True)) for i, row in enumerate(ids)]
     return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
             "completions": completions, "pad_id": pad}
 
 
-def pack_rollouts(tokenizer, encoded: list[list[int]], responses: list[list[int]]) -> dict:
+def pack_rollouts(tokenizer, encoded: list[list[int]], responses: list[list[int]],
+                  sampling: Sampling = Sampling()) -> dict:
     """An engine's completions (token ids, ending at EOS or at the length limit) in the layout `generate`
     returns: prompts left-padded to one width, completions right-padded after them, and their masks."""
     pad, width = tokenizer.pad_token_id, max(map(len, encoded))
@@ -88,6 +137,6 @@ def pack_rollouts(tokenizer, encoded: list[list[int]], responses: list[list[int]
         ids[i, width:width + len(response)] = torch.tensor(response, dtype=torch.long)
         attn[i, width - len(prompt):width + len(response)] = 1
         response_mask[i, width:width + len(response)] = 1
-    completions = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+    completions = [sampling.cut(tokenizer.decode(r, skip_special_tokens=True)) for r in responses]
     return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask,
             "completions": completions, "pad_id": pad}

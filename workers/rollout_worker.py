@@ -21,7 +21,7 @@ import torch
 from supervisor.config import Config, RolloutEngine
 from supervisor.testing.fault_points import fault_points
 from workers.errors import StaleWeights, WeightSyncError
-from workers.generate import encode_prompt, generate, pack_rollouts, sample_seed
+from workers.generate import Sampling, encode_prompt, generate, pack_rollouts, sample_seed
 from workers.cuda_weights import CudaSharedWeights
 from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
@@ -144,22 +144,22 @@ class RolloutWorker:
         return self.version, local_digest([own[n] for n in self.names], self.dtype, bucket_bytes, self.digest)
 
     @fault_points
-    def generate(self, prompts: list[str], sample_ids: list[int], global_step: int, version: int,
+    def generate(self, prompts: list[str | list[dict]], sample_ids: list[int], global_step: int, version: int,
                  greedy: bool = False) -> dict:
         """Sample (or, for evaluation, greedily pick) one completion per prompt; left-padded ids and masks, and
         this process's peak memory (`memory`). Refuses unless it holds weights `version`: no rollout is ever
         drawn from the wrong weights."""
         if self.version != version:
             raise StaleWeights(f"asked for weights version {version} at step {global_step}, holds {self.version}")
-        cfg = self.config
+        cfg, sampling = self.config, Sampling.of(self.config.rollout)
         if self.vllm:
             encoded = [encode_prompt(self.tokenizer, p, cfg.data.chat_template) for p in prompts]
             seeds = [sample_seed(cfg.seed, global_step, s) for s in sample_ids]
-            responses = self.vllm.generate(encoded, seeds, cfg.data.max_new_tokens, cfg.rollout.temperature, greedy)
-            return pack_rollouts(self.tokenizer, encoded, responses) | {"memory": peak_memory()}
+            responses = self.vllm.generate(encoded, seeds, cfg.data.max_new_tokens, sampling, greedy)
+            return pack_rollouts(self.tokenizer, encoded, responses, sampling) | {"memory": peak_memory()}
         out = generate(self.model, self.tokenizer, prompts, sample_ids, seed=cfg.seed, step=global_step,
-                       max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.rollout.temperature,
-                       greedy=greedy, chat_template=cfg.data.chat_template)
+                       max_new_tokens=cfg.data.max_new_tokens, sampling=sampling, greedy=greedy,
+                       chat_template=cfg.data.chat_template)
         return out | {"memory": peak_memory()}
 
 

@@ -36,6 +36,7 @@ from typing import Iterable, Sequence
 import torch
 
 from workers.errors import UserCodeError, WeightSyncError
+from workers.generate import Sampling
 from workers.model import model_config
 from workers.weight_sync import local_digest
 
@@ -194,7 +195,7 @@ class VllmEngine:
             raise WeightSyncError(f"vLLM's {untied[0]} differs from {tied[untied[0]]}, to which the model ties it")
         return local_digest(served[:len(names)], own[names[0]].dtype, bucket_bytes)
 
-    def generate(self, encoded: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,
+    def generate(self, encoded: list[list[int]], seeds: list[int], max_new_tokens: int, sampling: Sampling,
                  greedy: bool) -> list[list[int]]:
         """One completion per prompt (token ids, EOS included when drawn); each sample's draws seeded by its own
         seed, so a completion does not depend on the batch it was drawn in. A prompt longer than
@@ -208,8 +209,12 @@ class VllmEngine:
                                 f"dataset is {longest} tokens long (chat template included)")
 
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        params = [SamplingParams(max_tokens=max_new_tokens, stop_token_ids=eos, detokenize=False,
-                                 **({"temperature": 0.0} if greedy else {"temperature": temperature, "seed": s}))
+        drawn = {"temperature": sampling.temperature, "top_p": sampling.top_p, **(
+            {"top_k": sampling.top_k} if sampling.top_k else {})}
+        # stop strings are matched on the text, which vLLM then makes; the completion's text is cut by the caller
+        params = [SamplingParams(max_tokens=max_new_tokens, stop_token_ids=[*eos, *sampling.stop_token_ids],
+                                 stop=list(sampling.stop_strings), detokenize=bool(sampling.stop_strings),
+                                 **({"temperature": 0.0} if greedy else {**drawn, "seed": s}))
                   for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=e) for e in encoded]
         outputs = _or_exit(lambda: self.llm.generate(prompts, params, use_tqdm=False))

@@ -18,7 +18,7 @@ from test_any_moment import assert_exact, end, signal_monkey
 
 from supervisor.config import load_config
 from supervisor.testing.processes import command_line, process_tree
-from workers.generate import encode_prompt, generate, sample_seed
+from workers.generate import Sampling, encode_prompt, generate, sample_seed
 from workers.model import build_model, build_tokenizer
 from workers.vllm_engine import _LOADED, _the_model
 
@@ -73,7 +73,7 @@ def weights_reach_vllm_in_place_and_read_back_bitwise():
     embed = model.get_input_embeddings().weight
     assert torch.equal(engine.loaded(["lm_head.weight"], [list(embed.shape)])[0], embed)
     encoded = [encode_prompt(tokenizer, p) for p in PROMPTS[:8]]
-    before = engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True)
+    before = engine.generate(encoded, [0] * 8, 6, Sampling(), greedy=True)
     # the greedy completions of the built-in engine on the same weights
     reference = generate(model, tokenizer, PROMPTS[:8], list(range(8)), seed=1, step=0, max_new_tokens=6, greedy=True)
     width = reference["input_ids"].shape[1] - reference["response_mask"].sum(1).max()
@@ -84,9 +84,9 @@ def weights_reach_vllm_in_place_and_read_back_bitwise():
     engine.load(changed.items())
     for name, served in zip(names, engine.loaded(names, shapes(model))):
         assert torch.equal(changed[name], served), name
-    assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) != before
+    assert engine.generate(encoded, [0] * 8, 6, Sampling(), greedy=True) != before
     engine.load(model.state_dict().items())
-    assert engine.generate(encoded, [0] * 8, 6, 1.0, greedy=True) == before
+    assert engine.generate(encoded, [0] * 8, 6, Sampling(), greedy=True) == before
     # what is read back is vLLM's own memory, not what was fed to it: a change there shows
     qkv = engine.llm.collective_rpc(_the_model)[0].get_submodule("model.layers.0.self_attn.qkv_proj")
     getattr(qkv, _LOADED if hasattr(qkv, _LOADED) else "weight")[0, 0] += 1.0
@@ -103,11 +103,20 @@ def a_samples_tokens_depend_on_its_seed_not_on_its_batch():
     engine.load(model.state_dict().items())
     encoded = [encode_prompt(tokenizer, p) for p in PROMPTS]
     seeds = [sample_seed(config.seed, 3, s) for s in range(len(PROMPTS))]
-    whole = engine.generate(encoded, seeds, 6, 1.0, greedy=False)
+    whole = engine.generate(encoded, seeds, 6, Sampling(), greedy=False)
     assert len(set(map(tuple, whole))) > 4  # sampled, not all alike
-    reversed_half = engine.generate(encoded[:5][::-1], seeds[:5][::-1], 6, 1.0, greedy=False)
-    alone = engine.generate(encoded[7:8], seeds[7:8], 6, 1.0, greedy=False)
+    reversed_half = engine.generate(encoded[:5][::-1], seeds[:5][::-1], 6, Sampling(), greedy=False)
+    alone = engine.generate(encoded[7:8], seeds[7:8], 6, Sampling(), greedy=False)
     assert reversed_half[::-1] == whole[:5] and alone == whole[7:8]
+    # rollout.top_k, top_p and stop reach vLLM: one token left to draw from is the greedy one, whatever the seed;
+    # a stop token id or string ends a completion with the token that completed it
+    greedy = engine.generate(encoded, seeds, 6, Sampling(), greedy=True)
+    assert engine.generate(encoded, seeds, 6, Sampling(top_k=1), greedy=False) == greedy
+    assert engine.generate(encoded, seeds, 6, Sampling(top_p=1e-6), greedy=False) == greedy
+    four = tokenizer.convert_tokens_to_ids("4")
+    cut = [c[:c.index(four) + 1] if four in c else c for c in whole]
+    assert cut != whole and engine.generate(encoded, seeds, 6, Sampling(stop_token_ids=(four,)), greedy=False) == cut
+    assert engine.generate(encoded, seeds, 6, Sampling(stop_strings=("4",)), greedy=False) == cut
 
 
 def test_vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt(child):
@@ -121,11 +130,11 @@ def vllm_holds_the_configured_lengths_and_refuses_a_longer_prompt():
     assert engine.llm.llm_engine.model_config.max_model_len == config.data.max_sequence_tokens == 32 + 6
     engine.load(model.state_dict().items())
     with pytest.raises(UserCodeError, match="data.max_prompt_tokens = 32: a prompt of the dataset is 33 tokens"):
-        engine.generate([[4] * 33], [0], 6, 1.0, greedy=True)
+        engine.generate([[4] * 33], [0], 6, Sampling(), greedy=True)
     # the longest prompt draws its max_new_tokens in full (vLLM stops a sequence at max_model_len)
     eos, tokenizer.eos_token = tokenizer.eos_token, None
     try:
-        assert [len(c) for c in engine.generate([[4] * 32], [0], 6, 1.0, greedy=False)] == [6]
+        assert [len(c) for c in engine.generate([[4] * 32], [0], 6, Sampling(), greedy=False)] == [6]
     finally:
         tokenizer.eos_token = eos
 

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from supervisor.config import ModelConfig
-from workers.generate import encode_prompt, generate, pack_rollouts
+from workers.generate import Sampling, encode_prompt, generate, pack_rollouts
 from workers.model import build_tokenizer
 
 PROMPTS = ["3 8 =", "1 =", "9 9 9 9 =", "0 4 =", "7 =", "5 5 5 =", "2 6 =", "8 1 1 ="]
@@ -75,3 +75,35 @@ def test_an_engines_completions_packed_are_the_builtin_layout(tokenizer):
     for key in ("input_ids", "attention_mask", "response_mask"):
         assert torch.equal(packed[key], out[key]), key
     assert packed["completions"] == out["completions"] and packed["pad_id"] == out["pad_id"]
+
+
+def test_top_k_and_top_p_narrow_the_draw_and_stops_end_a_completion(tokenizer):
+    model = tiny("llama", tokenizer)
+    greedy, sampled = run(model, tokenizer, PROMPTS, list(range(8)), greedy=True), run(model, tokenizer, PROMPTS,
+                                                                                       list(range(8)))
+    assert sampled["completions"] != greedy["completions"]
+    # one token left to draw from, by either rule: the greedy tokens, whatever the seed
+    for narrow in (Sampling(top_k=1), Sampling(top_p=1e-6)):
+        drawn = run(model, tokenizer, PROMPTS, list(range(8)), sampling=narrow)
+        assert torch.equal(drawn["input_ids"], greedy["input_ids"]) and drawn["completions"] == greedy["completions"]
+    # a wide nucleus and k draw the plain samples' tokens (the same seeds; nothing cut that mattered)
+    wide = run(model, tokenizer, PROMPTS, list(range(8)), sampling=Sampling(top_k=len(tokenizer), top_p=1.0))
+    assert torch.equal(wide["input_ids"], sampled["input_ids"])
+
+    # stop: a completion ends with the token that completes a stop (a token id, or a string of one or more
+    # tokens), which is trained on; the text the reward sees ends before a stop string
+    words = [c.split() for c in greedy["completions"]]
+    eos = [int(m.sum()) - len(w) for m, w in zip(greedy["response_mask"], words)]  # 1 where EOS ended it
+    token = tokenizer.convert_tokens_to_ids("4")
+    for stop, string in ((Sampling(stop_token_ids=(token,)), None), (Sampling(stop_strings=("4",)), "4"),
+                         (Sampling(stop_strings=("4 4",)), "4 4")):
+        out = run(model, tokenizer, PROMPTS, list(range(8)), greedy=True, sampling=stop)
+        for i, full in enumerate(words):
+            text = " ".join(full)
+            if "4" not in full if string is None else string not in text:
+                kept, expect = len(full) + eos[i], full
+            else:
+                at = full.index("4") if string is None else text[:text.index(string)].count(" ") + string.count(" ")
+                kept, expect = at + 1, full[:at + 1] if string is None else text[:text.index(string)].split()
+            assert (int(out["response_mask"][i].sum()), out["completions"][i].split()) == (kept, expect), (i, full)
+        assert sum(int(m.sum()) for m in out["response_mask"]) < sum(int(m.sum()) for m in greedy["response_mask"])
