@@ -58,7 +58,8 @@ def bare(address: str, config_path: Path, overrides: list[str]) -> list[float]:
 
 @ray.remote(num_cpus=0)
 def bare_loop(cfg) -> list[float]:
-    loader = PromptLoader(read_prompts(cfg.data.path), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
+    loader = PromptLoader(read_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key),
+                          cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
     reward_fn, group = load_reward_fn(cfg.reward.fn), cfg.data.group_size
     steps = loader.steps_per_epoch * cfg.total_train_epochs
     engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)

@@ -36,6 +36,7 @@ from report import arguments, report
 from sizes import ENGINE, SIZES
 
 from supervisor.checkpoint.layout import TrialLayout
+from supervisor.cluster.drains import POLL_SECS
 from supervisor.config import load_config
 from supervisor.control.events import Event, read_jsonl
 from supervisor.control.policy import Action
@@ -197,35 +198,55 @@ def node_lost_run(address: str, fileroot: Path, trial: str, overrides: list[str]
     time leaves out the wait for the notice. A node is added back once the job ended."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
-    paused = [0.0]
+    paused, failed = [0.0], []
 
     def during(config):
         layout = TrialLayout.from_config(config)
         thread = threading.Thread(target=lose_node, args=(layout,), daemon=True)
         thread.start()
-        return lambda: thread.join(timeout=60)
+
+        def after() -> None:
+            thread.join(timeout=60)
+            if failed:
+                raise RuntimeError(f"{trial}: the node was not lost as planned: {failed[0]}")
+        return after
 
     def lose_node(layout: TrialLayout) -> None:
         rows = lambda: [r for r in read_jsonl(layout.stats_log) if "global_step" in r]  # noqa: E731
         events = lambda kind: [e for e in read_jsonl(layout.events_log) if e["event"] == kind]  # noqa: E731
-        if notice:
-            pause = fault_dir / "fired-1-step.begin"
-            while not pause.exists():
-                time.sleep(0.05)
+        try:
+            if notice:
+                node = drain_while_paused(fault_dir / "fired-1-step.begin", events)
+                deadline = time.monotonic() + DRAIN_SECS  # the node goes then, whatever the job did
+                while not events(Event.RECOVERY) and time.monotonic() < deadline:  # its handoff, and the next step
+                    time.sleep(0.05)
+            else:
+                while not (rows() and rows()[-1]["global_step"] >= at):
+                    time.sleep(0.05)
+                node = events(Event.LOADED)[-1]["nodes"][0]
+            cluster.kill_node(cluster.node_of(node))
+        except Exception as e:  # noqa: BLE001 - said by the run, once it ended
+            failed.append(e)
+
+    def drain_while_paused(pause: Path, events) -> str:
+        """The ranks' node drained while the job waits as step `at` begins; the job let go once the Supervisor's
+        drain watch may poll again (at most once a POLL_SECS, the last time just before the wait), whatever
+        happened: a notice that failed must not leave the job waiting."""
+        while not pause.exists():
+            time.sleep(0.05)
+        try:
             node = events(Event.LOADED)[-1]["nodes"][0]
-            subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", address, "--node-id",
-                            node, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "benchmark",
-                            "--deadline-remaining-seconds", str(DRAIN_SECS)], check=True, capture_output=True)
-            deadline = time.monotonic() + DRAIN_SECS  # the node goes then, whatever the job did
+            r = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", address,
+                                "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                                "benchmark", "--deadline-remaining-seconds", str(DRAIN_SECS)],
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"ray drain-node failed: {(r.stderr or r.stdout).strip()[-500:]}")
+            time.sleep(max(0.0, pause.stat().st_mtime + POLL_SECS - time.time()))
+            return node
+        finally:
             paused[0] = time.time() - pause.stat().st_mtime
             (fault_dir / "go").touch()
-            while not events(Event.RECOVERY) and time.monotonic() < deadline:  # its handoff, and the next step
-                time.sleep(0.05)
-        else:
-            while not (rows() and rows()[-1]["global_step"] >= at):
-                time.sleep(0.05)
-            node = events(Event.LOADED)[-1]["nodes"][0]
-        cluster.kill_node(cluster.node_of(node))
 
     faults = ["step.begin:wait_spares:step=1"] + [f"step.begin:pause:step={at}"] * notice
     os.environ.update(RELAUNCH_FAULT=",".join(faults), RELAUNCH_FAULT_DIR=str(fault_dir))

@@ -22,11 +22,12 @@ def _fail(message: str) -> None:
 
 
 def _dataset_size(config) -> int:
-    """The number of prompts in data.path, every row checked as the Supervisor will read it (one line on error)."""
-    from workers.data import DataError, read_prompts
+    """The number of prompts in data.path, every row checked as the Supervisor will read it, none kept (one line
+    on error)."""
+    from workers.data import DataError, iter_prompts
 
     try:
-        rows = len(read_prompts(config.data.path, config.data.prompt_key, config.data.answer_key))
+        rows = sum(1 for _ in iter_prompts(config.data.path, config.data.prompt_key, config.data.answer_key))
     except DataError as e:
         _fail(str(e))
     if rows < config.data.batch_size:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_grpo.yaml"
@@ -215,6 +215,12 @@ class RolloutConfig(_Strict):
                                                      "synced) to replace a dead or hung engine without its start "
                                                      "(10-20 s for vllm); each holds an engine's CPUs and memory")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: draw from the smallest set of tokens whose "
+                                                      "probability reaches top_p (1: all)")
+    top_k: Optional[int] = Field(None, gt=0, description="draw from the top_k most likely tokens (null: all)")
+    stop: list[Union[StrictInt, str]] = Field(
+        [], description="stop strings and token ids: a completion ends with the token that completes one (trained "
+                        "on, as EOS is); the text the reward sees ends before a stop string; evaluation stops too")
     weight_bucket_mb: int = Field(
         64, gt=0, description="the weight stream's bucket size, in MiB of the engine's dtype: each side holds two "
                               "buckets (one in flight, one being filled or written), and every bucket is hashed")
@@ -432,8 +438,10 @@ class Config(_Strict):
                              f"not support (it supports {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})")
 
     def resume_hash(self) -> str:
-        """Hash of what must not change across a resume (model, data, optimisation, seed)."""
-        keep = self.model_dump(mode="json", include={"seed", "model", "actor", "data", "rollout", "reward"})
+        """Hash of what must not change across a resume (model, data, optimisation, seed). Keys at their defaults
+        are left out, so that a key added later (at its default) changes no trial's hash."""
+        keep = self.model_dump(mode="json", include={"seed", "model", "actor", "data", "rollout", "reward"},
+                               exclude_defaults=True)
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 

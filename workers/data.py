@@ -20,69 +20,111 @@ class DataError(ValueError):
 
 
 def read_prompts(path: Path, prompt_key: str = "prompt", answer_key: str | None = None) -> list[dict]:
-    """Every row of `data.path`, told apart by the path: a Parquet file, a directory saved by HF `datasets`
-    (`save_to_disk`), else JSONL. Each row keeps its own keys and gets `prompt` (and `answer`, with
-    `answer_key`) from the keys the config names; a row without them is refused with its file and number."""
+    """Every row of `data.path` (iter_prompts), in memory: the Supervisor serves batches from it."""
+    return list(iter_prompts(path, prompt_key, answer_key))
+
+
+def iter_prompts(path: Path, prompt_key: str = "prompt", answer_key: str | None = None) -> Iterator[dict]:
+    """The rows of `data.path`, told apart by the path: a Parquet file, a directory saved by HF `datasets`
+    (`save_to_disk`) or of Parquet files, else JSONL. Each row keeps its own keys and gets `prompt` (and
+    `answer`, with `answer_key`) from the keys the config names, replacing any of those names it had; a row
+    without them is refused with its file and number. A prompt is a string or a chat (a list of messages with
+    `role` and `content`, as verl's datasets keep it), which the engine puts through the chat template."""
     path = Path(path)
-    if path.is_dir():
-        source = _saved_dataset_rows(path)
-    elif path.suffix.lower() in PARQUET_SUFFIXES:
-        source = _parquet_rows(path)
-    else:
-        source = _jsonl_rows(path)
-    rows = []
-    for where, row in source:
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: a row must be a mapping of keys, not {type(row).__name__}")
-        row["prompt"] = _field(row, prompt_key, where, "data.prompt_key")
-        if not isinstance(row["prompt"], str):
-            raise DataError(f"{where}: {prompt_key!r} must be a string, not {type(row['prompt']).__name__} "
-                            f"(data.prompt_key)")
-        if answer_key is not None:
-            row["answer"] = _field(row, answer_key, where, "data.answer_key")
-        rows.append(row)
-    return rows
+    try:
+        if path.is_dir():
+            source = _saved_dataset_rows(path) if (path / "state.json").is_file() or \
+                (path / "dataset_dict.json").is_file() else _parquet_directory_rows(path)
+        elif path.suffix.lower() in PARQUET_SUFFIXES:
+            source = _parquet_rows(path, path)
+        else:
+            source = _jsonl_rows(path)
+        for where, row in source:
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a row must be a mapping of keys, not {type(row).__name__}")
+            row["prompt"] = _field(row, prompt_key, where, "data.prompt_key")
+            if not _is_prompt(row["prompt"]):
+                raise DataError(f"{where}: {prompt_key!r} must be a string or a list of messages with 'role' and "
+                                f"'content', not {_kind(row['prompt'])} (data.prompt_key)")
+            if answer_key is not None:
+                row["answer"] = _field(row, answer_key, where, "data.answer_key")
+            yield row
+    except OSError as e:
+        raise DataError(f"data.path {path}: {e.strerror or e}") from None
+
+
+def _is_prompt(prompt) -> bool:
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def _field(row: dict, key: str, where: str, config_key: str):
-    """`row[key]`, or for a dotted key a nested field (`reward_model.ground_truth`, as verl's datasets keep it)."""
-    if key in row:
-        return row[key]
-    value = row
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise DataError(f"{where}: no {key!r} key ({config_key})")
-        value = value[part]
+    """`row[key]`, or for a dotted key a nested field (`reward_model.ground_truth`, as verl's datasets keep it);
+    a null (Parquet's and Arrow's missing value) is no value."""
+    value = row.get(key)
+    if key not in row:
+        value = row
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise DataError(f"{where}: no {key!r} key ({config_key})")
+            value = value[part]
+    if value is None:
+        raise DataError(f"{where}: {key!r} is null ({config_key})")
     return value
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """One JSON object per line, read line by line (blank lines skipped)."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}: row {number}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: row {number}: not JSON ({e.msg}); data.path is read as JSONL unless it "
-                                f"ends in {' or '.join(PARQUET_SUFFIXES)} or is a saved HF dataset") from None
+    """One JSON object per line, read line by line (blank lines skipped; a UTF-8 byte order mark allowed)."""
+    number = 0
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}: row {number}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: row {number}: not JSON ({e.msg}); data.path is read as JSONL unless "
+                                    f"it ends in {' or '.join(PARQUET_SUFFIXES)} or is a directory") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: row {number + 1}: not UTF-8 text (a compressed file is not read: give JSONL, "
+                        f"Parquet or a saved HF dataset)") from None
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """A Parquet file's rows, a record batch at a time (the whole table is never held beside the rows)."""
+def _parquet_rows(path: Path, named: Path, first: int = 1) -> Iterator[tuple[str, object]]:
+    """A Parquet file's rows, a record batch at a time (the whole table is never held beside the rows); rows
+    are numbered from `first` within the dataset `named`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    number = first - 1
     try:
-        batches = pq.ParquetFile(path).iter_batches()
-        number = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                number += 1
-                yield f"{path}: row {number}", row
-    except (pa.ArrowException, OSError) as e:
+        with pq.ParquetFile(path) as file:
+            for batch in file.iter_batches():
+                for row in batch.to_pylist():
+                    number += 1
+                    yield f"{named}: row {number}", row
+    except pa.ArrowException as e:
         raise DataError(f"{path}: not a Parquet file pyarrow reads ({e})") from None
+
+
+def _parquet_directory_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """A directory of Parquet files (as Spark and the HF hub's `data/` folders keep them), in name order."""
+    files = sorted(f for f in path.rglob("*") if f.suffix.lower() in PARQUET_SUFFIXES)
+    if not files:
+        raise DataError(f"data.path {path} is a directory of no dataset: neither saved by HF datasets "
+                        f"(save_to_disk: state.json) nor holding Parquet files")
+    number = 0
+    for file in files:
+        for where, row in _parquet_rows(file, path, number + 1):
+            number += 1
+            yield where, row
 
 
 def _saved_dataset_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -93,21 +135,24 @@ def _saved_dataset_rows(path: Path) -> Iterator[tuple[str, object]]:
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         raise DataError(f"data.path {path} holds a DatasetDict: name one split's directory"
                         + (f", e.g. {path / splits[0]}" if splits else ""))
-    state = path / "state.json"
-    if not state.is_file():
-        raise DataError(f"data.path {path} is a directory without state.json: not a dataset saved by HF "
-                        f"datasets (save_to_disk); give a JSONL or Parquet file instead")
+    try:
+        state = json.loads((path / "state.json").read_text())
+        files = [entry["filename"] for entry in state["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path / 'state.json'}: not the state of a dataset saved by HF datasets ({e!r})") from None
+    if state.get("_indices_data_files"):  # datasets 1.x kept a selection beside the rows: not read here
+        raise DataError(f"data.path {path}: saved with an indices mapping (datasets 1.x); save it again with a "
+                        f"newer datasets (flatten_indices first)")
     number = 0
-    for entry in json.loads(state.read_text())["_data_files"]:
-        file = path / entry["filename"]
+    for name in files:
         try:
-            with pa.memory_map(str(file)) as source:
+            with pa.memory_map(str(path / name)) as source:
                 for batch in pa.ipc.open_stream(source):
                     for row in batch.to_pylist():
                         number += 1
                         yield f"{path}: row {number}", row
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{file}: not an Arrow file of a saved HF dataset ({e})") from None
+        except pa.ArrowException as e:
+            raise DataError(f"{path / name}: not an Arrow file of a saved HF dataset ({e})") from None
 
 
 class PromptLoader:

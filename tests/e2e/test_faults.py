@@ -12,6 +12,8 @@ import pytest
 from harness import (AS_SHIPPED_SPARES, CONFIG, SHORT, Trial, curve, data_as, job_env, kill_session, metrics,
                      relaunch, start_relaunch, status_json)
 
+from supervisor.cluster.drains import POLL_SECS
+
 pytestmark = pytest.mark.e2e
 
 
@@ -414,6 +416,8 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
         paused(6)
         train_node = trial.events("loaded")[-1]["nodes"][0]
         drain(cluster, train_node, 30)
+        # let go once the drain watch may poll again (at most once a POLL_SECS, the last time before the pause)
+        time.sleep(max(0.0, (tmp_path / "fired-1-step.begin").stat().st_mtime + POLL_SECS - time.time()))
         (tmp_path / "go").touch()
         deadline = time.time() + 60
         while not trial.events("preemption"):

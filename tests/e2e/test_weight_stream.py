@@ -109,7 +109,8 @@ def shared_path_checks(config, stream, engines, trainers, want: str):
         w.engine.weight_shard = lambda i: frozen[i]
 
     ray.get(trainers.members[1].handle.__ray_call__.remote(freeze))
-    loader = PromptLoader(read_prompts(config.data.path), config.data.batch_size, config.seed, config.data.shuffle)
+    loader = PromptLoader(read_prompts(config.data.path, config.data.prompt_key, config.data.answer_key),
+                          config.data.batch_size, config.seed, config.data.shuffle)
     rows = [r for r in loader.batch(0, 0) for _ in range(config.data.group_size)]
     rollout = engines.generate([r["prompt"] for r in rows], 0, version=0)
     advantages = group_advantages(torch.tensor(score(load_reward_fn(config.reward.fn), rows,

@@ -69,6 +69,10 @@ def test_resume_hash_ignores_frequencies_but_not_the_model():
     base = load_config().resume_hash()
     assert load_config(DEFAULT_CONFIG, ["saver.freq_steps=3"]).resume_hash() == base
     assert load_config(DEFAULT_CONFIG, ["model.num_layers=3"]).resume_hash() != base
+    # a key at its default, given or not (so a key added later changes no trial's hash); the draw's keys matter
+    assert load_config(DEFAULT_CONFIG, ["rollout.top_p=1.0", "data.prompt_key=prompt"]).resume_hash() == base
+    assert load_config(DEFAULT_CONFIG, ["rollout.top_p=0.9"]).resume_hash() != base
+    assert load_config(DEFAULT_CONFIG, ["rollout.stop=[2]"]).resume_hash() != base
 
 
 def test_cli_bad_key_exits_2_with_one_line_and_no_traceback():

@@ -42,11 +42,30 @@ def test_keys_named_by_the_config_and_nested_as_verl_keeps_them(tmp_path):
     assert rows[0]["data_source"] == "max_digit"  # the row's own keys stay, for the reward
 
 
+def test_a_chat_prompt_as_verl_keeps_it_goes_through_the_chat_template(tmp_path):
+    from supervisor.config import ModelConfig
+    from workers.generate import encode_prompt
+    from workers.model import build_tokenizer
+
+    chat = [{"role": "system", "content": "answer"}, {"role": "user", "content": "3 8 ="}]
+    rows = read_prompts(as_parquet([{"prompt": chat, "answer": "8"}] * 4, tmp_path / "chat.parquet"))
+    assert rows[0]["prompt"] == chat
+    tokenizer = build_tokenizer(ModelConfig())
+    assert encode_prompt(tokenizer, chat, chat_template=False) == \
+        [tokenizer.bos_token_id] + tokenizer.encode("answer\n3 8 =", add_special_tokens=False)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert encode_prompt(tokenizer, chat) == tokenizer.encode("answer 3 8 = ", add_special_tokens=False)
+
+
 @pytest.mark.parametrize("lines, error", [
     (['{"prompt": "1 ="}', '', '{"prompt": "2 ="', ], "data.jsonl: row 3: not JSON"),
     (['{"prompt": "1 ="}', '{"question": "2 ="}'], "data.jsonl: row 2: no 'prompt' key (data.prompt_key)"),
-    (['{"prompt": ["a", "b"]}'], "data.jsonl: row 1: 'prompt' must be a string, not list (data.prompt_key)"),
+    (['{"prompt": 7}'], "data.jsonl: row 1: 'prompt' must be a string or a list of messages with 'role' and "
+                        "'content', not int (data.prompt_key)"),
     (['["1 ="]'], "data.jsonl: row 1: a row must be a mapping of keys, not list"),
+    (['{"prompt": null}'], "data.jsonl: row 1: 'prompt' is null (data.prompt_key)"),
+    (['{"prompt": [{"role": "user"}]}'], "row 1: 'prompt' must be a string or a list of messages with 'role' and "
+                                          "'content', not list"),
 ])
 def test_a_bad_jsonl_row_is_named_by_its_file_and_number(tmp_path, lines, error):
     path = tmp_path / "data.jsonl"
@@ -54,6 +73,28 @@ def test_a_bad_jsonl_row_is_named_by_its_file_and_number(tmp_path, lines, error)
     with pytest.raises(DataError) as e:
         read_prompts(path)
     assert error in str(e.value)
+
+
+def test_a_byte_order_mark_is_read_and_a_compressed_file_is_named(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1 ="}\n')
+    assert read_prompts(tmp_path / "bom.jsonl") == [{"prompt": "1 ="}]
+    import gzip
+
+    (tmp_path / "data.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "1 ="}\n' * 100))
+    with pytest.raises(DataError, match=r"data.jsonl.gz: row 1: not UTF-8 text \(a compressed file is not read"):
+        read_prompts(tmp_path / "data.jsonl.gz")
+
+
+def test_a_directory_of_parquet_files_reads_in_name_order(tmp_path):
+    rows = [{"prompt": f"{i} =", "answer": str(i)} for i in range(40)]
+    (tmp_path / "train").mkdir()
+    for part in range(2):
+        as_parquet(rows[part * 20:(part + 1) * 20], tmp_path / "train" / f"part-{part:05d}.parquet")
+    assert read_prompts(tmp_path / "train") == rows
+    rows[25]["answer"] = None  # a missing value, as Parquet keeps it
+    as_parquet(rows[20:], tmp_path / "train" / "part-00001.parquet")
+    with pytest.raises(DataError, match=r"train: row 26: 'answer' is null \(data.answer_key\)"):
+        read_prompts(tmp_path / "train", answer_key="answer")
 
 
 def test_a_bad_parquet_or_dataset_directory_is_named(tmp_path):
@@ -64,7 +105,7 @@ def test_a_bad_parquet_or_dataset_directory_is_named(tmp_path):
     with pytest.raises(DataError, match="broken.parquet: not a Parquet file"):
         read_prompts(tmp_path / "broken.parquet")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="without state.json: not a dataset saved by HF datasets"):
+    with pytest.raises(DataError, match="neither saved by HF datasets .save_to_disk: state.json. nor holding Parquet"):
         read_prompts(tmp_path / "empty")
     import datasets
 
