@@ -48,6 +48,18 @@ class Sampling:
     def stops(self, text: str) -> bool:
         return any(s in text for s in self.stop_strings)
 
+    def stop_at(self, tokenizer, tokens: list[int]) -> list[int]:
+        """`tokens` up to the one whose text completes a stop string, or all of them: the first n whose text holds
+        one (searched by halves: a prefix that holds one is followed by longer ones that do)."""
+        text = lambda n: tokenizer.decode(tokens[:n], skip_special_tokens=True)  # noqa: E731
+        if not self.stop_strings or not self.stops(text(len(tokens))):
+            return tokens
+        low, high = 1, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if self.stops(text(middle)) else (middle + 1, high)
+        return tokens[:low]
+
     def cut(self, text: str) -> str:
         """The completion's text before its first stop string."""
         ends = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]

@@ -211,14 +211,14 @@ class VllmEngine:
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         drawn = {"temperature": sampling.temperature, "top_p": sampling.top_p, **(
             {"top_k": sampling.top_k} if sampling.top_k else {})}
-        # stop strings are matched on the text, which vLLM then makes; the completion's text is cut by the caller
         params = [SamplingParams(max_tokens=max_new_tokens, stop_token_ids=[*eos, *sampling.stop_token_ids],
-                                 stop=list(sampling.stop_strings), detokenize=bool(sampling.stop_strings),
-                                 **({"temperature": 0.0} if greedy else {**drawn, "seed": s}))
+                                 detokenize=False, **({"temperature": 0.0} if greedy else {**drawn, "seed": s}))
                   for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=e) for e in encoded]
         outputs = _or_exit(lambda: self.llm.generate(prompts, params, use_tqdm=False))
-        return [list(o.outputs[0].token_ids) for o in outputs]
+        # vLLM runs without a tokenizer (the ids come and go as ids), so it cannot see a stop string: a completion
+        # is cut at the token that completes one, the same tokens an engine that stopped there would have drawn
+        return [sampling.stop_at(self.tokenizer, list(o.outputs[0].token_ids)) for o in outputs]
 
 
 def _or_exit(call, exit=os._exit):

@@ -106,4 +106,7 @@ def test_top_k_and_top_p_narrow_the_draw_and_stops_end_a_completion(tokenizer):
                 at = full.index("4") if string is None else text[:text.index(string)].count(" ") + string.count(" ")
                 kept, expect = at + 1, full[:at + 1] if string is None else text[:text.index(string)].split()
             assert (int(out["response_mask"][i].sum()), out["completions"][i].split()) == (kept, expect), (i, full)
+            # vLLM's completions are cut afterwards by the same rule (it runs without a tokenizer): the same tokens
+            drawn = greedy["input_ids"][i][greedy["response_mask"][i].bool()].tolist()
+            assert stop.stop_at(tokenizer, drawn) == (drawn[:kept] if string else drawn)
         assert sum(int(m.sum()) for m in out["response_mask"]) < sum(int(m.sum()) for m in greedy["response_mask"])
