@@ -38,7 +38,7 @@ from supervisor.launch import connect
 from supervisor.testing.local_cluster import LocalCluster
 from workers.data import PromptLoader, read_prompts
 from workers.grpo import group_advantages
-from workers.rewards import load_reward_fn, score
+from workers.rewards import Rewards
 
 NO_SAVES = ["recover.mode=off", "saver.freq_epochs=null", "evaluator.freq_epochs=null", "recover.spare_workers=0"]
 
@@ -60,7 +60,7 @@ def bare(address: str, config_path: Path, overrides: list[str]) -> list[float]:
 def bare_loop(cfg) -> list[float]:
     loader = PromptLoader(read_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key),
                           cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
-    reward_fn, group = load_reward_fn(cfg.reward.fn), cfg.data.group_size
+    rewards, group = Rewards.from_config(cfg.reward), cfg.data.group_size
     steps = loader.steps_per_epoch * cfg.total_train_epochs
     engines = RolloutGroup(cfg, cfg.recover.step_timeout_secs)
     trainers = TrainGroup(cfg, cfg.cluster.n_train_workers, cfg.recover.step_timeout_secs)
@@ -72,7 +72,7 @@ def bare_loop(cfg) -> list[float]:
         rows = [r for r in loader.batch(g // loader.steps_per_epoch, g % loader.steps_per_epoch)
                 for _ in range(group)]
         rollout = engines.generate([r["prompt"] for r in rows], g, version=g)
-        advantages = group_advantages(torch.tensor(score(reward_fn, rows, rollout["completions"])), group)
+        advantages = group_advantages(torch.tensor(rewards(rows, rollout["completions"])), group)
         n = trainers.world_size
         shards = [dict({k: rollout[k].chunk(n)[r] for k in ("input_ids", "attention_mask", "response_mask")},
                        advantages=advantages.chunk(n)[r]) for r in range(n)]
@@ -82,6 +82,7 @@ def bare_loop(cfg) -> list[float]:
     stream.close()
     trainers.shutdown()
     engines.shutdown()
+    rewards.close()
     return secs
 
 

@@ -232,6 +232,12 @@ class RolloutConfig(_Strict):
 class RewardConfig(_Strict):
     fn: str = Field("examples.max_digit.reward:reward", description="import path module:function")
     retry_user_errors: bool = Field(False, description="treat user-code exceptions as restartable faults")
+    batch: bool = Field(False, description="call fn once per batch as fn(prompts=, completions=, rows=), returning "
+                                           "a list of floats, instead of once per sample")
+    concurrency: int = Field(16, gt=0, description="per-sample calls in flight at once, each on a thread of its "
+                                                   "own (a reward that waits on a service overlaps its waits)")
+    timeout_secs: float = Field(300.0, gt=0, description="the longest one call may take: past it the step fails "
+                                                         "as the reward's error (user code)")
 
 
 class Tracker(str, enum.Enum):

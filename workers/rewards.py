@@ -1,14 +1,22 @@
-"""The user's reward function, named by import path `module:function` in `reward.fn`.
+"""The user's reward function, named by import path `module:function` in `reward.fn`, and the calls to it.
 
-It is called as fn(prompt=..., completion=..., row=...) and returns a float. Anything it raises is user
-code failing, not infrastructure: the Supervisor fails fast with the traceback (reward.retry_user_errors).
+Per sample (the default) it is called as fn(prompt=..., completion=..., row=...) and returns a float; with
+`reward.batch` once per batch as fn(prompts=[...], completions=[...], rows=[...]) and returns a list of floats.
+The calls run on threads of their own, up to `reward.concurrency` at once, so that a reward that waits on a
+service (a verifier, a reward model behind HTTP) waits for many samples at a time instead of one after another;
+each call is bounded by `reward.timeout_secs`. Anything it raises, or a call past its bound, is user code
+failing, not infrastructure: the Supervisor fails fast with the traceback (reward.retry_user_errors).
 """
 from __future__ import annotations
 
 import importlib
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 from workers.errors import UserCodeError
+
+POLL_SECS = 0.05  # how often the calls in flight are looked at for one past its bound
 
 
 def load_reward_fn(path: str) -> Callable[..., float]:
@@ -20,8 +28,69 @@ def load_reward_fn(path: str) -> Callable[..., float]:
     return fn
 
 
-def score(fn: Callable[..., float], rows: list[dict], completions: list[str]) -> list[float]:
-    try:
-        return [float(fn(prompt=row["prompt"], completion=c, row=row)) for row, c in zip(rows, completions)]
-    except Exception as e:  # noqa: BLE001 - any exception from user code is reported as such
-        raise UserCodeError(f"reward function raised {type(e).__name__}: {e}") from e
+class Rewards:
+    """The reward of every sample, in order; owns the threads that call the user's function."""
+
+    def __init__(self, fn: Callable, batch: bool = False, concurrency: int = 16, timeout_secs: float = 300.0):
+        self.fn, self.batch, self.concurrency, self.timeout_secs = fn, batch, concurrency, timeout_secs
+        self._pool = self._new_pool()
+
+    @classmethod
+    def from_config(cls, reward) -> "Rewards":
+        """From the config's `reward` section (raises UserCodeError when its function cannot be imported)."""
+        return cls(load_reward_fn(reward.fn), reward.batch, reward.concurrency, reward.timeout_secs)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=1 if self.batch else self.concurrency, thread_name_prefix="reward")
+
+    def __call__(self, rows: list[dict], completions: list[str]) -> list[float]:
+        if self.batch:
+            calls = [dict(prompts=[r["prompt"] for r in rows], completions=list(completions), rows=rows)]
+        else:
+            calls = [dict(prompt=r["prompt"], completion=c, row=r) for r, c in zip(rows, completions)]
+        results = self._call_all(calls)
+        if self.batch:
+            results = results[0]
+            if not isinstance(results, (list, tuple)) or len(results) != len(rows):
+                raise UserCodeError(f"reward function (reward.batch) returned {type(results).__name__} of "
+                                    f"{len(results) if hasattr(results, '__len__') else '?'} rewards for "
+                                    f"{len(rows)} samples: a list of one float per sample is expected")
+        try:
+            return [float(x) for x in results]
+        except (TypeError, ValueError) as e:
+            raise UserCodeError(f"reward function returned a reward that is not a number ({e})") from e
+
+    def _call_all(self, calls: list[dict]) -> list:
+        started: dict[int, float] = {}
+
+        def timed(i: int, kwargs: dict):
+            started[i] = time.monotonic()
+            return self.fn(**kwargs)
+
+        futures: dict[Future, int] = {self._pool.submit(timed, i, kw): i for i, kw in enumerate(calls)}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=POLL_SECS, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if (e := f.exception()) is not None:
+                    self._abandon(pending)
+                    raise UserCodeError(f"reward function raised {type(e).__name__}: {e}") from e
+            now = time.monotonic()
+            late = sorted(futures[f] for f in pending if now - started.get(futures[f], now) > self.timeout_secs)
+            if late:
+                self._abandon(pending)
+                what = "the batch" if self.batch else f"sample {late[0]}"
+                raise UserCodeError(f"reward function did not return within reward.timeout_secs = "
+                                    f"{self.timeout_secs:g}s (on {what})")
+        return [f.result() for f in sorted(futures, key=futures.get)]
+
+    def _abandon(self, pending: set[Future]) -> None:
+        """A call failed: the others are not waited for, and calls still running (hung, maybe) keep their
+        threads while later steps get a new pool."""
+        for f in pending:
+            f.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._new_pool()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

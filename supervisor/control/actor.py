@@ -31,7 +31,7 @@ from supervisor.control.watchdog import Waits
 from supervisor.exit_codes import ExitCode
 from supervisor.testing import fault_points
 from workers.data import PromptLoader, read_prompts
-from workers.rewards import UserCodeError, load_reward_fn
+from workers.rewards import Rewards, UserCodeError
 
 # The controller, the worker groups and the checkpoint coordinator import torch: they are imported in the actor's
 # own process, where they run, so that the driver, which imports this module for the class, starts without torch
@@ -126,7 +126,7 @@ class Supervisor:
                          total_steps=self.loader.steps_per_epoch * cfg.total_train_epochs,
                          n_train_workers=cfg.cluster.n_train_workers, n_rollout_workers=cfg.cluster.n_rollout_workers)
         try:
-            reward_fn = load_reward_fn(cfg.reward.fn)
+            rewards = Rewards.from_config(cfg.reward)
         except UserCodeError as e:
             self.events.emit(Event.FAILED, reason=str(e))
             return JobResult(ExitCode.BAD_INPUT, str(e)).__dict__
@@ -141,7 +141,7 @@ class Supervisor:
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
         linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
         memory = MemoryCopies(pool, warn, linked) if memory_off is None else None
-        runner = StepRunner(cfg, self.loader, reward_fn, self.stats, self.events, self.checkpoints, self._fault_point,
+        runner = StepRunner(cfg, self.loader, rewards, self.stats, self.events, self.checkpoints, self._fault_point,
                             Fleet(self.events), pool, memory)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
@@ -155,6 +155,8 @@ class Supervisor:
             result = JobResult(ExitCode.FAILED, f"relaunch internal error: {type(e).__name__}: {e}",
                                details=traceback.format_exc())
             self.events.emit(Event.FAILED, reason=result.message)
+        finally:
+            rewards.close()
         return result.__dict__
 
     def _wait_spares(self, point: str, bound: float = 300.0) -> None:

@@ -38,7 +38,7 @@ from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
 from workers.grpo import group_advantages
-from workers.rewards import score
+from workers.rewards import Rewards
 
 
 class Phase(str, enum.Enum):
@@ -68,10 +68,10 @@ class Owed:
 class StepRunner:
     """Drives steps on the groups the controller gives it; holds the run's state between steps."""
 
-    def __init__(self, config: Config, loader: PromptLoader, reward_fn: Callable, stats: StatsLog, events: EventLog,
+    def __init__(self, config: Config, loader: PromptLoader, rewards: Rewards, stats: StatsLog, events: EventLog,
                  checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], fleet: Fleet,
                  spares=None, memory=None):
-        self.config, self.loader, self.reward_fn = config, loader, reward_fn
+        self.config, self.loader, self.rewards = config, loader, rewards
         self.fleet = fleet  # the groups it steps on, and the weights between them (the controller replaces them)
         self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
         self.memory = memory  # the memory tier's copies (cluster/memory_copies.py), or None: recovery from disk
@@ -152,7 +152,7 @@ class StepRunner:
         rows = [r for r in self.loader.batch(s.epoch, s.epoch_step) for _ in range(cfg.data.group_size)]
         rollout = self.fleet.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step)
         self.fault_point("step.rolled_out", s)
-        rewards = torch.tensor(score(self.reward_fn, rows, rollout["completions"]))
+        rewards = torch.tensor(self.rewards(rows, rollout["completions"]))
         advantages = group_advantages(rewards, cfg.data.group_size)
         self.fault_point("step.scored", s)
         t_rollout = time.monotonic()
@@ -305,4 +305,4 @@ class StepRunner:
         rows = self.loader.rows
         out = self.fleet.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step + 1,
                                     greedy=True)
-        return float(torch.tensor(score(self.reward_fn, rows, out["completions"])).mean())
+        return float(torch.tensor(self.rewards(rows, out["completions"])).mean())

@@ -60,6 +60,14 @@ def test_store_benchmark(tmp_path):
     assert s3["load_secs"] > 0 and "step while it is written" in figures["stdout"]
 
 
+def test_reward_benchmark(tmp_path):
+    """A 50 ms reward service scored for a step's 64 samples one at a time and 16 at once, every reward back in
+    order (the benchmark checks it)."""
+    figures = bench("reward", tmp_path=tmp_path)
+    assert {n: r["most_in_flight"] for n, r in figures["runs"].items()} == {"1": 1, "16": 16}
+    assert all(r["secs"] > 0 for r in figures["runs"].values()) and "speed-up over concurrency 1" in figures["stdout"]
+
+
 def test_baselines_benchmark(cluster, tmp_path):
     """relaunch from memory and from disk, Ray Train and torchrun each recover from the same kill, at a step drawn
     from the first ones (1 to 8; the seed here draws step 1, the earliest), timed to the killed step, each with

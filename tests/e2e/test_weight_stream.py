@@ -94,7 +94,7 @@ def shared_path_checks(config, stream, engines, trainers, want: str):
     from supervisor.control.classify import FaultKind, classify
     from workers.data import PromptLoader, read_prompts
     from workers.grpo import group_advantages
-    from workers.rewards import load_reward_fn, score
+    from workers.rewards import Rewards
     from workers.shared_weights import attach
 
     scramble(engines, 1)  # the gate hashes what an engine holds, not what its last sync said
@@ -113,8 +113,8 @@ def shared_path_checks(config, stream, engines, trainers, want: str):
                           config.data.batch_size, config.seed, config.data.shuffle)
     rows = [r for r in loader.batch(0, 0) for _ in range(config.data.group_size)]
     rollout = engines.generate([r["prompt"] for r in rows], 0, version=0)
-    advantages = group_advantages(torch.tensor(score(load_reward_fn(config.reward.fn), rows,
-                                                     rollout["completions"])), config.data.group_size)
+    advantages = group_advantages(torch.tensor(Rewards.from_config(config.reward)(rows, rollout["completions"])),
+                                  config.data.group_size)
     shards = [dict({k: rollout[k].chunk(2)[r] for k in ("input_ids", "attention_mask", "response_mask")},
                    advantages=advantages.chunk(2)[r]) for r in range(2)]
     trainers.train(shards, 0)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from supervisor.cluster.errors import Group, GroupError
 from supervisor.control.classify import FaultKind, classify
 from workers.errors import StaleWeights, WeightSyncError
-from workers.rewards import UserCodeError, score
+from workers.rewards import Rewards, UserCodeError
 
 
 def from_worker(error: BaseException, group=Group.TRAIN, actor="TrainWorker[rank 1]", settled=True) -> GroupError:
@@ -153,7 +153,7 @@ def test_user_code_errors_come_from_the_reward_function():
         return row["missing"]
 
     with pytest.raises(UserCodeError) as info:
-        score(reward, [{"prompt": "p"}], ["c"])
+        Rewards(reward)([{"prompt": "p"}], ["c"])
     assert classify(info.value).kind is FaultKind.USER_ERROR
 
 

@@ -31,6 +31,7 @@ from supervisor.control.step import StepRunner
 from supervisor.exit_codes import ExitCode
 from workers.data import PromptLoader
 from workers.errors import StaleWeights, WeightSyncError
+from workers.rewards import Rewards
 
 STEPS = 8  # 2 epochs of 4 steps; export, evaluation and recover save every 2 steps (1, 3, 5, 7)
 ROWS = [{"prompt": f"p{i}", "answer": str(i % 10)} for i in range(8)]
@@ -318,7 +319,7 @@ def make_controller(tmp_path: Path, world: World, *overrides: str):
         if point == "step.rolled_out":
             world.strike("score", s.global_step)
 
-    runner = StepRunner(config, loader, reward, stats, events, checkpoints, fault_point, Fleet(events))
+    runner = StepRunner(config, loader, Rewards(reward), stats, events, checkpoints, fault_point, Fleet(events))
     engines = FakeEngines(world)
     policy = RestartPolicy.from_history(config, read_jsonl(layout.events_log))  # as the Supervisor actor builds it
     controller = Controller(config, runner, checkpoints, policy, events, stats,
