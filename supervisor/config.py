@@ -146,6 +146,12 @@ class ActorConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up steps")
     grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the gradient norm to this; null does not clip")
     zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only)")
+    micro_batch_size: Optional[int] = Field(
+        None, gt=0, description="rows per forward and backward on each rank: its share of the step's samples is "
+                                "split into micro-batches whose gradients accumulate to the same update (up to "
+                                "float rounding: the sums are taken in another order); null: one pass")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
+                                                            "instead of keeping them (less memory, one more forward)")
     kl_coef: float = Field(0.0, ge=0, description="weight of GRPO's KL(policy || reference) term; 0 keeps no "
                                                   "reference policy")
     ref_update_steps: Optional[int] = Field(
@@ -157,8 +163,8 @@ class DataConfig(_Strict):
     path: Path = Field(Path("examples/max_digit/data.jsonl"),
                        description="the prompts: a JSONL file, a Parquet file (.parquet, .pq) or a directory saved "
                                    "by HF datasets (save_to_disk; one split)")
-    prompt_key: str = Field("prompt", min_length=1, description="the key of a row's prompt (a string); a dotted key "
-                                                                "names a nested field")
+    prompt_key: str = Field("prompt", min_length=1, description="the key of a row's prompt (a string, or a chat: a "
+                                                                "list of messages); a dotted key names a nested field")
     answer_key: str | None = Field(None, min_length=1,
                                    description="the key of a row's reference answer, handed to the reward as "
                                                "row['answer'] (e.g. reward_model.ground_truth, as verl keeps it); "

@@ -17,19 +17,27 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def masked_mean(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Mean over generated tokens only (response_mask marks them in input_ids)."""
+def masked_mean(values: torch.Tensor, response_mask: torch.Tensor,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over generated tokens only (response_mask marks them in input_ids); with `tokens`, the sum over them
+    divided by `tokens` instead: a micro-batch's share of the mean over the whole batch (response_tokens)."""
     mask = response_mask[:, 1:].float()
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum() / (mask.sum().clamp(min=1) if tokens is None else tokens)
+
+
+def response_tokens(response_mask: torch.Tensor) -> torch.Tensor:
+    """The generated tokens a batch's token mean divides by."""
+    return response_mask[:, 1:].float().sum().clamp(min=1)
 
 
 def policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
-                advantages: torch.Tensor) -> torch.Tensor:
+                advantages: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """On-policy GRPO (one update per batch, so the PPO ratio is 1): -A * log p(token), token mean."""
-    return masked_mean(-advantages.unsqueeze(1) * token_logprobs(logits, input_ids), response_mask)
+    return masked_mean(-advantages.unsqueeze(1) * token_logprobs(logits, input_ids), response_mask, tokens)
 
 
-def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, response_mask: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO's KL(policy || reference) estimate per token, exp(r - p) - (r - p) - 1 (k3, always >= 0)."""
     delta = ref_token_logp - token_logp
-    return masked_mean(torch.exp(delta) - delta - 1, response_mask)
+    return masked_mean(torch.exp(delta) - delta - 1, response_mask, tokens)

@@ -102,13 +102,31 @@ class EngineBase:
         self.tokenizer = tokenizer
         self.reference = ReferencePolicy(config, tokenizer, device) if config.actor.kl_coef else None
 
-    def _loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
-        """GRPO's loss (and its KL term) of `model` on this rank's shard of the batch."""
+    def _loss(self, model: torch.nn.Module, batch: dict, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """GRPO's loss (and its KL term) of `model` on this rank's shard of the batch, or on a micro-batch of it
+        as its share of the shard's token mean (`tokens`: the shard's generated tokens)."""
         from workers.engines.reference import grpo_loss
         from workers.model import forward_logits
 
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference)
+        return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens)
+
+    def micro_batches(self, batch: dict) -> tuple[list[dict], torch.Tensor | None]:
+        """This rank's shard in `actor.micro_batch_size` rows at a time, and the shard's generated tokens each
+        one's loss divides by (so that the gradients add up to the shard's token mean); the whole shard and
+        None without micro-batches (the plain token mean, the same arithmetic as ever)."""
+        from workers.grpo import response_tokens
+
+        size, rows = self.config.actor.micro_batch_size, len(batch["input_ids"])
+        if size is None or size >= rows:
+            return [batch], None
+        parts = [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+        return parts, response_tokens(batch["response_mask"]).to(self.device)
+
+    @staticmethod
+    def _add_metrics(total: dict, metrics: dict) -> dict:
+        """Each micro-batch's share of a per-token mean (the KL term): summed, they are the shard's mean."""
+        return {k: total.get(k, 0.0) + v for k, v in metrics.items()}
 
     def _mean_over_ranks(self, loss: torch.Tensor) -> float:
         """The loss averaged over every rank's shard (a sum, then a division: gloo has no AVG)."""
@@ -166,6 +184,8 @@ def make_engine(config: Config, rank: int, world_size: int, master_addr: str, ma
     `parts` (build_parts) when given."""
     device = init_process_group(config, rank, world_size, master_addr, master_port)
     tokenizer, model = parts if parts is not None else build_parts(config)
+    if config.actor.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return engine_class(config.actor.backend)(config, rank, world_size, device, tokenizer, model)
 
 

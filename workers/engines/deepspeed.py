@@ -25,9 +25,10 @@ from workers.engines.rng import load_rng, save_rng
 
 
 def ds_config(config: Config, world_size: int) -> dict:
-    actor, samples = config.actor, config.data.batch_size * config.data.group_size
-    return {
-        "train_micro_batch_size_per_gpu": samples // world_size, "gradient_accumulation_steps": 1,
+    actor, rows = config.actor, config.data.batch_size * config.data.group_size // world_size
+    micro = min(actor.micro_batch_size or rows, rows)
+    return {  # as many accumulation steps as micro-batches (EngineBase.micro_batches: the last may be short)
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": -(-rows // micro),
         "gradient_clipping": actor.grad_clip or 0.0, "zero_optimization": {"stage": actor.zero_stage},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31, "wall_clock_breakdown": False,
     }
@@ -50,12 +51,19 @@ class DeepSpeedEngine(EngineBase):
         self.params = list(self.engine.module.parameters())  # in named_parameters' order: what the stream sends
 
     def train_step(self, batch: dict, global_step: int) -> dict:
-        """One optimizer step on this rank's shard of the batch; DeepSpeed averages the gradients."""
+        """One optimizer step on this rank's shard of the batch, in micro-batches (DeepSpeed's gradient
+        accumulation: it steps at the last); DeepSpeed averages the gradients over the ranks. Each micro-batch's
+        loss is already its share of the shard's token mean, so DeepSpeed does not divide it again."""
         self.engine.train()
-        loss, metrics = self._loss(self.engine, batch)
-        self.engine.backward(loss)
         lr = self.scheduler.get_last_lr()[0]
-        self.engine.step()
+        parts, tokens = self.micro_batches(batch)
+        loss, metrics = None, {}
+        for part in parts:
+            part_loss, part_metrics = self._loss(self.engine, part, tokens)
+            self.engine.backward(part_loss, scale_wrt_gas=False)
+            self.engine.step()
+            loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+            metrics = self._add_metrics(metrics, part_metrics)
         norm = self.engine.get_global_grad_norm()
         if self.reference is not None and self.reference.refresh_due(global_step):
             self.reference.refresh(self.full_state_dict())

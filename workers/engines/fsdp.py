@@ -86,11 +86,18 @@ class FSDPEngine(EngineBase):
             self.writer_group = dist.new_group(backend="gloo", timeout=collective_timeout(self.config))
 
     def train_step(self, batch: dict, global_step: int) -> dict:
-        """One optimizer step on this rank's shard of the batch; gradients are averaged by FSDP."""
+        """One optimizer step on this rank's shard of the batch, in micro-batches whose gradients accumulate
+        (reduced across the ranks once, after the last); gradients are averaged by FSDP."""
         self.model.train()
-        loss, metrics = self._loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        parts, tokens = self.micro_batches(batch)
+        loss, metrics = None, {}
+        for i, part in enumerate(parts):
+            self.model.set_requires_gradient_sync(i == len(parts) - 1)
+            part_loss, part_metrics = self._loss(self.model, part, tokens)
+            part_loss.backward()
+            loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+            metrics = self._add_metrics(metrics, part_metrics)
         grad_norm = float("nan")
         if self.config.actor.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.actor.grad_clip)

@@ -34,11 +34,12 @@ class ReferencePolicy:
         self.coef = config.actor.kl_coef
         self.model = build_model(config.model, tokenizer, config.seed).to(device).eval().requires_grad_(False)
 
-    def kl(self, policy_logits: torch.Tensor, batch: dict, device: torch.device) -> torch.Tensor:
+    def kl(self, policy_logits: torch.Tensor, batch: dict, device: torch.device,
+           tokens: torch.Tensor | None = None) -> torch.Tensor:
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         with torch.no_grad():
             ref_logp = token_logprobs(forward_logits(self.model, ids, mask), ids)
-        return kl_penalty(token_logprobs(policy_logits, ids), ref_logp, batch["response_mask"].to(device))
+        return kl_penalty(token_logprobs(policy_logits, ids), ref_logp, batch["response_mask"].to(device), tokens)
 
     def refresh_due(self, global_step: int) -> bool:
         return self.every is not None and (global_step + 1) % self.every == 0
@@ -68,12 +69,13 @@ class ReferencePolicy:
             self.refresh(load_file(reference_file(recover_root, step)))
 
 
-def grpo_loss(logits: torch.Tensor, batch: dict, device: torch.device,
-              reference: "ReferencePolicy | None") -> tuple[torch.Tensor, dict]:
-    """GRPO's loss on this rank's shard of the batch, with the KL term to the reference when there is one."""
+def grpo_loss(logits: torch.Tensor, batch: dict, device: torch.device, reference: "ReferencePolicy | None",
+              tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """GRPO's loss on this rank's shard of the batch (or, with `tokens`, a micro-batch's share of it), with the KL
+    term to the reference when there is one."""
     ids = batch["input_ids"].to(device)
-    loss = policy_loss(logits, ids, batch["response_mask"].to(device), batch["advantages"].to(device))
+    loss = policy_loss(logits, ids, batch["response_mask"].to(device), batch["advantages"].to(device), tokens)
     if reference is None:
         return loss, {}
-    kl = reference.kl(logits, batch, device)
+    kl = reference.kl(logits, batch, device, tokens)
     return loss + reference.coef * kl, {"kl": float(kl.detach())}
