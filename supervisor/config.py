@@ -42,6 +42,11 @@ class Backend(str, enum.Enum):
     DEEPSPEED = "deepspeed"
 
 
+class TrainDtype(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"  # mixed precision: bf16 forward and backward, fp32 parameters, reductions, optimizer, checkpoints
+
+
 class SaveMode(str, enum.Enum):
     AUTO = "auto"
     SYNC = "sync"
@@ -146,6 +151,10 @@ class ActorConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up steps")
     grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the gradient norm to this; null does not clip")
     zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only)")
+    dtype: TrainDtype = Field(TrainDtype.FP32, description="fp32 | bf16: the training's compute precision; bf16 is "
+                                                           "mixed precision (FSDP2's MixedPrecisionPolicy): "
+                                                           "parameters, gradient reductions, the optimizer and "
+                                                           "checkpoints stay fp32; fsdp only")
     micro_batch_size: Optional[int] = Field(
         None, gt=0, description="rows per forward and backward on each rank: its share of the step's samples is "
                                 "split into micro-batches whose gradients accumulate to the same update (up to "
@@ -428,6 +437,9 @@ class Config(_Strict):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
+        if actor.dtype is TrainDtype.BF16 and actor.backend is not Backend.FSDP:
+            raise ValueError(f"actor.dtype = bf16 needs actor.backend fsdp (FSDP2's mixed precision); "
+                             f"actor.backend {actor.backend.value} trains in fp32 here")
         if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
             raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must

@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DCP_METADATA
-from supervisor.config import Config
+from supervisor.config import Config, TrainDtype
 from supervisor.testing.fault_points import armed
 from workers.engines.base import EngineBase, collective_timeout, even_part, init_process_group, lr_scheduler
 from workers.engines.reference import reference_step
@@ -60,9 +60,13 @@ class FSDPEngine(EngineBase):
         super().__init__(config, rank, world_size, device, tokenizer)
         model = model.to(device)
         mesh = init_device_mesh(device.type, (world_size,))
+        # bf16: each layer's parameters gathered in bf16 for its forward and backward, its gradients reduced in
+        # fp32 into the fp32 shards the optimizer steps and the checkpoints hold
+        mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
+            if config.actor.dtype is TrainDtype.BF16 else {}
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        self.model = fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **mixed)
+        self.model = fully_shard(model, mesh=mesh, **mixed)
         actor = config.actor
         self.params = list(self.model.parameters())  # in named_parameters' order: what the stream sends
         self.gathered: torch.Tensor | None = None  # rank 0: where full_param gathers a parameter's shards
