@@ -84,7 +84,32 @@ def _address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # Click 8.2 and later
+
+
+class OneLineErrors(click.Group):
+    """Click's own usage errors (a missing option, an unknown command, a bad value) in one line, exit 2, as
+    relaunch's are, instead of its usage block."""
+
+    def main(self, *args, **kwargs):
+        kwargs.pop("standalone_mode", None)
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except NO_ARGS_IS_HELP as e:  # `relaunch` alone: its help, as Click gives it
+            e.show()
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx else self.name
+            _fail(f"{e.format_message()} (`{command} --help` lists the options)")
+        except click.ClickException as e:
+            click.echo(f"relaunch: error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("relaunch: aborted", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """relaunch: run RL post-training on Ray and keep it running through failures."""
     # As in a Ray job, the directory a command starts in is importable (`reward.fn: myreward:reward`), also

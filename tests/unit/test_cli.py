@@ -42,6 +42,17 @@ def test_an_unknown_option_is_named_as_one(args, option):
     assert r.output == f"relaunch: error: no such option: {option} (`main {args[0]} --help` lists the options)\n"
 
 
+@pytest.mark.parametrize("args, line", [
+    (("plot",), "Missing option '--out'. (`main plot --help` lists the options)"),
+    (("strat",), "No such command 'strat'. Did you mean 'status'? (`main --help` lists the options)"),
+    (("demo", "--kill-at-step", "soon"), "Invalid value for '--kill-at-step': 'soon' is not a valid integer. "
+                                         "(`main demo --help` lists the options)"),
+])
+def test_clicks_own_usage_errors_are_one_line_too(args, line):
+    r = relaunch(*args)
+    assert (r.exit_code, r.output) == (2, f"relaunch: error: {line}\n")
+
+
 def test_clean_restart_without_yes_off_a_terminal_removes_nothing_and_says_so(layout, tmp_path):
     r = relaunch("clean-restart", f"cluster.fileroot={tmp_path}")
     assert r.exit_code == 2
