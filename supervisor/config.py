@@ -543,7 +543,7 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
         if model_here and not (config.model.path / "config.json").is_file():
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
     if config.rollout.engine is RolloutEngine.VLLM:
-        _check_vllm(config, model_here)
+        _check_vllm(config)
     if config.actor.backend is Backend.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("actor.backend: deepspeed is not installed; ./dev.sh installs it "
                           "(pip install --no-build-isolation deepspeed, after torch)")
@@ -559,10 +559,10 @@ def check_engine_installed(config: Config) -> None:
                           "pip install vllm on GPU, or run the built-in engine with rollout.engine=hf")
 
 
-def _check_vllm(config: Config, model_here: bool) -> None:
+def _check_vllm(config: Config) -> None:
     """rollout.engine vllm: the lengths within a model directory's context, and its head size one vLLM's CPU
     attention runs."""
-    if config.model.path is None or not model_here:
+    if config.model.path is None or not (config.model.path / "config.json").is_file():  # plan: not on this machine
         return
     hf = json.loads((config.model.path / "config.json").read_text())
     context = hf.get("max_position_embeddings")

@@ -160,9 +160,10 @@ def test_lengths_beyond_a_model_directorys_context_are_refused_with_exit_2_and_o
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 40}')
-    r = subprocess.run([sys.executable, "-m", "supervisor", "run", str(DEFAULT_CONFIG), "rollout.engine=vllm",
-                        f"model.path={model}", "data.max_new_tokens=9", f"cluster.fileroot={tmp_path / 'runs'}"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert f"32 + 9 = 41 tokens do not fit model.path {model}'s context of 40 positions" in r.stderr
-    assert not (tmp_path / "runs").exists()
+    for command in ("run", "plan"):  # plan checks the directory too, when it is on this machine
+        r = subprocess.run([sys.executable, "-m", "supervisor", command, str(DEFAULT_CONFIG), "rollout.engine=vllm",
+                            f"model.path={model}", "data.max_new_tokens=9", f"cluster.fileroot={tmp_path / 'runs'}"],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert f"32 + 9 = 41 tokens do not fit model.path {model}'s context of 40 positions" in r.stderr
+        assert not (tmp_path / "runs").exists()
