@@ -104,8 +104,8 @@ class OneLineErrors(click.Group):
         except click.ClickException as e:
             click.echo(f"relaunch: error: {e.format_message()}", err=True)
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("relaunch: aborted", err=True)
+        except click.Abort:  # Ctrl-C where no command handles it: as Click says it
+            click.echo("Aborted!", err=True)
             sys.exit(1)
 
 
