@@ -45,7 +45,7 @@ def one(size: str, engine: str, samples: int, new_tokens: int) -> dict:
     import torch
 
     from supervisor.config import load_config
-    from workers.generate import encode_prompt, generate, sample_seed
+    from workers.generate import Sampling, encode_prompt, generate, sample_seed
     from workers.model import build_model, build_tokenizer
     from workers.weight_sync import local_digest
 
