@@ -236,6 +236,16 @@ class RolloutConfig(_Strict):
     stop: list[Union[StrictInt, str]] = Field(
         [], description="stop strings and token ids: a completion ends with the token that completes one (trained "
                         "on, as EOS is); the text the reward sees ends before a stop string; evaluation stops too")
+
+    @field_validator("stop")
+    @classmethod
+    def _real_stops(cls, stops: list) -> list:
+        for s in stops:
+            if s == "":
+                raise ValueError("an empty stop string would end every completion at its first token")
+            if isinstance(s, int) and s < 0:
+                raise ValueError(f"token id {s} is not one: ids start at 0")
+        return stops
     weight_bucket_mb: int = Field(
         64, gt=0, description="the weight stream's bucket size, in MiB of the engine's dtype: each side holds two "
                               "buckets (one in flight, one being filled or written), and every bucket is hashed")

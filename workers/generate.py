@@ -45,13 +45,19 @@ class Sampling:
             scores = TopPLogitsWarper(self.top_p)(None, scores)
         return torch.softmax(scores, dim=-1)
 
+    @staticmethod
+    def text(tokenizer, tokens: list[int]) -> str:
+        """The text a stop string is looked for in: as decoded, with no clean-up of spaces (which can undo a match
+        when a later token comes), so that a text that holds one goes on holding it as tokens are added."""
+        return tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     def stops(self, text: str) -> bool:
         return any(s in text for s in self.stop_strings)
 
     def stop_at(self, tokenizer, tokens: list[int]) -> list[int]:
         """`tokens` up to the one whose text completes a stop string, or all of them: the first n whose text holds
         one (searched by halves: a prefix that holds one is followed by longer ones that do)."""
-        text = lambda n: tokenizer.decode(tokens[:n], skip_special_tokens=True)  # noqa: E731
+        text = lambda n: self.text(tokenizer, tokens[:n])  # noqa: E731
         if not self.stop_strings or not self.stops(text(len(tokens))):
             return tokens
         low, high = 1, len(tokens)
@@ -123,8 +129,8 @@ def generate(model, tokenizer, prompts: list[str | list[dict]], sample_ids: list
         if sampling.stop_token_ids:
             done |= torch.isin(nxt, torch.tensor(sampling.stop_token_ids, dtype=nxt.dtype, device=device))
         if sampling.stop_strings:
-            done |= torch.tensor([sampling.stops(tokenizer.decode(row[width:], skip_special_tokens=True))
-                                  for row in ids.tolist()], device=device)
+            done |= torch.tensor([sampling.stops(sampling.text(tokenizer, row[width:])) for row in ids.tolist()],
+                                 device=device)
         if done.all():
             break
     ids, attn = ids.cpu(), attn.cpu()

@@ -49,12 +49,14 @@ class Rewards:
         else:
             calls = [dict(prompt=r["prompt"], completion=c, row=r) for r, c in zip(rows, completions)]
         results = self._call_all(calls)
-        if self.batch:
+        if self.batch:  # a list, a tuple, a numpy array or a tensor of one number per sample
             results = results[0]
-            if not isinstance(results, (list, tuple)) or len(results) != len(rows):
+            sized = hasattr(results, "__len__") and not isinstance(results, (str, bytes, dict))
+            if not sized or len(results) != len(rows):
                 raise UserCodeError(f"reward function (reward.batch) returned {type(results).__name__} of "
-                                    f"{len(results) if hasattr(results, '__len__') else '?'} rewards for "
-                                    f"{len(rows)} samples: a list of one float per sample is expected")
+                                    f"{len(results) if sized else '?'} rewards for {len(rows)} samples: one "
+                                    f"number per sample is expected")
+            results = list(results)
         try:
             return [float(x) for x in results]
         except (TypeError, ValueError) as e:

@@ -37,6 +37,8 @@ def test_dotted_overrides(override, check):
     ("cluster.n_train_workers=3", "cluster.n_train_workers"),
     ("experiment_name=../escape", "experiment_name"),
     ("data.path=/nonexistent.jsonl", "data.path"),
+    ('rollout.stop=[""]', "rollout.stop"),
+    ("rollout.stop=[-1]", "rollout.stop"),
     ("seed", "seed"),
 ])
 def test_bad_values_name_the_key(override, names):

@@ -78,3 +78,12 @@ def test_the_config_names_the_calls():
     rewards = Rewards.from_config(reward)
     assert (rewards.batch, rewards.concurrency, rewards.timeout_secs) == (True, 4, 9.0)
     rewards.close()
+
+
+def test_a_batched_reward_may_return_an_array_or_a_tensor():
+    import numpy as np
+    import torch
+
+    for kind in (np.array, torch.tensor):
+        rewards = Rewards(lambda prompts, completions, rows: kind(EXPECTED), batch=True)
+        assert rewards(ROWS, COMPLETIONS) == EXPECTED
