@@ -102,7 +102,8 @@ class EngineBase:
         self.tokenizer = tokenizer
         self.reference = ReferencePolicy(config, tokenizer, device) if config.actor.kl_coef else None
 
-    def _loss(self, model: torch.nn.Module, batch: dict, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def _loss(self, model: torch.nn.Module, batch: dict,
+              tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """GRPO's loss (and its KL term) of `model` on this rank's shard of the batch, or on a micro-batch of it
         as its share of the shard's token mean (`tokens`: the shard's generated tokens)."""
         from workers.engines.reference import grpo_loss
