@@ -54,6 +54,17 @@ class Sampling:
     def stops(self, text: str) -> bool:
         return any(s in text for s in self.stop_strings)
 
+    def stopped(self, tokenizer, tokens: list[int]) -> bool:
+        """Whether the newest token completed a stop string (the tokens before it held none). Only the newest tokens
+        are decoded, so that a completion's scan stays linear in its length: one per byte of the longest stop string
+        (each token adds a byte at least, but for special tokens, which add none and are counted on top), and 3
+        more for a character whose bytes the first of them splits."""
+        special, n = set(tokenizer.all_special_ids), max(len(s.encode()) for s in self.stop_strings) + 3
+        window = n
+        while window < len(tokens) and sum(t in special for t in tokens[-window:]) > window - n:
+            window += 1
+        return self.stops(self.text(tokenizer, tokens[-window:]))
+
     def stop_at(self, tokenizer, tokens: list[int]) -> list[int]:
         """`tokens` up to the one whose text completes a stop string, or all of them: the first n whose text holds
         one (searched by halves: a prefix that holds one is followed by longer ones that do)."""
@@ -129,8 +140,8 @@ def generate(model, tokenizer, prompts: list[str | list[dict]], sample_ids: list
         if sampling.stop_token_ids:
             done |= torch.isin(nxt, torch.tensor(sampling.stop_token_ids, dtype=nxt.dtype, device=device))
         if sampling.stop_strings:
-            done |= torch.tensor([sampling.stops(sampling.text(tokenizer, row[width:])) for row in ids.tolist()],
-                                 device=device)
+            done |= torch.tensor([not finished and sampling.stopped(tokenizer, row[width:])
+                                  for row, finished in zip(ids.tolist(), done.tolist())], device=device)
         if done.all():
             break
     ids, attn = ids.cpu(), attn.cpu()

@@ -33,6 +33,7 @@ class Rewards:
 
     def __init__(self, fn: Callable, batch: bool = False, concurrency: int = 16, timeout_secs: float = 300.0):
         self.fn, self.batch, self.concurrency, self.timeout_secs = fn, batch, concurrency, timeout_secs
+        self.returned = 0.0  # when a call last returned (monotonic): progress, for the driver's watchdog
         self._pool = self._new_pool()
 
     @classmethod
@@ -57,34 +58,47 @@ class Rewards:
                                     f"{len(results) if sized else '?'} rewards for {len(rows)} samples: one "
                                     f"number per sample is expected")
             results = list(results)
-        try:
-            return [float(x) for x in results]
-        except (TypeError, ValueError) as e:
-            raise UserCodeError(f"reward function returned a reward that is not a number ({e})") from e
+        numbers = []
+        for i, x in enumerate(results):
+            try:
+                numbers.append(float(x))
+            except (TypeError, ValueError) as e:
+                raise UserCodeError(f"reward function returned {x!r:.60}, not a number, for sample {i} "
+                                    f"(prompt {str(rows[i]['prompt'])[:60]!r})") from e
+        return numbers
 
     def _call_all(self, calls: list[dict]) -> list:
         started: dict[int, float] = {}
 
         def timed(i: int, kwargs: dict):
             started[i] = time.monotonic()
-            return self.fn(**kwargs)
+            result = self.fn(**kwargs)
+            self.returned = time.monotonic()
+            return result
 
         futures: dict[Future, int] = {self._pool.submit(timed, i, kw): i for i, kw in enumerate(calls)}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=POLL_SECS, return_when=FIRST_EXCEPTION)
-            for f in done:
+            for f in sorted(done, key=futures.get):
                 if (e := f.exception()) is not None:
                     self._abandon(pending)
-                    raise UserCodeError(f"reward function raised {type(e).__name__}: {e}") from e
+                    raise UserCodeError(f"reward function raised {type(e).__name__}: {e} (on "
+                                        f"{self._which(futures[f], calls)})") from e
             now = time.monotonic()
             late = sorted(futures[f] for f in pending if now - started.get(futures[f], now) > self.timeout_secs)
             if late:
                 self._abandon(pending)
-                what = "the batch" if self.batch else f"sample {late[0]}"
                 raise UserCodeError(f"reward function did not return within reward.timeout_secs = "
-                                    f"{self.timeout_secs:g}s (on {what})")
+                                    f"{self.timeout_secs:g}s (on {self._which(late[0], calls)})")
         return [f.result() for f in sorted(futures, key=futures.get)]
+
+    def _which(self, i: int, calls: list[dict]) -> str:
+        """The call named in an error: the batch, or the sample with the start of its prompt."""
+        if self.batch:
+            return "the batch"
+        prompt = str(calls[i]["prompt"])
+        return f"sample {i}, prompt {prompt[:60]!r}{'...' if len(prompt) > 60 else ''}"
 
     def _abandon(self, pending: set[Future]) -> None:
         """A call failed: the others are not waited for, and calls still running (hung, maybe) keep their

@@ -92,7 +92,9 @@ class Supervisor:
             "train_nodes": f.trainers.nodes if f and f.trainers else [],
             "rollout_nodes": f.engines.nodes if f and f.engines else [],
             "supervisor_pid": os.getpid(),
-            "since_transition_secs": time.monotonic() - (c.transitioned if c else self.created),
+            # a reward call that returns is progress too: a step scoring many samples by a slow service is healthy
+            "since_transition_secs": time.monotonic() - max(c.transitioned if c else self.created,
+                                                            r.rewards.returned if r else 0.0),
             "waits": self.waits.report(),
             "workers": (f.trainers.describe() if f and f.trainers else []) +
                        (f.engines.describe() if f and f.engines else []),

@@ -6,7 +6,9 @@ actor of the job; nothing inside it can notice. The driver can, from three thing
   controller stuck in the kernel while `progress()` still answers from another thread is seen once that one
   wait passes its own bound (plus WAIT_SLACK_SECS), not hours later;
 - how long ago its controller last made a transition (each step, repair or start is one, and each is bounded
-  by the timeouts of the calls it makes): the backstop for a wait nobody reported;
+  by the timeouts of the calls it makes) or a reward call returned (a step that scores many samples one
+  reward.timeout_secs-bounded call after another is healthy however long it takes): the backstop for a wait
+  nobody reported;
 - and the driver bounds how long `progress()` may go unanswered while Ray says the actor is alive
   (recover.step_timeout_secs, at least 30 s; twice recover.start_timeout_secs until a new Supervisor first
   answers: it is importing and reading the run's history).
@@ -29,13 +31,14 @@ WRITES_PER_STEP = 3         # background writes one transition may wait on in tu
                             # new one, that export and the previous save before a new save (one writer thread)
 
 
-def stall_bound(recover) -> float:
-    """The longest a healthy controller goes without a transition: a start (the wait for capacity and two
-    start-up bounds), a step's calls each bounded by recover.step_timeout_secs, the waits for background
-    writes (each bounded by recover.write_timeout_secs) and the longest backoff."""
+def stall_bound(config) -> float:
+    """The longest a healthy controller goes without a transition or a reward call's return: a start (the wait
+    for capacity and two start-up bounds), a step's calls each bounded by recover.step_timeout_secs, one reward
+    call, the waits for background writes (each bounded by recover.write_timeout_secs) and the longest backoff."""
+    recover = config.recover
     start = recover.capacity_timeout_secs + 2 * recover.start_timeout_secs
-    return start + CALLS_PER_STEP * recover.step_timeout_secs + WRITES_PER_STEP * recover.write_timeout_secs + \
-        recover.max_backoff_secs + SLACK_SECS
+    return start + CALLS_PER_STEP * recover.step_timeout_secs + config.reward.timeout_secs + \
+        WRITES_PER_STEP * recover.write_timeout_secs + recover.max_backoff_secs + SLACK_SECS
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Watchdog:
         recover = config.recover
         unanswered = max(recover.step_timeout_secs, MIN_UNANSWERED_SECS)
         # a Supervisor's start gets what a TrainGroup's start gets: two start-up bounds (process, then setup)
-        return cls(unanswered, stall_bound(recover), max(2 * recover.start_timeout_secs, unanswered), now)
+        return cls(unanswered, stall_bound(config), max(2 * recover.start_timeout_secs, unanswered), now)
 
     def verdict(self, now: float, progress: dict | None, alive: bool) -> str | None:
         """Why the Supervisor is hung, or None. `progress` is its answer (None: none in time), `alive` whether

@@ -110,3 +110,18 @@ def test_top_k_and_top_p_narrow_the_draw_and_stops_end_a_completion(tokenizer):
             drawn = greedy["input_ids"][i][greedy["response_mask"][i].bool()].tolist()
             assert stop.stop_at(tokenizer, drawn) == (drawn[:kept] if string else drawn)
         assert sum(int(m.sum()) for m in out["response_mask"]) < sum(int(m.sum()) for m in greedy["response_mask"])
+
+
+def test_the_scan_for_stop_strings_looks_at_the_newest_tokens_only_and_stops_where_the_whole_text_would():
+    """Byte-level BPE, where a character can take several tokens and a token can split one: token by token, the
+    windowed scan first says "stopped" exactly where the whole text first holds a stop string (`stop_at`)."""
+    tokenizer = build_tokenizer(ModelConfig(tokenizer="bpe", vocab_size=2048))
+    text = "9 é 42 日本 = ü 1 é 4 日本語 7 é 42 = " * 3
+    tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.bos_token_id] * 2 + \
+        tokenizer.encode("本 = 5", add_special_tokens=False)
+    for stops in (("4",), ("é 4",), ("日本語",), ("= ü 1 é",), ("本 = 5",), ("absent",), ("42 =", "é 42")):
+        sampling = Sampling(stop_strings=stops)
+        first = next((n for n in range(1, len(tokens) + 1) if sampling.stopped(tokenizer, tokens[:n])), None)
+        whole = sampling.stop_at(tokenizer, tokens)
+        assert first == (len(whole) if whole != tokens or sampling.stops(sampling.text(tokenizer, tokens)) else
+                         None), stops

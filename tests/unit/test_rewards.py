@@ -49,9 +49,9 @@ def test_a_batched_reward_is_one_call_with_the_lists():
 
 def test_a_reward_that_raises_hangs_or_returns_no_number_is_the_users_error():
     def raises(prompt, completion, row):
-        return row["missing"]
+        return row["missing"] if row["answer"] == "6" else 1.0
 
-    with pytest.raises(UserCodeError, match="reward function raised KeyError: 'missing'") as e:
+    with pytest.raises(UserCodeError, match=r"raised KeyError: 'missing' \(on sample 5, prompt '5 6 ='\)") as e:
         Rewards(raises)(ROWS, COMPLETIONS)
     assert e.value.__cause__ is not None and e.value.__cause__.__traceback__ is not None  # the user's traceback
 
@@ -64,12 +64,12 @@ def test_a_reward_that_raises_hangs_or_returns_no_number_is_the_users_error():
 
     rewards = Rewards(hangs, timeout_secs=0.3)
     started = time.monotonic()
-    with pytest.raises(UserCodeError, match=r"did not return within reward.timeout_secs = 0.3s \(on sample 9\)"):
+    with pytest.raises(UserCodeError, match=r"within reward.timeout_secs = 0.3s \(on sample 9, prompt '9 10 ='\)"):
         rewards(ROWS, COMPLETIONS)
     assert time.monotonic() - started < 5  # its bound, not the hang
     release.set()
     assert rewards(ROWS[:4], COMPLETIONS[:4]) == [1.0] * 4  # the next step's calls get threads of their own
-    with pytest.raises(UserCodeError, match="not a number"):
+    with pytest.raises(UserCodeError, match=r"returned 'high', not a number, for sample 0 \(prompt '0 1 ='\)"):
         Rewards(lambda prompt, completion, row: "high")(ROWS, COMPLETIONS)
 
 
@@ -87,3 +87,14 @@ def test_a_batched_reward_may_return_an_array_or_a_tensor():
     for kind in (np.array, torch.tensor):
         rewards = Rewards(lambda prompts, completions, rows: kind(EXPECTED), batch=True)
         assert rewards(ROWS, COMPLETIONS) == EXPECTED
+
+
+def test_each_call_that_returns_is_progress_for_the_watchdog():
+    """A step scoring many samples one slow call after another is healthy: the Supervisor reports each return, so
+    the driver's stall bound needs one reward.timeout_secs, not one per call."""
+    returns = []
+    rewards = Rewards(lambda prompt, completion, row: returns.append(rewards.returned) or 1.0, concurrency=1)
+    before = time.monotonic()
+    rewards(ROWS[:5], COMPLETIONS[:5])
+    assert returns[0] < before < returns[1] < returns[2] < returns[3] < returns[4] < rewards.returned
+    rewards.close()

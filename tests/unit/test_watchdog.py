@@ -42,15 +42,16 @@ def test_a_supervisor_that_ray_is_restarting_is_not_hung():
 def test_a_supervisor_that_answers_but_whose_controller_stopped_is_hung():
     config = load_config(None, [])
     w = Watchdog.from_config(config, now=0)
-    bound = stall_bound(config.recover)
+    bound = stall_bound(config)
     assert w.verdict(10, answer(bound - 1), alive=True) is None
     assert "no transition for" in w.verdict(11, answer(bound + 1), alive=True)
 
 
 def test_the_stall_bound_covers_every_bounded_wait_of_one_transition():
-    r = load_config(None, []).recover
-    assert stall_bound(r) > r.capacity_timeout_secs + 2 * r.start_timeout_secs + r.write_timeout_secs + \
-        4 * r.step_timeout_secs
+    config = load_config(None, ["reward.timeout_secs=5000"])
+    r = config.recover
+    assert stall_bound(config) > r.capacity_timeout_secs + 2 * r.start_timeout_secs + r.write_timeout_secs + \
+        4 * r.step_timeout_secs + config.reward.timeout_secs
 
 
 def test_a_controller_blocked_in_one_wait_is_hung_once_that_wait_passes_its_own_bound():
@@ -66,7 +67,7 @@ def test_a_controller_blocked_in_one_wait_is_hung_once_that_wait_passes_its_own_
         clock[0] += 1
         hung = w.verdict(clock[0], {"since_transition_secs": clock[0], "waits": waits.report()}, alive=True)
     assert hung == f"its controller has waited {60 + WAIT_SLACK_SECS + 1:.0f}s on the commit of step 9, bounded by 60s"
-    assert clock[0] < stall_bound(config.recover) / 10  # long before the stall bound would have said so
+    assert clock[0] < stall_bound(config) / 10  # long before the stall bound would have said so
 
 
 def test_only_open_waits_are_judged_each_by_its_own_bound():
