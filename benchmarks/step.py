@@ -29,18 +29,21 @@ from report import arguments, report
 from sizes import ENGINE, SIZES, parse_sizes, weight_shapes
 
 from supervisor.checkpoint.layout import TrialLayout
-from supervisor.config import load_config
+from supervisor.config import Config, load_config
 from supervisor.control.events import read_jsonl
 from supervisor.launch import run_job
 from supervisor.testing.local_cluster import LocalCluster
+from supervisor.tools.plan import built_shape
+from supervisor.tools.rank_memory import GB, rank_memory
 
 PHASES = ("rollout", "train", "push", "export", "evaluate", "save")
 KINDS = ("train", "engine", "spare", "supervisor")
 CHUNK = 256 * 1024**2  # bytes copied at a time by the memcpy reference
 
 
-def run_size(size: str, address: str | None, fileroot: Path, steps: int | None, overrides: list[str]) -> list[dict]:
-    """The size's job run for one epoch (of its first `steps` batches, if given); its stats rows."""
+def run_size(size: str, address: str | None, fileroot: Path, steps: int | None,
+             overrides: list[str]) -> tuple[Config, list[dict]]:
+    """The size's job run for one epoch (of its first `steps` batches, if given); its config and stats rows."""
     overrides = [ENGINE, *overrides]
     base = load_config(SIZES[size].config, overrides)
     if steps:
@@ -57,7 +60,7 @@ def run_size(size: str, address: str | None, fileroot: Path, steps: int | None, 
         if cluster:
             cluster.shutdown()
     assert code == 0, f"the {size} job failed with exit code {code}"
-    return read_jsonl(TrialLayout.from_config(config).stats_log)
+    return config, read_jsonl(TrialLayout.from_config(config).stats_log)
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -72,8 +75,9 @@ def memcpy_gbps(nbytes: int) -> float:
     return copied / (time.perf_counter() - started) / 1e9
 
 
-def figures(size: str, rows: list[dict]) -> dict:
-    """Per phase: median and mean seconds over the steps that have a period; the sync's bandwidth; memory."""
+def figures(size: str, config: Config, rows: list[dict]) -> dict:
+    """Per phase: median and mean seconds over the steps that have a period; the sync's bandwidth; memory, and a
+    rank's peak as `relaunch plan` predicts it (supervisor/tools/rank_memory.py)."""
     steady = [r for r in rows if "time/between_steps" in r]
     for r in steady:
         r["time/period"] = r["time/between_steps"] + r["time/step"]
@@ -91,7 +95,9 @@ def figures(size: str, rows: list[dict]) -> dict:
                                                       for r in steady),
             "outside_share_mean": 1 - (mean["rollout"] + mean["train"]) / mean["period"],
             "sync_gbps": nbytes / push / 1e9, "memcpy_gbps": memcpy_gbps(nbytes),
-            "memory_gb": {k: max(r.get(f"mem/{k}_peak_gb", 0.0) for r in rows) for k in KINDS}}
+            "memory_gb": {k: max(r.get(f"mem/{k}_peak_gb", 0.0) for r in rows) for k in KINDS},
+            "planned_train_gb": rank_memory(config, built_shape(config),
+                                            config.memory_tier_off(None) is None).peak_bytes / GB}
 
 
 def table(runs: list[dict]) -> list[tuple[str, ...]]:
@@ -119,6 +125,8 @@ def table(runs: list[dict]) -> list[tuple[str, ...]]:
         row("outside rollout+train, all steps", lambda f: f"{f['outside_share_mean'] * 100:.1f}%"),
         row("sync GB/s / memcpy GB/s", lambda f: f"{f['sync_gbps']:.2f} / {f['memcpy_gbps']:.1f}"),
         *(row(f"peak RSS, {k}", lambda f, k=k: f"{f['memory_gb'][k]:.2f} GB") for k in KINDS),
+        row("  train, as `plan` predicts (measured / plan)",
+            lambda f: f"{f['planned_train_gb']:.2f} GB ({f['memory_gb']['train'] / f['planned_train_gb']:.2f})"),
     ]
 
 
@@ -132,8 +140,8 @@ def main() -> None:
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-step-"))
     runs = []
     for size in sizes:
-        rows = run_size(size, args.address, fileroot, None if args.quick else args.steps, args.overrides)
-        runs.append(figures(size, rows))
+        config, rows = run_size(size, args.address, fileroot, None if args.quick else args.steps, args.overrides)
+        runs.append(figures(size, config, rows))
     report(table(runs), {"benchmark": "step", "runs": runs}, args.json)
     print("(median over the steps after the first; in brackets the mean per step; digest: its share of the push)")
 

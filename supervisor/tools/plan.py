@@ -14,6 +14,7 @@ from supervisor.cluster.spare_placement import rank_resources
 from supervisor.config import AUTO, RECOVERY_OFF, Config, Frequency, TokenizerKind
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
+from supervisor.tools.rank_memory import param_count, rank_memory
 
 FEW_STEPS = 10  # fewer steps than this is a smoke test, not a training run
 # What has run where, said wherever a GPU config is planned (docs/benchmarks.md, "On a GPU").
@@ -97,17 +98,6 @@ def _resources(config: Config) -> str:
             f"{f', {gpus:g} GPUs' if gpus else ''} (the Supervisor takes none)")
 
 
-def param_count(shape: dict) -> int:
-    """Parameters of a Qwen2-shaped decoder (the built model; Llama/Qwen2 directories) from its HF config
-    fields: embeddings, per layer attention (q/k/v with bias, o without), a gated MLP and two norms, a final
-    norm, and an output head unless tied."""
-    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
-    kv = shape.get("num_key_value_heads", shape["num_attention_heads"]) * (h // shape["num_attention_heads"])
-    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * shape["intermediate_size"] + 2 * h
-    head = 0 if shape.get("tie_word_embeddings", False) else vocab * h
-    return vocab * h + layers * per_layer + h + head
-
-
 def built_shape(config: Config) -> dict:
     """The HF config fields of the model relaunch builds from model.* (path null)."""
     m = config.model
@@ -159,6 +149,22 @@ def _memory_tier(config: Config, shape: dict | None) -> str:
             f"(15% of its memory left free) turns it off for the run")
 
 
+def _rank_peak(config: Config, shape: dict | None) -> str:
+    """A rank's host memory at its peak, and what a node needs for its ranks and the copies it holds."""
+    if config.cluster.gpus_per_worker:
+        return "not predicted for GPU ranks (their state is on the device)"
+    if shape is None:
+        return "not predicted: model.path's config.json is not on this machine"
+    keeps_none = config.recover.spare_workers == AUTO and config.cluster.gpus_per_worker
+    memory = rank_memory(config, shape, config.memory_tier_off(0 if keeps_none else None) is None)
+    text = memory.text()
+    if memory.holder_bytes:
+        text += (f"; a memory-tier holder keeps {memory.size(memory.holder_bytes)} for each rank it covers, so a node "
+                 f"running k ranks and holding the copies of j needs about k x {memory.size(memory.peak_bytes)} + "
+                 f"j x {memory.size(memory.holder_bytes)}")
+    return text
+
+
 def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None) -> Plan:
     """The plan of a run over `dataset_size` prompts (at least one batch: the loader refuses fewer).
     `model_shape`: the HF config of model.path when it is on this machine (null: not readable here)."""
@@ -171,6 +177,7 @@ def make_plan(config: Config, dataset_size: int, model_shape: dict | None = None
     shape = built_shape(config) if config.model.path is None else model_shape
     plan.lines.append(f"{'spares':<10} {_spares(config, shape)}")
     plan.lines.append(f"{'memory':<10} {_memory_tier(config, shape)}")
+    plan.lines.append(f"{'rank peak':<10} {_rank_peak(config, shape)}")
     plan.lines.append(f"{'data':<10} {dataset_size} prompts in {d.path}; {d.batch_size} prompts x {d.group_size} "
                       f"samples = {d.batch_size * d.group_size} a step, up to {d.max_new_tokens} new tokens each")
     plan.lines.append(f"{'steps':<10} {steps_per_epoch} per epoch x {config.total_train_epochs} epochs = {total} "

@@ -128,6 +128,7 @@ def test_step_benchmark(tmp_path):
     assert run["median"]["train"] > 0 and run["mean"]["push"] > 0 and run["mean"]["save"] > 0
     assert 0 < run["outside_share_mean"] < 1
     assert all(run["memory_gb"][k] > 0 for k in ("train", "engine", "supervisor"))
+    assert 0.85 < run["memory_gb"]["train"] / run["planned_train_gb"] < 1.15  # plan's prediction of a rank's peak
 
 
 def test_weight_sync_benchmark(cluster, tmp_path):

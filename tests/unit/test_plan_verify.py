@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from supervisor.config import Config, Frequency
+from supervisor.config import Config, Frequency, load_config
 from supervisor.tools.plan import GPU_WHAT_RAN, built_shape, fire_steps, make_plan, param_count
+from supervisor.tools.rank_memory import rank_memory
 from supervisor.tools.verify import compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +94,32 @@ def test_the_spares_memory_estimate_counts_the_built_models_parameters(model):
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(model_config(config.model, Tok()))
     assert param_count(built_shape(config)) == sum(p.numel() for p in built.parameters())
+
+
+def test_plan_predicts_a_ranks_peak_from_its_parts_and_what_a_holder_keeps():
+    """The ~100M job as shipped (the parts benchmarks/step.py measured within 3%), then each knob's part."""
+    r = plan_cli("configs/grpo_100m.yaml")
+    assert r.returncode == 0, r.stderr
+    assert ("rank peak  ~5.37 GB at a rank's peak (process 0.47, training state 1.03, memory tier's two slots 1.55, "
+            "engine weights mapped 0.52, background save and HF export 1.81); a memory-tier holder keeps 1.55 GB for "
+            "each rank it covers, so a node running k ranks and holding the copies of j needs about k x 5.37 GB + "
+            "j x 1.55 GB") in r.stdout
+    shipped = load_config(REPO / "configs/grpo_100m.yaml", [])
+    params = param_count(built_shape(shipped))
+
+    def parts(*overrides: str) -> dict:
+        config = load_config(REPO / "configs/grpo_100m.yaml", list(overrides))
+        return rank_memory(config, built_shape(config), config.memory_tier_off(None) is None).parts
+
+    assert parts()["training state"] == 16 * params / 2 and parts()["memory tier's two slots"] == 24 * params / 2
+    assert parts("recover.memory=off")["memory tier's two slots"] == 0
+    assert parts("actor.micro_batch_size=4")["unsharded gradients of micro-batches"] == 4 * params
+    assert parts("actor.micro_batch_size=32")["unsharded gradients of micro-batches"] == 0  # one pass a rank
+    zero = [parts("actor.backend=deepspeed", f"actor.zero_stage={z}")["training state"] for z in (1, 2, 3)]
+    assert zero == sorted(zero, reverse=True) and zero[2] == 16 * params / 2
+    long = parts("data.max_new_tokens=512")
+    assert long["activations"] > parts("data.max_new_tokens=512", "actor.gradient_checkpointing=true")["activations"]
+    assert plan_cli("examples/gpu/qwen2.5-0.5b-grpo.yaml").stdout.count("rank peak  not predicted for GPU ranks") == 1
 
 
 def test_plan_says_when_the_trackers_get_their_rows():

@@ -1,0 +1,79 @@
+"""What a TrainWorker rank holds in host memory at its peak, and what a memory-tier holder keeps for it: `plan`'s
+prediction, from the config and the model's size alone (CPU ranks; on a GPU the state is on the device).
+
+The parts, for P parameters over n ranks (fp32 master weights in either actor.dtype):
+- the process itself: Python, torch, transformers and Ray's worker, with a model of a few weights (PROCESS_GB,
+  measured: benchmarks/step.py's tiny size);
+- the training state: weights, gradients and AdamW's two moments, 16P/n on fsdp; on DeepSpeed ZeRO-1 the weights
+  and gradients are whole (8P + 8P/n), on ZeRO-2 the weights (4P + 12P/n), on ZeRO-3 none (16P/n);
+- micro-batches on fsdp: the unsharded gradients kept until the last micro-batch, 4P;
+- the memory tier's two slots of the rank's own state (weights and both moments, 12P/n each);
+- the engines' weights the rank maps where an engine shares its host (the shared path writes them in place), 4P;
+- then the largest of two moments that do not overlap: the step's activations (logits over the vocabulary, kept
+  three times by the loss and its gradient, and each layer's saved activations; prompts are not counted, `plan`
+  does not tokenize the data), or what comes after the step on rank 0: a background save's staging copy (12P/n)
+  while the HF export holds the gathered model and safetensors' copy of it as it writes (8P).
+Measured against it (docs/benchmarks.md, "A rank's memory"): the ~100M job within 3% with the tier and without it,
+in fp32 and in bf16 with micro-batches and recomputed activations; DeepSpeed's parts are not measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.config import Backend, Config
+
+GB = 1e9
+PROCESS_GB = 0.47           # a rank's process with a model of a few weights (benchmarks/step.py --size tiny)
+ACTIVATION_FLOATS = 16      # fp32 values a layer keeps per token and hidden unit for its backward
+CHECKPOINTED_FLOATS = 1     # with gradient checkpointing: the layer's input only
+LOGIT_COPIES = 3            # logits, their log-softmax and its gradient
+
+
+def param_count(shape: dict) -> int:
+    """Parameters of a Qwen2-shaped decoder (the built model; Llama/Qwen2 directories) from its HF config
+    fields: embeddings, per layer attention (q/k/v with bias, o without), a gated MLP and two norms, a final
+    norm, and an output head unless tied."""
+    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    kv = shape.get("num_key_value_heads", shape["num_attention_heads"]) * (h // shape["num_attention_heads"])
+    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * shape["intermediate_size"] + 2 * h
+    head = 0 if shape.get("tie_word_embeddings", False) else vocab * h
+    return vocab * h + layers * per_layer + h + head
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    parts: dict[str, float]  # what the rank holds at its peak, in bytes, by name
+    holder_bytes: float      # what a memory-tier holder keeps for the rank (its two slots), 0 without the tier
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.parts.values())
+
+    @staticmethod
+    def size(b: float) -> str:
+        return f"{b / GB:.2f} GB" if b >= 0.01 * GB else f"{b / 1e6:.1f} MB"
+
+    def text(self) -> str:
+        shown = ", ".join(f"{name} {b / GB:.2f}" for name, b in self.parts.items() if b >= 0.005 * GB)
+        return f"~{self.peak_bytes / GB:.2f} GB at a rank's peak ({shown})"
+
+
+def rank_memory(config: Config, shape: dict, memory_tier: bool) -> RankMemory:
+    """The prediction for a model of HF config fields `shape`; `memory_tier`: whether the tier holds copies."""
+    actor, d = config.actor, config.data
+    n, p = config.cluster.n_train_workers, float(param_count(shape))
+    fsdp = actor.backend is Backend.FSDP
+    state = 16 * p / n if fsdp or actor.zero_stage == 3 else \
+        (8 * p + 8 * p / n if actor.zero_stage == 1 else 4 * p + 12 * p / n)
+    rows = min(actor.micro_batch_size or d.batch_size * d.group_size // n, d.batch_size * d.group_size // n)
+    split = fsdp and rows < d.batch_size * d.group_size // n
+    floats = CHECKPOINTED_FLOATS if actor.gradient_checkpointing else ACTIVATION_FLOATS
+    activations = rows * d.max_new_tokens * 4 * (LOGIT_COPIES * shape["vocab_size"] +
+                                                 floats * shape["hidden_size"] * shape["num_hidden_layers"])
+    after_step = (12 * p / n if config.async_recover else 0.0) + 8 * p
+    slot = 12 * p / n
+    parts = {"process": PROCESS_GB * GB, "training state": state, "unsharded gradients of micro-batches":
+             4 * p if split else 0.0, "memory tier's two slots": 2 * slot if memory_tier else 0.0,
+             "engine weights mapped": 4 * p, "activations" if activations > after_step else
+             "background save and HF export": max(activations, after_step)}
+    return RankMemory(parts, 2 * slot if memory_tier else 0.0)
