@@ -47,6 +47,12 @@ class TrainDtype(str, enum.Enum):
     BF16 = "bf16"  # mixed precision: bf16 forward and backward, fp32 parameters, reductions, optimizer, checkpoints
 
 
+class EngineDtype(str, enum.Enum):
+    AUTO = "auto"  # actor.dtype's
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
 class SaveMode(str, enum.Enum):
     AUTO = "auto"
     SYNC = "sync"
@@ -152,9 +158,9 @@ class ActorConfig(_Strict):
     grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the gradient norm to this; null does not clip")
     zero_stage: int = Field(2, ge=1, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only)")
     dtype: TrainDtype = Field(TrainDtype.FP32, description="fp32 | bf16: the training's compute precision; bf16 is "
-                                                           "mixed precision (FSDP2's MixedPrecisionPolicy): "
-                                                           "parameters, gradient reductions, the optimizer and "
-                                                           "checkpoints stay fp32; fsdp only")
+                                                           "mixed precision (FSDP2's MixedPrecisionPolicy, or "
+                                                           "DeepSpeed's bf16 mode): the optimizer steps fp32 "
+                                                           "weights, which the checkpoints hold")
     micro_batch_size: Optional[int] = Field(
         None, gt=0, description="rows per forward and backward on each rank: its share of the step's samples is "
                                 "split into micro-batches whose gradients accumulate to the same update (up to "
@@ -229,6 +235,8 @@ class RolloutConfig(_Strict):
     spare_engines: int = Field(0, ge=0, description="warm spare engines kept ready (started, weights not yet "
                                                      "synced) to replace a dead or hung engine without its start "
                                                      "(10-20 s for vllm); each holds an engine's CPUs and memory")
+    dtype: EngineDtype = Field(EngineDtype.AUTO, description="auto | fp32 | bf16: the engines' weights and compute "
+                                                             "(the weight sync casts to it); auto follows actor.dtype")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (evaluation is greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: draw from the smallest set of tokens whose "
                                                       "probability reaches top_p (1: all)")
@@ -426,6 +434,12 @@ class Config(_Strict):
         return None
 
     @property
+    def engine_dtype(self) -> str:
+        """The engines' torch dtype name: rollout.dtype, or actor.dtype's where it is auto."""
+        dtype = self.actor.dtype.value if self.rollout.dtype is EngineDtype.AUTO else self.rollout.dtype.value
+        return {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+
+    @property
     def async_export(self) -> bool:
         """HF exports are written in the background (saver.mode async, or auto: every engine can)."""
         return self.saver.mode is not SaveMode.SYNC
@@ -447,9 +461,6 @@ class Config(_Strict):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
-        if actor.dtype is TrainDtype.BF16 and actor.backend is not Backend.FSDP:
-            raise ValueError(f"actor.dtype = bf16 needs actor.backend fsdp (FSDP2's mixed precision); "
-                             f"actor.backend {actor.backend.value} trains in fp32 here")
         if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
             raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must

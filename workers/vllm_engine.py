@@ -1,7 +1,7 @@
 """vLLM as a RolloutWorker's inference engine, in the worker's own process (rollout.engine: vllm).
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor): one process per engine, so
-Ray's actor death is the engine's death and nothing is left behind. fp32, eager (no compile step in a timed
+Ray's actor death is the engine's death and nothing is left behind. In rollout.dtype (fp32 or bf16), eager (no compile step in a timed
 path), its KV cache sized by `rollout.kv_cache_mb` (vLLM would reserve most of the host's memory otherwise) and
 its threads bound to cores of its own. It starts on dummy weights (`load_format="dummy"`) and takes no rollout
 until a sync has brought the trainer's. The RolloutWorker receives a sync into its staging model (the same
@@ -126,7 +126,7 @@ class VllmEngine:
 
         self.config, self.tokenizer = config, tokenizer
         self.llm = LLM(model=_engine_model_dir(config.model, tokenizer), skip_tokenizer_init=True,
-                       load_format="dummy", dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+                       load_format="dummy", dtype=config.engine_dtype, enforce_eager=True, distributed_executor_backend="uni",
                        kv_cache_memory_bytes=config.rollout.kv_cache_mb * 2**20, seed=config.seed,
                        max_model_len=config.data.max_sequence_tokens,
                        enable_prefix_caching=True)

@@ -4,8 +4,9 @@ prediction, from the config and the model's size alone (CPU ranks; on a GPU the 
 The parts, for P parameters over n ranks (fp32 master weights in either actor.dtype):
 - the process itself: Python, torch, transformers and Ray's worker, with a model of a few weights (PROCESS_GB,
   measured: benchmarks/step.py's tiny size);
-- the training state: weights, gradients and AdamW's two moments, 16P/n on fsdp; on DeepSpeed ZeRO-1 the weights
-  and gradients are whole (8P + 8P/n), on ZeRO-2 the weights (4P + 12P/n), on ZeRO-3 none (16P/n);
+- the training state: weights, gradients and AdamW's two moments, 16P/n on fsdp; on DeepSpeed the module's weights
+  and gradients (w bytes each: 4, or 2 in bf16) beside the optimizer's fp32 master weights and moments (12P/n):
+  ZeRO-1 keeps the weights and gradients whole (2wP), ZeRO-2 the weights (wP + wP/n), ZeRO-3 neither (2wP/n);
 - micro-batches on fsdp: the unsharded gradients kept until the last micro-batch, 4P;
 - the memory tier's two slots of the rank's own state (weights and both moments, 12P/n each);
 - the engines' weights the rank maps where an engine shares its host (the shared path writes them in place), 4P;
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.config import Backend, Config
+from supervisor.config import Backend, Config, TrainDtype
 
 GB = 1e9
 PROCESS_GB = 0.47           # a rank's process with a model of a few weights (benchmarks/step.py --size tiny)
@@ -63,8 +64,8 @@ def rank_memory(config: Config, shape: dict, memory_tier: bool) -> RankMemory:
     actor, d = config.actor, config.data
     n, p = config.cluster.n_train_workers, float(param_count(shape))
     fsdp = actor.backend is Backend.FSDP
-    state = 16 * p / n if fsdp or actor.zero_stage == 3 else \
-        (8 * p + 8 * p / n if actor.zero_stage == 1 else 4 * p + 12 * p / n)
+    w = 2 if actor.dtype is TrainDtype.BF16 else 4
+    state = 16 * p / n if fsdp else 12 * p / n + w * p * {1: 2, 2: 1 + 1 / n, 3: 2 / n}[actor.zero_stage]
     rows = min(actor.micro_batch_size or d.batch_size * d.group_size // n, d.batch_size * d.group_size // n)
     split = fsdp and rows < d.batch_size * d.group_size // n
     floats = CHECKPOINTED_FLOATS if actor.gradient_checkpointing else ACTIVATION_FLOATS

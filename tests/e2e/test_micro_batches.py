@@ -1,7 +1,8 @@
 """actor.micro_batch_size, actor.gradient_checkpointing and actor.dtype on the real engines (a gloo group of one
 rank, no Ray): micro-batches accumulate to the update of one pass over the shard, whatever their share of the
 generated tokens (up to float rounding: the sums are taken in another order), recomputed activations change
-nothing, and a bf16 engine, with both, resumes from its save bit for bit."""
+nothing, and a bf16 engine (FSDP2's mixed precision, DeepSpeed's bf16 mode), with both, resumes from its save bit
+for bit."""
 from __future__ import annotations
 
 import importlib.util
@@ -71,21 +72,28 @@ def test_micro_batches_and_recomputed_activations_reach_the_update_of_one_pass(b
     assert all(torch.equal(plain[k], checkpointed[k]) for k in plain) and metrics == plain_metrics
 
 
-def bf16_resumed(directory: str) -> tuple:
+def bf16_resumed(directory: str, backend: str) -> tuple:
     """A bf16 engine: three steps, then the third again after loading the save made after the second."""
     from pathlib import Path
 
     from workers.engines.base import make_engine
 
     config = load_config(None, ["actor.dtype=bf16", "data.batch_size=2", "cluster.n_train_workers=1",
-                                "actor.micro_batch_size=8", "actor.gradient_checkpointing=true"])
+                                "actor.micro_batch_size=8", "actor.gradient_checkpointing=true",
+                                f"actor.backend={backend}"])
     try:
         engine = make_engine(config, 0, 1, "127.0.0.1", free_port())
-        assert {p.dtype for p in engine.model.parameters()} == {torch.float32}  # fp32 shards: optimizer, saves
         from workers.model import forward_logits
 
+        if backend == "fsdp":  # fp32 shards (what the optimizer steps and the saves hold), gathered in bf16
+            model = engine.model
+            assert {p.dtype for p in model.parameters()} == {torch.float32}
+        else:  # DeepSpeed's bf16 mode: bf16 weights, fp32 master weights in its optimizer
+            model = engine.engine.module
+            assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+            assert {g.dtype for g in engine.engine.optimizer.single_partition_of_fp32_groups} == {torch.float32}
         ids = batch(0)["input_ids"]
-        assert forward_logits(engine.model, ids, torch.ones_like(ids)).dtype == torch.bfloat16  # computed in bf16
+        assert forward_logits(model, ids, torch.ones_like(ids)).dtype == torch.bfloat16  # computed in bf16
         for step in range(2):
             engine.train_step(batch(step), step)
         engine.save(Path(directory), 1)
@@ -99,8 +107,9 @@ def bf16_resumed(directory: str) -> tuple:
             dist.destroy_process_group()
 
 
-def test_bf16_trains_in_mixed_precision_and_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_trains_in_mixed_precision_and_resumes_bit_for_bit(tmp_path, backend):
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        (metrics, weights), (metrics_again, weights_again) = pool.apply(bf16_resumed, (str(tmp_path),))
+        (metrics, weights), (metrics_again, weights_again) = pool.apply(bf16_resumed, (str(tmp_path), backend))
     assert metrics == metrics_again and all(torch.equal(weights[k], weights_again[k]) for k in weights)
     assert metrics["loss"] == metrics["loss"] and metrics["grad_norm"] == metrics["grad_norm"]  # not NaN

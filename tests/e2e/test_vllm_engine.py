@@ -20,6 +20,7 @@ from supervisor.config import load_config
 from supervisor.testing.processes import command_line, process_tree
 from workers.generate import Sampling, encode_prompt, generate, sample_seed
 from workers.model import build_model, build_tokenizer
+from workers.weight_sync import local_digest
 from workers.vllm_engine import _LOADED, _the_model
 
 pytestmark = [pytest.mark.e2e,
@@ -154,6 +155,29 @@ def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
     with pytest.raises(ValueError):  # any other error is the caller's to classify
         _or_exit(lambda: int("x"), exit=exits.append)
     assert exits == [1] and _or_exit(lambda: 7, exit=exits.append) == 7
+
+
+@pytest.mark.timeout(600)
+def test_bf16_engines_serve_the_trainers_weights_rounded_and_a_replayed_run_is_exact(cluster, trial, tmp_path):
+    """rollout.dtype bf16 (vLLM's dtype; the sync casts the trainer's fp32 weights): a rank SIGSTOPped in step 7
+    is a hang, the TrainGroup restarts from step 4's save, the engines are resynced in bf16 and the steps replayed
+    give the uninterrupted bf16 run's figures and weights."""
+    job = [*VLLM, "rollout.dtype=bf16", "total_train_epochs=1", "recover.step_timeout_secs=10"]
+    reference = Trial(tmp_path / "reference")
+    r = relaunch("run", str(CONFIG), *job, *reference.overrides, "--address", cluster.address)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:stop:step=7:rank=1", "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    r = relaunch("run", str(CONFIG), *job, *trial.overrides, "--address", cluster.address, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_exact(trial, reference, 1, steps=12)
+    (recovery,) = trial.events("recovery")
+    assert (recovery["cause"], recovery["source"], recovery["loaded_step"]) == ("hang", "disk", 4)
+    # what the engines held after the first sync: the initial weights rounded to bf16, by the engines' own digest
+    config = load_config(CONFIG, job)
+    initial = build_model(config.model, build_tokenizer(config.model), config.seed)
+    bf16 = local_digest([p.detach().to(torch.bfloat16) for p in initial.parameters()], torch.bfloat16,
+                        config.rollout.weight_bucket_mb * 2**20)
+    assert [e["checksum"] for e in trial.events("resync")][0] == bf16
 
 
 def engine_processes(cluster) -> int:

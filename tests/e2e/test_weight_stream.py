@@ -1,6 +1,6 @@
 """The weight sync on a real cluster: a 2-rank TrainGroup (FSDP, or DeepSpeed ZeRO-2/3) syncs 2 engines, by
 writes into their shared weights or by the stream, and what the engines hold afterwards is bitwise the
-trainer's full weights, with the digest of one process's computation. On the shared path also: the gate sees
+trainer's full weights (cast to bf16 for bf16 engines), with the digest of one process's computation. On the shared path also: the gate sees
 what an engine really holds, a writer of an earlier group cannot reach the weights an engine serves, a shard
 gone stale in training is caught after the group's first step, a failed write fails the sync at once, and
 after a step of training the shared path gives what the stream gives."""
@@ -37,6 +37,8 @@ def scramble(engines, i: int) -> None:
 @pytest.mark.parametrize("shared, trainer", [
     pytest.param(True, ["actor.backend=fsdp"], id="shared-memory", marks=pytest.mark.quick),
     pytest.param(False, ["actor.backend=fsdp"], id="stream", marks=pytest.mark.quick),
+    pytest.param(True, ["rollout.dtype=bf16"], id="shared-memory-bf16", marks=pytest.mark.quick),
+    pytest.param(False, ["actor.dtype=bf16"], id="stream-bf16"),  # rollout.dtype auto: the actor's
     pytest.param(True, ["actor.backend=deepspeed", "actor.zero_stage=2"], id="shared-memory-zero2"),
     pytest.param(True, ["actor.backend=deepspeed", "actor.zero_stage=3"], id="shared-memory-zero3"),
 ])
@@ -64,12 +66,15 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared, trai
         sent = stream.sync(-1)
         names = stream.names
         assert stream.shared is shared and ("write_secs" in sent) is shared  # same host: the ranks map the engines
-        want = local_digest([full[n] for n in names], torch.float32, 2**20)
-        assert sent["digest"] == want and sent["buckets"] >= 2 and sent["failed"] == {}
+        dtype = getattr(torch, config.engine_dtype)  # the engines' (bf16: the trainer's fp32 weights cast to it)
+        full = {n: t.to(dtype) for n, t in full.items()}
+        want = local_digest([full[n] for n in names], dtype, 2**20)
+        buckets = -(-sum(full[n].numel() for n in names) * dtype.itemsize // 2**20)  # 2 in fp32, 1 in bf16
+        assert sent["digest"] == want and sent["buckets"] == buckets and sent["failed"] == {}
         for i in (0, 1):
             got = engine_weights(engines, i)
             assert set(got) == set(names) and "lm_head.weight" not in got  # tied: streamed once, as the embedding
-            assert all(torch.equal(got[n], full[n]) for n in names)
+            assert all(got[n].dtype == dtype and torch.equal(got[n], full[n]) for n in names)
         assert engines.weight_status() == [(0, want), (0, want)]
 
         scramble(engines, 1)  # a subset: only engine 1 is streamed to
@@ -124,8 +129,10 @@ def shared_path_checks(config, stream, engines, trainers, want: str):
     assert classify(caught.value).kind is FaultKind.INTERNAL_ERROR
 
     ray.get(trainers.members[1].handle.__ray_call__.remote(lambda w: delattr(w.engine, "weight_shard")))
+    dtype = getattr(torch, config.engine_dtype)
     full = ray.get([m.handle.__ray_call__.remote(lambda w: w.engine.full_state_dict()) for m in trainers.members])[0]
-    trained = local_digest([full[n] for n in stream.names], torch.float32, 2**20)
+    full = {n: t.to(dtype) for n, t in full.items()}
+    trained = local_digest([full[n] for n in stream.names], dtype, 2**20)
     assert trained != want
     assert stream.sync(0)["digest"] == trained  # whole check after the step, now passing
     assert all(torch.equal(engine_weights(engines, 0)[n], full[n]) for n in stream.names)
@@ -138,7 +145,7 @@ def shared_path_checks(config, stream, engines, trainers, want: str):
     late = attach(ray.get(engines.members[0].handle.__ray_call__.remote(lambda w: w.shared.handle())))
     stream.close()
     stream = engines.connect(trainers)
-    late.view(torch.float32).fill_(7.0)
+    late.view(dtype).fill_(7.0)
     assert engines.weight_status() == [(1, trained), (1, trained)]
 
     # a rank whose write fails: every rank raises that error at once, no hang, and it is not retried

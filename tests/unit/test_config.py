@@ -169,3 +169,11 @@ def test_lengths_beyond_a_model_directorys_context_are_refused_with_exit_2_and_o
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
         assert f"32 + 9 = 41 tokens do not fit model.path {model}'s context of 40 positions" in r.stderr
         assert not (tmp_path / "runs").exists()
+
+
+def test_the_engines_dtype_follows_the_actors_unless_set():
+    assert load_config(None, []).engine_dtype == "float32"
+    assert load_config(None, ["actor.dtype=bf16"]).engine_dtype == "bfloat16"
+    assert load_config(None, ["actor.dtype=bf16", "rollout.dtype=fp32"]).engine_dtype == "float32"
+    assert load_config(None, ["rollout.dtype=bf16", "actor.backend=deepspeed"]).engine_dtype == "bfloat16"
+    assert load_config(None, ["actor.dtype=bf16", "actor.backend=deepspeed"]).actor.dtype.value == "bf16"

@@ -116,7 +116,7 @@ def test_plan_predicts_a_ranks_peak_from_its_parts_and_what_a_holder_keeps():
     assert parts("actor.micro_batch_size=4")["unsharded gradients of micro-batches"] == 4 * params
     assert parts("actor.micro_batch_size=32")["unsharded gradients of micro-batches"] == 0  # one pass a rank
     zero = [parts("actor.backend=deepspeed", f"actor.zero_stage={z}")["training state"] for z in (1, 2, 3)]
-    assert zero == sorted(zero, reverse=True) and zero[2] == 16 * params / 2
+    assert zero == sorted(zero, reverse=True) and zero[2] == pytest.approx(20 * params / 2)  # + the fp32 master
     long = parts("data.max_new_tokens=512")
     assert long["activations"] > parts("data.max_new_tokens=512", "actor.gradient_checkpointing=true")["activations"]
     assert plan_cli("examples/gpu/qwen2.5-0.5b-grpo.yaml").stdout.count("rank peak  not predicted for GPU ranks") == 1

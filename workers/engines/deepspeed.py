@@ -2,7 +2,9 @@
 
 The optimizer is a plain `torch.optim.AdamW` handed to `deepspeed.initialize` (DeepSpeed's own CPU Adam is a
 C++ op built on first use; AdamW needs no build and steps the same way on every rank), with the same LR
-schedule as the FSDP engine. Recover checkpoints are DeepSpeed's native format: `save_checkpoint` with tag
+schedule as the FSDP engine. With actor.dtype bf16, DeepSpeed's bf16 mode: the module's weights (what the engines
+and the HF export get) and its gradients are bf16, and the optimizer steps fp32 master weights of its own, which the
+checkpoints hold. Recover checkpoints are DeepSpeed's native format: `save_checkpoint` with tag
 `global_step{G}` and its `latest` file inside our step directory, which relaunch publishes atomically (so
 DeepSpeed's non-atomic `latest` never is the commit point), plus one RNG file per rank. Loading names the
 tag explicitly, with weights_only loading (safe_load.deepspeed_files). DeepSpeed's `zero_to_fp32` reads the
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
-from supervisor.config import Config
+from supervisor.config import Config, TrainDtype
 from workers.engines.base import EngineBase, even_part, lr_scheduler
 from workers.engines.rng import load_rng, save_rng
 
@@ -31,6 +33,7 @@ def ds_config(config: Config, world_size: int) -> dict:
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": -(-rows // micro),
         "gradient_clipping": actor.grad_clip or 0.0, "zero_optimization": {"stage": actor.zero_stage},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31, "wall_clock_breakdown": False,
+        "bf16": {"enabled": actor.dtype is TrainDtype.BF16},
     }
 
 
