@@ -483,11 +483,18 @@ class Config(_Strict):
                              f"not support (it supports {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})")
 
     def resume_hash(self) -> str:
-        """Hash of what must not change across a resume (model, data, optimisation, seed). Keys at their defaults
-        are left out, so that a key added later (at its default) changes no trial's hash."""
+        """Hash of what must not change across a resume (model, data, optimisation, sampling, reward, seed). Keys
+        at their defaults are left out, so that a key added later (at its default) changes no trial's hash, and so
+        are those that only change how the job runs (NOT_IN_RESUME_HASH)."""
         keep = self.model_dump(mode="json", include={"seed", "model", "actor", "data", "rollout", "reward"},
-                               exclude_defaults=True)
+                               exclude=NOT_IN_RESUME_HASH, exclude_defaults=True)
+        keep = {section: values for section, values in keep.items() if values != {}}  # as if all at defaults
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# keys of those sections that change how the job runs, not what it computes: a resume may change them
+NOT_IN_RESUME_HASH = {"rollout": {"kv_cache_mb", "spare_engines", "weight_bucket_mb", "shared_memory_weights"},
+                      "reward": {"retry_user_errors", "concurrency", "timeout_secs"}}
 
 
 def resolve_path(path: Path) -> Path:

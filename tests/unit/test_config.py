@@ -75,6 +75,10 @@ def test_resume_hash_ignores_frequencies_but_not_the_model():
     assert load_config(DEFAULT_CONFIG, ["rollout.top_p=1.0", "data.prompt_key=prompt"]).resume_hash() == base
     assert load_config(DEFAULT_CONFIG, ["rollout.top_p=0.9"]).resume_hash() != base
     assert load_config(DEFAULT_CONFIG, ["rollout.stop=[2]"]).resume_hash() != base
+    # how the job runs, not what it computes: the reward's threads and bound, the engines' memory and spares
+    assert load_config(DEFAULT_CONFIG, ["reward.concurrency=4", "reward.timeout_secs=30", "rollout.kv_cache_mb=64",
+                                        "rollout.spare_engines=1"]).resume_hash() == base
+    assert load_config(DEFAULT_CONFIG, ["rollout.dtype=bf16"]).resume_hash() != base
 
 
 def test_cli_bad_key_exits_2_with_one_line_and_no_traceback():
