@@ -167,6 +167,14 @@ class ActorConfig(_Strict):
                                 "float rounding: the sums are taken in another order); null: one pass")
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
                                                             "instead of keeping them (less memory, one more forward)")
+    ppo_epochs: int = Field(1, gt=0, description="passes over the step's samples, each in actor.mini_batches "
+                                                 "optimizer updates; any update after a step's first is off-policy, "
+                                                 "so the loss becomes PPO's clipped surrogate (fsdp only)")
+    mini_batches: int = Field(1, gt=0, description="optimizer updates per pass, each over an equal part of every "
+                                                   "rank's share of the samples, in an order drawn from (seed, step, "
+                                                   "pass): a resume needs no saved random state")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO's clip: a token's probability ratio to the step's first "
+                                                     "policy is held within 1 +- clip_ratio (with several updates)")
     kl_coef: float = Field(0.0, ge=0, description="weight of GRPO's KL(policy || reference) term; 0 keeps no "
                                                   "reference policy")
     ref_update_steps: Optional[int] = Field(
@@ -461,6 +469,14 @@ class Config(_Strict):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
+        if actor.ppo_epochs * actor.mini_batches > 1:
+            rows = self.data.batch_size * self.data.group_size // self.cluster.n_train_workers
+            if actor.backend is not Backend.FSDP:
+                raise ValueError(f"actor.ppo_epochs and actor.mini_batches above 1 need actor.backend fsdp; "
+                                 f"actor.backend {actor.backend.value} makes one update a step")
+            if actor.mini_batches > rows:
+                raise ValueError(f"actor.mini_batches = {actor.mini_batches} is more than a rank's {rows} samples a "
+                                 f"step (data.batch_size x data.group_size / cluster.n_train_workers)")
         if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
             raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must

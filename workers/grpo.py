@@ -1,4 +1,5 @@
-"""GRPO's formulas: group-normalised advantages, the policy-gradient loss and the KL penalty."""
+"""GRPO's formulas: group-normalised advantages, the policy-gradient loss (PPO's clipped surrogate when a step makes
+several updates) and the KL penalty."""
 from __future__ import annotations
 
 import torch
@@ -34,6 +35,19 @@ def policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: to
                 advantages: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """On-policy GRPO (one update per batch, so the PPO ratio is 1): -A * log p(token), token mean."""
     return masked_mean(-advantages.unsqueeze(1) * token_logprobs(logits, input_ids), response_mask, tokens)
+
+
+def clipped_policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
+                        advantages: torch.Tensor, old_logp: torch.Tensor, clip: float,
+                        tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017; verl's vanilla policy loss, token mean): per token
+    max(-A * r, -A * clip(r, 1 - clip, 1 + clip)), r the probability ratio to the policy that drew the step's
+    samples (`old_logp`, its token log-probabilities). Returns the loss and the share of tokens clipped."""
+    ratio = torch.exp(token_logprobs(logits, input_ids) - old_logp)
+    adv = advantages.unsqueeze(1)
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
+    clipped = ((ratio - 1).abs() > clip).float()
+    return masked_mean(surrogate, response_mask, tokens), masked_mean(clipped, response_mask, tokens).detach()
 
 
 def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, response_mask: torch.Tensor,

@@ -181,6 +181,7 @@ class StepRunner:
                  "time/rollout": t_rollout - t0, "time/train": t_train - t_landed,
                  **({"time/memory_wait": t_landed - t_rollout} if self.memory is not None else {}),
                  **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
+                 **({"clip_frac": metrics["clip_frac"]} if "clip_frac" in metrics else {}),  # several updates
                  **memory_fields([r["memory"] for r in results], rollout["memory"],
                                  self.spares.peak_memory() if self.spares else [])},
             export=self.state.saver.check(s.is_epoch_end, elapsed),

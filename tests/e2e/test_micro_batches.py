@@ -113,3 +113,36 @@ def test_bf16_trains_in_mixed_precision_and_resumes_bit_for_bit(tmp_path, backen
         (metrics, weights), (metrics_again, weights_again) = pool.apply(bf16_resumed, (str(tmp_path), backend))
     assert metrics == metrics_again and all(torch.equal(weights[k], weights_again[k]) for k in weights)
     assert metrics["loss"] == metrics["loss"] and metrics["grad_norm"] == metrics["grad_norm"]  # not NaN
+
+
+def ppo_resumed(directory: str) -> tuple:
+    """Two passes of two mini-batches a step (in micro-batches of 3): four optimizer updates a step, then the third
+    step again after loading the save made after the second."""
+    from pathlib import Path
+
+    from workers.engines.base import make_engine
+
+    config = load_config(None, ["actor.ppo_epochs=2", "actor.mini_batches=2", "actor.micro_batch_size=3",
+                                "data.batch_size=2", "cluster.n_train_workers=1"])
+    try:
+        engine = make_engine(config, 0, 1, "127.0.0.1", free_port())
+        metrics = [engine.train_step(batch(step), step) for step in range(2)]
+        updates = {int(s["step"]) for s in engine.optimizer.state.values()}
+        engine.save(Path(directory), 1)
+        first = engine.train_step(batch(2), 2), {k: v.clone() for k, v in engine.full_state_dict().items()}
+        engine.train_step(batch(3), 3)
+        engine.load(Path(directory), 1, same_world_size=True)
+        again = engine.train_step(batch(2), 2), engine.full_state_dict()
+        return metrics, updates, first, again
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_ppo_epochs_and_mini_batches_make_their_updates_in_a_drawn_order_and_resume_bit_for_bit(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        metrics, updates, (m, w), (m_again, w_again) = pool.apply(ppo_resumed, (str(tmp_path),))
+    assert updates == {8}  # 2 passes x 2 mini-batches, 2 steps
+    assert "clip_frac" in metrics[0]  # reported with several updates
+    assert metrics[1]["clip_frac"] > 0  # lr 3e-3 moves the policy past the clip within a step
+    assert m == m_again and all(torch.equal(w[k], w_again[k]) for k in w)

@@ -7,7 +7,8 @@ from supervisor.checkpoint.layout import TrialLayout, reference_file
 from supervisor.checkpoint.store import RecoverStore, compatibility_error
 from supervisor.config import DEFAULT_CONFIG, Backend, ConfigError, load_config
 from workers.engines.reference import reference_step
-from workers.grpo import kl_penalty, policy_loss
+from workers.engines.base import update_order
+from workers.grpo import clipped_policy_loss, kl_penalty, policy_loss, token_logprobs
 
 
 @pytest.mark.parametrize("step, every, expected", [
@@ -32,6 +33,38 @@ def test_policy_loss_is_minus_advantage_times_logprob_over_generated_tokens():
     logits = torch.zeros(1, 3, 4)  # uniform: log p = -log 4 for every token
     loss = policy_loss(logits, torch.tensor([[0, 1, 2]]), torch.tensor([[0, 0, 1]]), torch.tensor([2.0]))
     assert torch.isclose(loss, torch.tensor(2.0) * torch.log(torch.tensor(4.0)))
+
+
+def test_ppos_clipped_surrogate_is_grpos_loss_on_policy_and_stops_pushing_past_the_clip():
+    torch.manual_seed(0)
+    logits, ids = torch.randn(4, 5, 7, requires_grad=True), torch.randint(0, 7, (4, 5))
+    mask, adv = torch.tensor([[0, 0, 1, 1, 1]] * 4), torch.tensor([1.0, -1.0, 0.5, 0.0])
+    old = token_logprobs(logits, ids).detach()
+    # on policy (ratio 1): GRPO's gradient (its value is -A's token mean), nothing clipped
+    loss, clipped = clipped_policy_loss(logits, ids, mask, adv, old, 0.2)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (expected,) = torch.autograd.grad(policy_loss(logits, ids, mask, adv), logits)
+    assert torch.allclose(grad, expected) and torch.isclose(loss, -adv.mean()) and clipped == 0
+    # a policy that already moved past 1 + clip where the advantage is positive (and below 1 - clip where it is
+    # negative) gets no gradient there: the clipped term is the larger loss, and it is constant
+    moved = old - torch.tensor([[1.0], [-1.0], [0.0], [0.0]])  # rows 0, 1 past the clip in their advantage's way
+    loss, clipped = clipped_policy_loss(logits, ids, mask, adv, moved, 0.2)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad[:2].abs().sum() == 0 and grad[2].abs().sum() > 0 and clipped == 0.5
+
+
+def test_a_passes_order_is_a_function_of_seed_step_and_pass_alone():
+    order = update_order(1, 7, 0, 32)
+    assert sorted(order.tolist()) == list(range(32)) and torch.equal(order, update_order(1, 7, 0, 32))
+    assert not torch.equal(order, update_order(1, 7, 1, 32)) and not torch.equal(order, update_order(1, 8, 0, 32))
+
+
+def test_several_updates_a_step_are_checked():
+    assert load_config(DEFAULT_CONFIG, ["actor.ppo_epochs=2", "actor.mini_batches=32"]).actor.mini_batches == 32
+    with pytest.raises(ConfigError, match="actor.mini_batches = 33 is more than a rank's 32 samples"):
+        load_config(DEFAULT_CONFIG, ["actor.mini_batches=33"])
+    with pytest.raises(ConfigError, match="need actor.backend fsdp"):
+        load_config(DEFAULT_CONFIG, ["actor.ppo_epochs=2", "actor.backend=deepspeed"])
 
 
 @pytest.mark.parametrize("manifest, backend, n, fragment", [

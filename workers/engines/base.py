@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -110,7 +111,30 @@ class EngineBase:
         from workers.model import forward_logits
 
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens)
+        return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens,
+                         self.config.actor.clip_ratio)
+
+    def updates(self, model: torch.nn.Module, batch: dict, global_step: int) -> list[dict]:
+        """The step's optimizer updates: the whole shard, once (GRPO on-policy, the same arithmetic as ever); or, with
+        actor.ppo_epochs / actor.mini_batches, each pass's rows in an order drawn from (seed, step, pass), cut into
+        mini-batches that carry the log-probabilities of the policy that drew them (before any update)."""
+        from workers.grpo import token_logprobs
+        from workers.model import forward_logits
+
+        actor = self.config.actor
+        if actor.ppo_epochs * actor.mini_batches == 1:
+            return [batch]
+        with torch.no_grad():
+            parts, _ = self.micro_batches(batch)
+            old = torch.cat([token_logprobs(forward_logits(model, p["input_ids"].to(self.device),
+                                                           p["attention_mask"].to(self.device)),
+                                            p["input_ids"].to(self.device)) for p in parts])
+        batch = dict(batch, old_logp=old)
+        rows, out = len(batch["input_ids"]), []
+        for epoch in range(actor.ppo_epochs):
+            order = update_order(self.config.seed, global_step, epoch, rows)
+            out += [{k: v[part.to(v.device)] for k, v in batch.items()} for part in order.chunk(actor.mini_batches)]
+        return out
 
     def micro_batches(self, batch: dict) -> tuple[list[dict], torch.Tensor | None]:
         """This rank's shard in `actor.micro_batch_size` rows at a time, and the shard's generated tokens each
@@ -140,6 +164,13 @@ class EngineBase:
         from workers.engines.export import write_hf
 
         write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size)
+
+
+def update_order(seed: int, global_step: int, epoch: int, rows: int) -> torch.Tensor:
+    """The order of a rank's rows in pass `epoch` of step `global_step`: a function of these alone, so that a resumed
+    step makes the same mini-batches with no random state saved (OpenRLHF draws it from an RNG nobody saves)."""
+    state = np.random.SeedSequence([seed, global_step, epoch]).generate_state(1, dtype=np.uint64)[0] >> 1
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(int(state)))
 
 
 def init_process_group(config: Config, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:

@@ -90,9 +90,24 @@ class FSDPEngine(EngineBase):
             self.writer_group = dist.new_group(backend="gloo", timeout=collective_timeout(self.config))
 
     def train_step(self, batch: dict, global_step: int) -> dict:
-        """One optimizer step on this rank's shard of the batch, in micro-batches whose gradients accumulate
-        (reduced across the ranks once, after the last); gradients are averaged by FSDP."""
+        """The step's optimizer updates on this rank's shard of the batch (one, or actor.ppo_epochs x
+        actor.mini_batches), each in micro-batches whose gradients accumulate (reduced across the ranks once, after
+        the last; averaged by FSDP). The figures are each update's, averaged over the updates; the LR scheduler
+        moves once a step."""
         self.model.train()
+        lr = self.scheduler.get_last_lr()[0]
+        figures = [self._update(update, n == 0) for n, update in enumerate(self.updates(self.model, batch,
+                                                                                        global_step))]
+        self.scheduler.step()
+        if self.reference is not None and self.reference.refresh_due(global_step):
+            # every rank needs the full weights here (full_state_dict gives them to rank 0 only)
+            self.reference.refresh(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
+        mean = {k: sum(f[k] for f in figures) / len(figures) for k in figures[0]}
+        return {"loss": mean.pop("loss"), "grad_norm": mean.pop("grad_norm"), "lr": lr, **mean}
+
+    def _update(self, batch: dict, first: bool) -> dict:
+        """One optimizer update on `batch` (this rank's rows of it); `first`: the step's first, before which the
+        memory tier's copy of the previous step must be done reading the state."""
         self.optimizer.zero_grad(set_to_none=True)
         parts, tokens = self.micro_batches(batch)
         loss, metrics = None, {}
@@ -106,14 +121,10 @@ class FSDPEngine(EngineBase):
         if self.config.actor.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.actor.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self._settle()
+        if first:
+            self._settle()
         self.optimizer.step()
-        self.scheduler.step()
-        if self.reference is not None and self.reference.refresh_due(global_step):
-            # every rank needs the full weights here (full_state_dict gives them to rank 0 only)
-            self.reference.refresh(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
-        return {"loss": self._mean_over_ranks(loss), "grad_norm": grad_norm, "lr": lr, **metrics}
+        return {"loss": self._mean_over_ranks(loss), "grad_norm": grad_norm, **metrics}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full weights on CPU, the others an empty dict."""

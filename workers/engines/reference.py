@@ -16,7 +16,7 @@ import torch
 from supervisor.checkpoint.durable import write_atomic
 from supervisor.checkpoint.layout import reference_file
 from supervisor.config import Config
-from workers.grpo import kl_penalty, policy_loss, token_logprobs
+from workers.grpo import clipped_policy_loss, kl_penalty, policy_loss, token_logprobs
 from workers.model import build_model, forward_logits
 
 
@@ -70,12 +70,18 @@ class ReferencePolicy:
 
 
 def grpo_loss(logits: torch.Tensor, batch: dict, device: torch.device, reference: "ReferencePolicy | None",
-              tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              tokens: torch.Tensor | None = None, clip: float | None = None) -> tuple[torch.Tensor, dict]:
     """GRPO's loss on this rank's shard of the batch (or, with `tokens`, a micro-batch's share of it), with the KL
-    term to the reference when there is one."""
-    ids = batch["input_ids"].to(device)
-    loss = policy_loss(logits, ids, batch["response_mask"].to(device), batch["advantages"].to(device), tokens)
+    term to the reference when there is one; PPO's clipped surrogate when the batch carries the log-probabilities
+    of the policy that drew it (`old_logp`: a step of several updates), clipped at `clip`."""
+    ids, mask, adv = batch["input_ids"].to(device), batch["response_mask"].to(device), batch["advantages"].to(device)
+    metrics = {}
+    if "old_logp" in batch:
+        loss, clipped = clipped_policy_loss(logits, ids, mask, adv, batch["old_logp"].to(device), clip, tokens)
+        metrics["clip_frac"] = float(clipped)
+    else:
+        loss = policy_loss(logits, ids, mask, adv, tokens)
     if reference is None:
-        return loss, {}
+        return loss, metrics
     kl = reference.kl(logits, batch, device, tokens)
-    return loss + reference.coef * kl, {"kl": float(kl.detach())}
+    return loss + reference.coef * kl, {**metrics, "kl": float(kl.detach())}
