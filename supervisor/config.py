@@ -170,9 +170,10 @@ class ActorConfig(_Strict):
     ppo_epochs: int = Field(1, gt=0, description="passes over the step's samples, each in actor.mini_batches "
                                                  "optimizer updates; any update after a step's first is off-policy, "
                                                  "so the loss becomes PPO's clipped surrogate (fsdp only)")
-    mini_batches: int = Field(1, gt=0, description="optimizer updates per pass, each over an equal part of every "
-                                                   "rank's share of the samples, in an order drawn from (seed, step, "
-                                                   "pass): a resume needs no saved random state")
+    mini_batches: int = Field(1, gt=0, description="optimizer updates per pass, each over a part of every rank's "
+                                                   "share of the samples (sizes apart by one row at most), in an "
+                                                   "order drawn from (seed, step, pass): a resume needs no saved "
+                                                   "random state")
     clip_ratio: float = Field(0.2, gt=0, description="PPO's clip: a token's probability ratio to the step's first "
                                                      "policy is held within 1 +- clip_ratio (with several updates)")
     kl_coef: float = Field(0.0, ge=0, description="weight of GRPO's KL(policy || reference) term; 0 keeps no "
@@ -504,13 +505,15 @@ class Config(_Strict):
         are those that only change how the job runs (NOT_IN_RESUME_HASH)."""
         keep = self.model_dump(mode="json", include={"seed", "model", "actor", "data", "rollout", "reward"},
                                exclude=NOT_IN_RESUME_HASH, exclude_defaults=True)
+        if self.engine_dtype != "float32":  # what the engines compute in, however it was said (auto or not)
+            keep.setdefault("rollout", {})["engine_dtype"] = self.engine_dtype
         keep = {section: values for section, values in keep.items() if values != {}}  # as if all at defaults
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # keys of those sections that change how the job runs, not what it computes: a resume may change them
-NOT_IN_RESUME_HASH = {"rollout": {"kv_cache_mb", "spare_engines", "weight_bucket_mb", "shared_memory_weights"},
-                      "reward": {"retry_user_errors", "concurrency", "timeout_secs"}}
+NOT_IN_RESUME_HASH = {"rollout": {"dtype", "spare_engines", "weight_bucket_mb", "shared_memory_weights"},
+                      "reward": {"retry_user_errors", "concurrency", "timeout_secs"}}  # rollout.dtype: resolved
 
 
 def resolve_path(path: Path) -> Path:

@@ -54,14 +54,20 @@ class Sampling:
     def stops(self, text: str) -> bool:
         return any(s in text for s in self.stop_strings)
 
-    def stopped(self, tokenizer, tokens: list[int]) -> bool:
+    @staticmethod
+    def skipped(tokenizer) -> set[int]:
+        """The tokens `text` drops: the special ones, listed or only flagged so among the added tokens."""
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        return set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+
+    def stopped(self, tokenizer, tokens: list[int], skipped: set[int]) -> bool:
         """Whether the newest token completed a stop string (the tokens before it held none). Only the newest tokens
         are decoded, so that a completion's scan stays linear in its length: one per byte of the longest stop string
-        (each token adds a byte at least, but for special tokens, which add none and are counted on top), and 3
+        (each token adds a byte at least, but for the `skipped` ones, which add none and are counted on top), and 3
         more for a character whose bytes the first of them splits."""
-        special, n = set(tokenizer.all_special_ids), max(len(s.encode()) for s in self.stop_strings) + 3
+        n = max(len(s.encode()) for s in self.stop_strings) + 3
         window = n
-        while window < len(tokens) and sum(t in special for t in tokens[-window:]) > window - n:
+        while window < len(tokens) and sum(t in skipped for t in tokens[-window:]) > window - n:
             window += 1
         return self.stops(self.text(tokenizer, tokens[-window:]))
 
@@ -118,6 +124,7 @@ def generate(model, tokenizer, prompts: list[str | list[dict]], sample_ids: list
     attn = (torch.arange(width) >= torch.tensor([width - len(e) for e in encoded]).unsqueeze(1)).long().to(device)
     gens = [sample_generator(seed, step, s) for s in sample_ids]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    skipped = Sampling.skipped(tokenizer) if sampling.stop_strings else set()
     response, past = [], None
     for _ in range(max_new_tokens):
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -140,7 +147,7 @@ def generate(model, tokenizer, prompts: list[str | list[dict]], sample_ids: list
         if sampling.stop_token_ids:
             done |= torch.isin(nxt, torch.tensor(sampling.stop_token_ids, dtype=nxt.dtype, device=device))
         if sampling.stop_strings:
-            done |= torch.tensor([not finished and sampling.stopped(tokenizer, row[width:])
+            done |= torch.tensor([not finished and sampling.stopped(tokenizer, row[width:], skipped)
                                   for row, finished in zip(ids.tolist(), done.tolist())], device=device)
         if done.all():
             break

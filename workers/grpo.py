@@ -42,12 +42,14 @@ def clipped_policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_
                         tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate (Schulman et al. 2017; verl's vanilla policy loss, token mean): per token
     max(-A * r, -A * clip(r, 1 - clip, 1 + clip)), r the probability ratio to the policy that drew the step's
-    samples (`old_logp`, its token log-probabilities). Returns the loss and the share of tokens clipped."""
+    samples (`old_logp`, its token log-probabilities). Returns the loss and the share of tokens whose clipped term
+    is the loss (their gradient is 0)."""
     ratio = torch.exp(token_logprobs(logits, input_ids) - old_logp)
     adv = advantages.unsqueeze(1)
-    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
-    clipped = ((ratio - 1).abs() > clip).float()
-    return masked_mean(surrogate, response_mask, tokens), masked_mean(clipped, response_mask, tokens).detach()
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)
+    used = (clipped > unclipped).float()  # the clipped term is the loss: no gradient through the token (verl's)
+    return masked_mean(torch.maximum(unclipped, clipped), response_mask, tokens), \
+        masked_mean(used, response_mask, tokens).detach()
 
 
 def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, response_mask: torch.Tensor,

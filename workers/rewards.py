@@ -33,7 +33,8 @@ class Rewards:
 
     def __init__(self, fn: Callable, batch: bool = False, concurrency: int = 16, timeout_secs: float = 300.0):
         self.fn, self.batch, self.concurrency, self.timeout_secs = fn, batch, concurrency, timeout_secs
-        self.returned = 0.0  # when a call last returned (monotonic): progress, for the driver's watchdog
+        self.returned = 0.0  # when a call of the scoring in progress last returned (monotonic): the watchdog's
+        self._scoring = 0    # the scorings so far: a call abandoned by an earlier one that returns late is no progress
         self._pool = self._new_pool()
 
     @classmethod
@@ -69,11 +70,14 @@ class Rewards:
 
     def _call_all(self, calls: list[dict]) -> list:
         started: dict[int, float] = {}
+        self._scoring += 1
+        scoring = self._scoring
 
         def timed(i: int, kwargs: dict):
             started[i] = time.monotonic()
             result = self.fn(**kwargs)
-            self.returned = time.monotonic()
+            if scoring == self._scoring:
+                self.returned = time.monotonic()
             return result
 
         futures: dict[Future, int] = {self._pool.submit(timed, i, kw): i for i, kw in enumerate(calls)}

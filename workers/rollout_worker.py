@@ -40,8 +40,10 @@ class RolloutWorker:
             deterministic_cuda()  # before any CUDA kernel (workers/gpu.py)
         self.config, self.rank = config, index  # `rank`: the engine's index, for fault points
         self.tokenizer = build_tokenizer(config.model)
-        dtype = getattr(torch, config.engine_dtype)  # the sync casts the trainer's fp32 weights to it
-        self.model = build_model(config.model, self.tokenizer, config.seed).eval().to(dtype)
+        self.model = build_model(config.model, self.tokenizer, config.seed).eval()
+        dtype = getattr(torch, config.engine_dtype)  # the sync casts the trainer's weights to it
+        for p in self.model.parameters():  # the parameters only: buffers (RoPE's frequencies) stay the trainer's fp32
+            p.data = p.data.to(dtype)
         if config.cluster.gpus_per_engine > 0:  # Ray set CUDA_VISIBLE_DEVICES to the engine's GPU
             self.model.to("cuda")
         self.dtype = next(self.model.parameters()).dtype

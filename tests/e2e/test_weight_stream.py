@@ -1,9 +1,9 @@
-"""The weight sync on a real cluster: a 2-rank TrainGroup (FSDP, or DeepSpeed ZeRO-2/3) syncs 2 engines, by
-writes into their shared weights or by the stream, and what the engines hold afterwards is bitwise the
-trainer's full weights (cast to bf16 for bf16 engines), with the digest of one process's computation. On the shared path also: the gate sees
-what an engine really holds, a writer of an earlier group cannot reach the weights an engine serves, a shard
-gone stale in training is caught after the group's first step, a failed write fails the sync at once, and
-after a step of training the shared path gives what the stream gives."""
+"""The weight sync on a real cluster: a 2-rank TrainGroup (FSDP, or DeepSpeed ZeRO-2/3) syncs 2 engines, by writes into
+their shared weights or by the stream, and what the engines hold afterwards is bitwise the trainer's full weights
+(cast to bf16 for bf16 engines), with the digest of one process's computation. On the shared path also: the gate
+sees what an engine really holds, a writer of an earlier group cannot reach the weights an engine serves, a shard
+gone stale in training is caught after the group's first step, a failed write fails the sync at once, and after a
+step of training the shared path gives what the stream gives."""
 from __future__ import annotations
 
 import pytest
@@ -75,6 +75,9 @@ def test_two_ranks_stream_to_two_engines_bitwise(cluster, tmp_path, shared, trai
             got = engine_weights(engines, i)
             assert set(got) == set(names) and "lm_head.weight" not in got  # tied: streamed once, as the embedding
             assert all(got[n].dtype == dtype and torch.equal(got[n], full[n]) for n in names)
+        # the parameters only: the buffers (RoPE's frequencies) stay fp32, as the trainer's do
+        assert ray.get(engines.members[0].handle.__ray_call__.remote(
+            lambda w: {str(b.dtype) for b in w.model.buffers()})) == {"torch.float32"}
         assert engines.weight_status() == [(0, want), (0, want)]
 
         scramble(engines, 1)  # a subset: only engine 1 is streamed to

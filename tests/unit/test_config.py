@@ -76,9 +76,13 @@ def test_resume_hash_ignores_frequencies_but_not_the_model():
     assert load_config(DEFAULT_CONFIG, ["rollout.top_p=0.9"]).resume_hash() != base
     assert load_config(DEFAULT_CONFIG, ["rollout.stop=[2]"]).resume_hash() != base
     # how the job runs, not what it computes: the reward's threads and bound, the engines' memory and spares
-    assert load_config(DEFAULT_CONFIG, ["reward.concurrency=4", "reward.timeout_secs=30", "rollout.kv_cache_mb=64",
+    assert load_config(DEFAULT_CONFIG, ["reward.concurrency=4", "reward.timeout_secs=30",
                                         "rollout.spare_engines=1"]).resume_hash() == base
-    assert load_config(DEFAULT_CONFIG, ["rollout.dtype=bf16"]).resume_hash() != base
+    # the engines' dtype as resolved: auto after a bf16 actor is bf16 said outright, and fp32 said is the default
+    bf16 = load_config(DEFAULT_CONFIG, ["rollout.dtype=bf16"]).resume_hash()
+    assert bf16 != base and load_config(DEFAULT_CONFIG, ["rollout.dtype=fp32"]).resume_hash() == base
+    assert load_config(DEFAULT_CONFIG, ["actor.dtype=bf16"]).resume_hash() == \
+        load_config(DEFAULT_CONFIG, ["actor.dtype=bf16", "rollout.dtype=bf16"]).resume_hash() != bf16
 
 
 def test_cli_bad_key_exits_2_with_one_line_and_no_traceback():

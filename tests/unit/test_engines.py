@@ -51,12 +51,36 @@ def test_ppos_clipped_surrogate_is_grpos_loss_on_policy_and_stops_pushing_past_t
     loss, clipped = clipped_policy_loss(logits, ids, mask, adv, moved, 0.2)
     (grad,) = torch.autograd.grad(loss, logits)
     assert grad[:2].abs().sum() == 0 and grad[2].abs().sum() > 0 and clipped == 0.5
+    # past the clip against its advantage's way (a token made likelier whose advantage is negative): not clipped,
+    # its gradient pulls it back; clip_frac counts only the tokens whose gradient the clip stopped
+    back = old - torch.tensor([[-1.0], [1.0], [0.0], [0.0]])
+    loss, clipped = clipped_policy_loss(logits, ids, mask, adv, back, 0.2)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad[0].abs().sum() > 0 and grad[1].abs().sum() > 0 and clipped == 0
 
 
 def test_a_passes_order_is_a_function_of_seed_step_and_pass_alone():
     order = update_order(1, 7, 0, 32)
     assert sorted(order.tolist()) == list(range(32)) and torch.equal(order, update_order(1, 7, 0, 32))
     assert not torch.equal(order, update_order(1, 7, 1, 32)) and not torch.equal(order, update_order(1, 8, 0, 32))
+
+
+def test_a_pass_makes_exactly_mini_batches_updates_whatever_the_rows():
+    from types import SimpleNamespace
+
+    from workers.engines.base import EngineBase
+
+    for rows, mini in ((6, 4), (5, 4), (32, 3), (8, 8)):
+        config = load_config(DEFAULT_CONFIG, [f"actor.mini_batches={mini}", "actor.ppo_epochs=2"])
+        engine = SimpleNamespace(config=config,
+                                 device=torch.device("cpu"), micro_batches=lambda b: ([b], None))
+        logits = torch.zeros(rows, 4, 8)
+        model = lambda input_ids, attention_mask, **_: SimpleNamespace(logits=logits)  # noqa: E731
+        batch = {"input_ids": torch.zeros(rows, 4, dtype=torch.long), "attention_mask": torch.ones(rows, 4),
+                 "response_mask": torch.ones(rows, 4), "advantages": torch.zeros(rows)}
+        updates = EngineBase.updates(engine, model, batch, 3)
+        sizes = [len(u["input_ids"]) for u in updates]
+        assert len(updates) == 2 * mini and max(sizes) - min(sizes) <= 1 and sum(sizes) == 2 * rows
 
 
 def test_several_updates_a_step_are_checked():

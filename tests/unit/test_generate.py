@@ -121,7 +121,8 @@ def test_the_scan_for_stop_strings_looks_at_the_newest_tokens_only_and_stops_whe
         tokenizer.encode("本 = 5", add_special_tokens=False)
     for stops in (("4",), ("é 4",), ("日本語",), ("= ü 1 é",), ("本 = 5",), ("absent",), ("42 =", "é 42")):
         sampling = Sampling(stop_strings=stops)
-        first = next((n for n in range(1, len(tokens) + 1) if sampling.stopped(tokenizer, tokens[:n])), None)
+        skipped = Sampling.skipped(tokenizer)
+        first = next((n for n in range(1, len(tokens) + 1) if sampling.stopped(tokenizer, tokens[:n], skipped)), None)
         whole = sampling.stop_at(tokenizer, tokens)
         assert first == (len(whole) if whole != tokens or sampling.stops(sampling.text(tokenizer, tokens)) else
                          None), stops

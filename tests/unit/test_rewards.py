@@ -97,4 +97,15 @@ def test_each_call_that_returns_is_progress_for_the_watchdog():
     before = time.monotonic()
     rewards(ROWS[:5], COMPLETIONS[:5])
     assert returns[0] < before < returns[1] < returns[2] < returns[3] < returns[4] < rewards.returned
+    # a call the scoring abandoned (past its bound) that returns later, while the Supervisor is elsewhere: no progress
+    release = threading.Event()
+    late = Rewards(lambda prompt, completion, row: (row is not ROWS[0] or release.wait(30)) and 1.0, timeout_secs=0.2)
+    with pytest.raises(UserCodeError):
+        late(ROWS[:1], COMPLETIONS[:1])  # sample 0 hangs past its bound: abandoned
+    assert late(ROWS[1:2], COMPLETIONS[1:2]) == [1.0]  # the next scoring
+    before = late.returned
+    release.set()  # the abandoned call returns now
+    time.sleep(0.2)
+    assert late.returned == before
     rewards.close()
+    late.close()

@@ -133,7 +133,8 @@ class EngineBase:
         rows, out = len(batch["input_ids"]), []
         for epoch in range(actor.ppo_epochs):
             order = update_order(self.config.seed, global_step, epoch, rows)
-            out += [{k: v[part.to(v.device)] for k, v in batch.items()} for part in order.chunk(actor.mini_batches)]
+            out += [{k: v[part.to(v.device)] for k, v in batch.items()}
+                    for part in order.tensor_split(actor.mini_batches)]  # exactly that many, sizes apart by 1 at most
         return out
 
     def micro_batches(self, batch: dict) -> tuple[list[dict], torch.Tensor | None]:

@@ -1,14 +1,15 @@
 """The DeepSpeed training engine: ZeRO stage 1, 2 or 3 (`actor.zero_stage`) on gloo (CPU) or nccl (GPU).
 
-The optimizer is a plain `torch.optim.AdamW` handed to `deepspeed.initialize` (DeepSpeed's own CPU Adam is a
-C++ op built on first use; AdamW needs no build and steps the same way on every rank), with the same LR
-schedule as the FSDP engine. With actor.dtype bf16, DeepSpeed's bf16 mode: the module's weights (what the engines
-and the HF export get) and its gradients are bf16, and the optimizer steps fp32 master weights of its own, which the
-checkpoints hold. Recover checkpoints are DeepSpeed's native format: `save_checkpoint` with tag
-`global_step{G}` and its `latest` file inside our step directory, which relaunch publishes atomically (so
-DeepSpeed's non-atomic `latest` never is the commit point), plus one RNG file per rank. Loading names the
-tag explicitly, with weights_only loading (safe_load.deepspeed_files). DeepSpeed's `zero_to_fp32` reads the
-step directory as it is.
+The optimizer is a plain `torch.optim.AdamW` handed to `deepspeed.initialize` (DeepSpeed's own CPU Adam is a C++ op
+built on first use; AdamW needs no build and steps the same way on every rank), with the same LR schedule as the
+FSDP engine. With actor.dtype bf16, DeepSpeed's bf16 mode: the module's weights and gradients are bf16
+(micro-batches accumulate in fp32) and the optimizer steps fp32 master weights of its own, which the checkpoints
+hold; what reads the module (the engines, the in-job HF export, the KL reference's refresh) gets the bf16 weights,
+while `relaunch export` of a checkpoint gives the fp32 masters (zero_to_fp32). Recover checkpoints are DeepSpeed's
+native format: `save_checkpoint` with tag `global_step{G}` and its `latest` file inside our step directory, which
+relaunch publishes atomically (so DeepSpeed's non-atomic `latest` never is the commit point), plus one RNG file per
+rank. Loading names the tag explicitly, with weights_only loading (safe_load.deepspeed_files). DeepSpeed's
+`zero_to_fp32` reads the step directory as it is.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def ds_config(config: Config, world_size: int) -> dict:
         "gradient_clipping": actor.grad_clip or 0.0, "zero_optimization": {"stage": actor.zero_stage},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31, "wall_clock_breakdown": False,
         "bf16": {"enabled": actor.dtype is TrainDtype.BF16},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if actor.dtype is TrainDtype.BF16 else {}),  # as FSDP2's
     }
 
 
