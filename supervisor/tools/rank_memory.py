@@ -29,6 +29,7 @@ PROCESS_GB = 0.47           # a rank's process with a model of a few weights (be
 ACTIVATION_FLOATS = 16      # fp32 values a layer keeps per token and hidden unit for its backward
 CHECKPOINTED_FLOATS = 1     # with gradient checkpointing: the layer's input only
 LOGIT_COPIES = 3            # logits, their log-softmax and its gradient
+SLOTS = "memory tier's two slots"  # weights and both moments, 12P/n each
 
 
 def param_count(shape: dict) -> int:
@@ -45,7 +46,11 @@ def param_count(shape: dict) -> int:
 @dataclass(frozen=True)
 class RankMemory:
     parts: dict[str, float]  # what the rank holds at its peak, in bytes, by name
-    holder_bytes: float      # what a memory-tier holder keeps for the rank (its two slots), 0 without the tier
+
+    @property
+    def holder_bytes(self) -> float:
+        """What a memory-tier holder keeps for the rank: the same two slots as the rank's own (0 without the tier)."""
+        return self.parts[SLOTS]
 
     @property
     def peak_bytes(self) -> float:
@@ -76,10 +81,9 @@ def rank_memory(config: Config, shape: dict, memory_tier: bool) -> RankMemory:
                                                  floats * shape["hidden_size"] * shape["num_hidden_layers"])
     after_step = (12 * p / n if config.async_recover else 0.0) + 8 * p
     engine_bytes = 2 if config.engine_dtype == "bfloat16" else 4
-    slot = 12 * p / n
     parts = {"process": PROCESS_GB * GB, "training state": state, "unsharded gradients of micro-batches":
-             4 * p if split else 0.0, "memory tier's two slots": 2 * slot if memory_tier else 0.0,
+             4 * p if split else 0.0, SLOTS: 2 * 12 * p / n if memory_tier else 0.0,
              "engine weights mapped": engine_bytes * p if config.rollout.shared_memory_weights else 0.0,
              "activations" if activations > after_step else
              "background save and HF export": max(activations, after_step)}
-    return RankMemory(parts, 2 * slot if memory_tier else 0.0)
+    return RankMemory(parts)
