@@ -343,7 +343,8 @@ def main() -> None:
         return
     runs = {}
     try:
-        clean_secs, clean = run(address, fileroot, "uninterrupted", [*overrides, "recover.spare_workers=0"], config)
+        clean_secs, clean = run(address, fileroot, "uninterrupted",
+                                [*overrides, "recover.spare_workers=0", "recover.memory=off"], config)
         for n in spares:
             faulty_secs, faulty = killed_run(address, fileroot, f"killed-spares{n}",
                                              [*overrides, f"recover.spare_workers={n}", "recover.memory=off"],

@@ -353,10 +353,11 @@ class RecoverConfig(Frequency):
                             "has room for them beside the TrainGroup and the engines, on GPU none (a spare idles "
                             "its GPUs all job long; set a number to keep some)")
     memory: MemoryTier = Field(
-        MemoryTier.AUTO, description="auto | on | off: after every optimizer step, copy each rank's state into a "
-                                     "warm spare on another node; a rank that dies is then replaced by its buddy, "
-                                     "the other ranks roll back in place, and nothing is read from disk "
-                                     "(docs/recovery.md); auto: where it can (fsdp, actor.kl_coef 0, spares)")
+        MemoryTier.AUTO, description="auto | on | off: after every optimizer step, copy each rank's state into its "
+                                     "buddy (a warm spare, else a peer rank; on another node where one runs); a rank "
+                                     "that dies is then replaced with that state, the other ranks roll back in "
+                                     "place, and nothing is read from disk (docs/failures.md); auto: where it can "
+                                     "(fsdp, actor.kl_coef 0, two ranks or a spare)")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
@@ -438,8 +439,8 @@ class Config(_Strict):
             return "the memory tier does not hold the KL reference policy yet (actor.kl_coef > 0)"
         if not self.recover.mode.enabled:
             return "recover.mode is off: no repair at all"
-        if spares == 0 or self.recover.spare_workers == 0:
-            return "no warm spare to hold the copies (recover.spare_workers)"
+        if self.cluster.n_train_workers == 1 and (spares == 0 or self.recover.spare_workers == 0):
+            return "one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
         return None
 
     @property

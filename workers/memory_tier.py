@@ -39,6 +39,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a slot's dtype, sent 
 RANK, HOLDER = 0, 1  # the two ends of a side link
 
 
+def peer_name(rank: int, pid: int | None) -> str:
+    """A rank's name as a holder of other ranks' copies: its rank and process, so that a rank's new process is a
+    new holder."""
+    return f"rank {rank} (pid {pid})"
+
+
 def slot_index(global_step: int) -> int:
     return global_step % SLOTS
 

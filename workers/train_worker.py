@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from supervisor.testing.fault_points import fault_point, fault_points
 from workers.cuda_weights import open_handle
 from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
-from workers.memory_tier import DTYPES, Holding, Link, SharedLink, SharedSlots, Slots
+from workers.memory_tier import DTYPES, Holding, Link, SharedLink, SharedSlots, Slots, peer_name
 from workers.shared_weights import attach
 from workers.weight_sync import join_group, mismatched, op_timeout, send, to_check, write_shared
 
@@ -103,7 +104,10 @@ class TrainWorker:
         self.memory_send: tuple[int, Future] | None = None  # the last send begun: (global step, its future)
         self.holdings: dict[int, Holding] = {}  # a holder's: rank -> the copies it receives from that rank
         self.holdings_lock = threading.Lock()  # the holder's methods (HOLDER) change them beside setup and adopt
-        self.retired = False  # a holder that became a rank, or whose tier is off: it holds no copies again
+        # the name the Supervisor holds ranks' copies here under: a spare's actor name, then its peer name once it
+        # is a rank (buddies.peer_name); a call under an older name (a spare's, before it took a rank's place) is
+        # refused, so no copy is held that nobody plans; None once the tier is off (or a cold rank before setup)
+        self.holder_as: str | None = ray.get_runtime_context().get_actor_name() or None
         self.allocation_lock = threading.Lock()  # a holder's allocations, one at a time (the node's room)
         self.phase = ("idle", time.monotonic())  # (method running, since when): what `progress` answers
 
@@ -139,7 +143,7 @@ class TrainWorker:
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
         """Join the group as `rank` of `world_size` and build the engine (warming first if not yet warm). A spare
         that held ranks' copies gives them back: it is a rank of a group restarted from disk now."""
-        self.release()
+        self._hold_as(peer_name(rank, os.getpid()))
         self._setup(master_addr, master_port, rank, world_size)
 
     def _setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -335,10 +339,13 @@ class TrainWorker:
         """This rank's two slots, allocated (and touched) now if they are not yet, off any step, once the node
         has the room for them (NoRoom otherwise); what one holds: {"numel", "dtype"} (an index of DTYPES)."""
         if self.memory is None:
-            layout = self.engine.memory_layout
-            self.memory = Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype,
-                                          pin=self.engine.device.type == "cuda")
+            self.memory = self._own_slots()
         return {"numel": self.memory.numel, "dtype": DTYPES.index(self.memory.dtype)}
+
+    def _own_slots(self) -> Slots:
+        layout = self.engine.memory_layout
+        return Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype,
+                               pin=self.engine.device.type == "cuda")
 
     @fault_points
     def memory_attach(self, held: dict) -> bool:
@@ -477,13 +484,14 @@ class TrainWorker:
 
     @ray.method(concurrency_group=HOLDER)
     @fault_points
-    def hold(self, rank: int, slots: dict) -> dict:
-        """Hold `rank`'s copies: two slots of `slots` (the rank's `memory_slots()`), allocated in a segment the
-        rank maps if it runs on this host, once this node has the room (NoRoom otherwise); returns the segment's
-        handle (`memory_attach`). Holding a rank again replaces its old holding. Allocated outside the lock, so
-        that `holding` answers meanwhile; refused once this spare retired (`release`)."""
+    def hold(self, rank: int, slots: dict, holder: str) -> dict:
+        """Hold `rank`'s copies, as `holder` (the name the Supervisor planned it under): two slots of `slots` (the
+        rank's `memory_slots()`), allocated in a segment the rank maps if it runs on this host, once this node
+        has the room (NoRoom otherwise); returns the segment's handle (`memory_attach`). Holding a rank again
+        replaces its old holding. Allocated outside the lock, so that `holding` answers meanwhile; refused
+        under a name this process no longer holds as (`holder_as`)."""
         with self.holdings_lock:
-            self._not_retired()
+            self._holds_as(holder)
             old = self.holdings.pop(rank, None)
         if old is not None:
             old.close()
@@ -491,17 +499,27 @@ class TrainWorker:
             held = SharedSlots.with_room(f"the two copies held for rank {rank}", slots["numel"],
                                          DTYPES[slots["dtype"]])
         with self.holdings_lock:
-            if self.retired:
+            if self.holder_as != holder:
                 held.close()
-                self._not_retired()
+                self._holds_as(holder)
             old, self.holdings[rank] = self.holdings.get(rank), Holding(held)
         if old is not None:  # a hold of the same rank that ran beside this one
             old.close()
         return held.handle
 
-    def _not_retired(self) -> None:
-        if self.retired:
-            raise RuntimeError("this spare holds no copies any more: it became a rank, or the memory tier is off")
+    def _holds_as(self, holder: str) -> None:
+        if self.holder_as != holder:
+            raise RuntimeError(f"this process holds no copies as {holder} (it holds as {self.holder_as}: it "
+                               f"became a rank, or the memory tier is off)")
+
+    def _hold_as(self, holder: str | None) -> list[Holding]:
+        """From now on hold copies as `holder` only (None: never again); what was held is given back, but for
+        the holdings returned."""
+        with self.holdings_lock:  # the holder's calls run on a thread of their own, beside setup and adopt's
+            holdings, self.holdings, self.holder_as = self.holdings, {}, holder
+        for h in holdings.values():
+            h.close()
+        return list(holdings.values())
 
     @ray.method(concurrency_group=HOLDER)
     @fault_points
@@ -511,7 +529,6 @@ class TrainWorker:
         from workers.engines.base import collective_timeout
 
         with self.holdings_lock:
-            self._not_retired()
             held = self.holdings[rank]
         # the holder waits between a rank's copies for as long as a step may last (its thread blocks nothing)
         held.listen(port, key, collective_timeout(self.config))
@@ -519,12 +536,21 @@ class TrainWorker:
     @ray.method(concurrency_group=HOLDER)
     @fault_points
     def release(self) -> None:
-        """Give back every rank's copies and close their links, and hold none again: the tier is off for the run,
-        or this spare becomes a rank."""
-        with self.holdings_lock:  # the holder's calls run on a thread of their own, beside setup and adopt's
-            holdings, self.holdings, self.retired = self.holdings, {}, True
-        for h in holdings.values():
-            h.close()
+        """Give back every rank's copies and close their links, and hold none again: the tier is off for the run."""
+        self._hold_as(None)
+
+    @fault_points  # outside: Ray reads num_returns from the unwrapped method (functools.wraps copies it out)
+    @ray.method(concurrency_group=HOLDER, num_returns=2)
+    def held_copy(self, rank: int, global_step: int) -> tuple[np.ndarray, dict]:
+        """The copy of `global_step` held for dead `rank`, for the process taking its place (`adopt_copy`): its
+        bytes, which Ray carries to that process's node, and its meta (two objects: the Supervisor reads the
+        small one to learn that the copy is there). Nothing writes the slot any more: its rank is dead."""
+        with self.holdings_lock:
+            held = self.holdings.get(rank)
+        if held is None:
+            raise RuntimeError(f"no memory copy of rank {rank} is held here (held: {sorted(self.holdings)})")
+        slot = held.slots.holding(global_step)
+        return slot.flat.view(torch.uint8).numpy(), slot.meta
 
     @ray.method(concurrency_group=HOLDER)
     @fault_points
@@ -543,11 +569,26 @@ class TrainWorker:
         if held is None:
             raise RuntimeError(f"no memory copy of rank {rank} is held here (held: {sorted(self.holdings)})")
         slot = held.slots.holding(global_step)  # before the collective: fail fast
-        self.release()
+        self._hold_as(peer_name(rank, os.getpid()))
         self._setup(master_addr, master_port, rank, world_size)
         self.engine.load_memory(slot.flat, slot.meta)
         # its own copies now, once nothing writes them (the dead rank's link has ended, or is about to)
         self.memory = held.slots if held.ended(ABANDON_SECS) else None
+
+    @fault_points
+    def adopt_copy(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int,
+                   data: np.ndarray, meta: dict) -> None:
+        """A new process (started cold, or a spare that held no copy of it) taking dead `rank`'s place, whose
+        copy a peer rank held: join the group as a new rank does, then load `global_step` from the copy (the
+        peer's `held_copy`, which Ray resolved before this call), written first into this rank's own slots, so
+        that it is its own copy, as an adopter's is."""
+        self._hold_as(peer_name(rank, os.getpid()))
+        self._setup(master_addr, master_port, rank, world_size)
+        self.memory = self._own_slots()
+        slot = self.memory.for_step(global_step)
+        np.copyto(slot.flat.view(torch.uint8).numpy(), data)  # ValueError when the copy does not fit the layout
+        slot.meta = meta
+        self.engine.load_memory(slot.flat, slot.meta)
 
     @ray.method(concurrency_group=PROBE)
     def progress(self) -> dict:

@@ -1,35 +1,56 @@
-"""Which warm spare holds which rank's copy of the memory tier. Pure.
+"""Which holder keeps which rank's copy of the memory tier, and what a link does next. Pure.
 
-Each rank's recover state is copied, every step, into a buddy that does not die with it: a warm spare on
-another node (spare_placement.py already puts spares away from the ranks). The buddy is also the process that
-takes the rank's place when it dies, with the state already in its memory, so a spare holds as few ranks as
-the pool allows: each rank goes to the least loaded spare on another node.
+Each rank's recover state is copied, every step, into a holder that does not die with it. A holder is a warm
+spare (it then also takes the rank's place when it dies, with the state already in its memory) or, where no spare
+serves, a peer rank (a new process, or a free spare, takes the dead rank's place and loads the copy from the
+peer's memory). A rank's holder is the first of these that exists, so that it covers as much as it can:
+
+1. a spare on another node: a node loss, and the place taken by the process that holds the state;
+2. a peer on another node: a node loss;
+3. a spare on the rank's node: a process death, its place taken warm;
+4. a peer on the rank's node: a process death (ranks sharing one machine, the common single-node job).
+
+Within a class each rank goes to the least loaded holder, so that a spare takes as few places as it can.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def buddy_plan(rank_nodes: list[str | None], spare_nodes: dict[str, str | None],
+
+@dataclass(frozen=True)
+class Holder:
+    node: str | None      # None: not known yet (it never counts as another node)
+    rank: int | None = None  # a peer: the rank it is (it never holds its own copies); None: a warm spare
+
+
+def buddy_plan(rank_nodes: list[str | None], holders: dict[str, Holder],
                held: dict[int, str] | None = None) -> dict[int, str]:
-    """rank -> the name of the spare that holds its copies. `spare_nodes` are the warm spares (name -> node);
-    `held` the plan in force, kept where its spare is still warm and on another node, so that a working link
-    is not torn down. A rank gets no buddy when every spare shares its node."""
+    """rank -> the name of the holder of its copies, from `holders` (name -> Holder: the spares that have
+    started, then the ranks). `held` is the plan in force: a rank keeps its holder while that holder is in
+    the best class open to it, so that a working link is not torn down for an equal one."""
     held = held or {}
-    plan = {r: s for r, s in held.items()
-            if r < len(rank_nodes) and s in spare_nodes and not _same_node(spare_nodes[s], rank_nodes[r])}
-    load = {s: sum(1 for held_by in plan.values() if held_by == s) for s in spare_nodes}
-    for rank, node in enumerate(rank_nodes):
-        if rank in plan:
+    classes = {rank: {name: _class(h, rank, node) for name, h in holders.items() if h.rank != rank}
+               for rank, node in enumerate(rank_nodes)}
+    plan = {r: name for r, name in held.items()
+            if r < len(rank_nodes) and name in classes[r] and classes[r][name] == min(classes[r].values())}
+    load = {name: sum(1 for h in plan.values() if h == name) for name in holders}
+    order = list(holders)
+    for rank in range(len(rank_nodes)):
+        if rank in plan or not classes[rank]:
             continue
-        choices = [s for s in spare_nodes if not _same_node(spare_nodes[s], node)]
-        if choices:
-            spare = min(choices, key=lambda s: (load[s], list(spare_nodes).index(s)))
-            plan[rank] = spare
-            load[spare] += 1
+        name = min(classes[rank], key=lambda n: (classes[rank][n], load[n], order.index(n)))
+        plan[rank] = name
+        load[name] += 1
     return dict(sorted(plan.items()))
 
 
+def _class(holder: Holder, rank: int, node: str | None) -> int:
+    """The module docstring's order, 0 best."""
+    return 2 * _same_node(holder.node, node) + (holder.rank is not None)
+
+
 def _same_node(a: str | None, b: str | None) -> bool:
-    """An unknown node counts as the same: the copy must not be thought safe when it might not be."""
+    """An unknown node counts as the same: the copy must not be thought safe from a node loss when it might not be."""
     return a is None or b is None or a == b
 
 

@@ -270,28 +270,55 @@ class TrainGroup(_Members):
         """Kill these ranks' actors (the culprits of a hang): their peers' collectives then fail at once."""
         self._kill([self.members[r] for r in sorted(ranks)])
 
-    def rejoin(self, lost: list[int], adopters: dict[int, ray.actor.ActorHandle], global_step: int) -> None:
-        """Restart only the dead: the `lost` ranks' actors are killed and their buddies (`adopters`, warm spares
-        holding their state) take their places; every rank joins a new process group at a new rendezvous, the
-        survivors rolling back in place to `global_step` and the adopters loading it from their own memory.
-        The actors of the survivors stay: no new placement group, no new process, no model built again."""
+    def rejoin(self, adopters: dict[int, ray.actor.ActorHandle], givers: dict[int, ray.actor.ActorHandle],
+               global_step: int, spares=None) -> None:
+        """Restart only the dead: the lost ranks' actors are killed; the ranks a warm spare held take that spare
+        (`adopters`), the ranks a peer held (`givers`: rank -> that peer) a free spare from `spares` or a new
+        process in their bundle, which loads the peer's copy; every rank joins a new process group at a new
+        rendezvous, the survivors rolling back in place to `global_step`, the others loading it. The actors of
+        the survivors stay: no new placement group, no process but the lost ones' started, no model built
+        again. RuntimeError, nothing started, when a given rank finds no place (recovery_source checked it)."""
         started = time.monotonic()
+        lost = sorted(adopters | givers)
         self._kill([self.members[r] for r in lost])
-        self._free_bundles(lost)
-        for r in lost:
-            self.members[r] = Member(adopters[r], f"TrainWorker[rank {r}]")
+        # the peers' copies, asked for now: they are in Ray's object store before any rank enters the rendezvous
+        # (a survivor hosting it blocks in the store's constructor, holder thread included), while the new
+        # processes start
+        copies = {r: holder.held_copy.remote(r, global_step) for r, holder in givers.items()}  # (bytes, meta)
+        taken = [handle for handle, _ in spares.take(len(givers))] if spares is not None and givers else []
+        warm = sorted(givers, key=lambda r: r in self.bundles)[:len(taken)]  # the ranks without a bundle first
+        cold = [r for r in givers if r not in warm]
+        if any(r not in self.bundles for r in cold):
+            for handle in taken:
+                ray.kill(handle, no_restart=True)
+            raise RuntimeError(f"rank {min(r for r in cold if r not in self.bundles)} has no bundle to start again "
+                               f"in and no warm spare is free")
+        self._free_bundles([*adopters, *warm])
+        for r, handle in [*adopters.items(), *zip(warm, taken)]:
+            self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
+        for r in cold:
+            self.members[r] = Member(self._cold(self.bundles[r]), f"TrainWorker[rank {r}]")
         self._release_unused()
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs
         where = self.gather([m.handle.where.remote(r) for r, m in enumerate(self.members)], bound)
         for m, w in zip(self.members, where):
             m.node_id, m.pid = w["node_id"], w["pid"]
+        ray.get([meta for _, meta in copies.values()], timeout=bound)  # raises where a peer died or lacks the copy
+        self.timings["process_start"] = time.monotonic() - started - self.timings["teardown"]
         ip, port = where[0]["ip"], where[0]["port"]
-        self.gather([m.handle.adopt.remote(ip, port, r, self.world_size, global_step) if r in adopters else
-                     m.handle.rejoin.remote(ip, port, r, self.world_size, global_step)
-                     for r, m in enumerate(self.members)], bound)
-        self.timings["rendezvous"] = time.monotonic() - started - self.timings["teardown"]
-        self.from_spares, self.steps = len(adopters), 0  # as a new group's: its weight stream checks them whole
+
+        def join(r: int, m: Member) -> ray.ObjectRef:
+            if r in adopters:
+                return m.handle.adopt.remote(ip, port, r, self.world_size, global_step)
+            if r in givers:  # the peer's copy, carried by Ray to the new process's node before its call runs
+                return m.handle.adopt_copy.remote(ip, port, r, self.world_size, global_step, *copies[r])
+            return m.handle.rejoin.remote(ip, port, r, self.world_size, global_step)
+
+        self.gather([join(r, m) for r, m in enumerate(self.members)], bound)
+        self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
+        # as a new group's: its weight stream checks them whole
+        self.from_spares, self.steps = len(adopters) + len(taken), 0
 
     def _free_bundles(self, ranks: list[int]) -> None:
         """These ranks' places go to spares: their bundles are free for a later lost rank, but for those on a

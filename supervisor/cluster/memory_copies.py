@@ -1,5 +1,5 @@
-"""The memory tier on the Supervisor's side: which spare holds which rank's copies (buddies.py), the copy
-begun on every rank after each optimizer step, and what each buddy says it holds.
+"""The memory tier on the Supervisor's side: which holder (a warm spare, else a peer rank) keeps which rank's
+copies (buddies.py), the copy begun on every rank after each optimizer step, and what each holder says it holds.
 
 A rank stages its state into one of its two slots (workers/memory_tier.py) and streams it to its buddy in the
 background, over a gloo link of their own, during the next step's rollout; the next update waits until it has
@@ -8,6 +8,8 @@ buddy holds whole (all ranks or none). A spare holds copies from its start, whil
 methods run on a thread of their own), so a rank is linked as soon as a spare away from it has started: at the job's
 start the pool starts with the TrainGroup, and the first step's copy is held. Links are kept while the spare stays
 in the pool; one that takes a dead rank's place before it finished warming finishes first, then loads the copy.
+A job without spares (recover.spare_workers: 0, or a GPU job's auto) has its ranks hold each other's copies: a
+peer's holder methods run beside its steps the same way, and a dead rank's new process loads the copy from it.
 
 Linking never falls on a step: after a repair, or when the pool refilled, a holder allocates its slots for a rank
 (seconds at ~100M) and starts a side link's store on the Supervisor's linker thread while the job trains on, and
@@ -26,12 +28,12 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from supervisor.cluster.buddies import buddy_plan, link_steps
+from supervisor.cluster.buddies import Holder, buddy_plan, link_steps
 from supervisor.cluster.blame import Outcome, outcome_of
 from supervisor.cluster.errors import GroupError, first_line
 from supervisor.cluster.groups import TrainGroup, drain, wait_for_write
 from supervisor.cluster.spares import SparePool
-from workers.memory_tier import NoRoom
+from workers.memory_tier import NoRoom, peer_name
 
 LINK_SECS = 30.0     # a link's set-up: a gloo pair and its store
 HOLDERS_SECS = 60.0  # at the job's start, how long the first link waits for the pool's spares to start
@@ -63,6 +65,14 @@ def node_ip(node_id: str | None) -> str | None:
 
 
 @dataclass
+class Candidate:
+    """A process that can hold ranks' copies: a started spare, or a rank of the group (a peer)."""
+
+    handle: ray.actor.ActorHandle
+    holder: Holder
+
+
+@dataclass
 class Prepared:
     """A holder ready for a rank: its slots for the rank allocated (`held`, `hold`'s answer) and, for a rank on
     another host, its side link's store listening at `ip`:`port` under `key`. What is left is the rank's own
@@ -81,9 +91,9 @@ class Prepared:
 
 
 class MemoryCopies:
-    def __init__(self, spares: SparePool, warn: Callable[[str], None], linked: Callable[[dict[int, str]], None]):
+    def __init__(self, spares: SparePool | None, warn: Callable[[str], None], linked: Callable[[dict[int, str]], None]):
         self.spares, self.warn, self.linked = spares, warn, linked  # the job's events: a warning, the new links
-        self.buddies: dict[int, str] = {}  # rank -> the spare holding its copies (linked)
+        self.buddies: dict[int, str] = {}  # rank -> the holder of its copies (linked): a spare's or peer's name
         self.staged: list[int] = []        # the steps every rank holds in its own two slots
         self.slots: dict[int, dict] = {}   # rank -> what one of its slots holds, once it has its two
         self.off: str | None = None        # why the tier was turned off for the run (a node without room)
@@ -119,12 +129,11 @@ class MemoryCopies:
         self._allocate(trainers)
 
     def link_first(self, trainers: TrainGroup) -> None:
-        """At the job's start, before its first step: wait (at most HOLDERS_SECS) until the pool's spares placed
-        away from the ranks, started beside the TrainGroup, have started (not warmed), then give every rank its
-        slots and link it, waiting for each link, so that the first step's copy is held and nothing of this
-        falls on a step. Spares placed on the ranks' nodes (a one-node cluster) can hold no copy (buddies.py):
-        none is waited for."""
-        awaited = [s for s in self.spares.spares if s.placed not in set(trainers.nodes)]
+        """At the job's start, before its first step: wait (at most HOLDERS_SECS) until the pool's spares, started
+        beside the TrainGroup, have started (not warmed), so that the plan can prefer them to peers, then give
+        every rank its slots and link it, waiting for each link, so that the first step's copy is held and
+        nothing of this falls on a step."""
+        awaited = self.spares.spares if self.spares is not None else []
         deadline = time.monotonic() + HOLDERS_SECS
         while awaited and time.monotonic() < deadline:
             self.spares.holders()  # notes where each spare that answered runs ("" where it died)
@@ -158,17 +167,18 @@ class MemoryCopies:
         if self.off is not None:
             return {}
         before = self.buddies
+        holders = self.candidates(trainers)
         try:
             self._note_slots()
-            ready, failed = self._note_prepared(trainers.world_size)
+            ready, failed = self._note_prepared(trainers.world_size, holders)
         except NoRoom as e:
-            self._turn_off(trainers, self.spares.holders(), str(getattr(e, "cause", e)))
+            self._turn_off(trainers, holders, str(getattr(e, "cause", e)))
             return {}
         if failed:
             self._drop_holders(failed)
-        holders = self.spares.holders()
+            holders = self.candidates(trainers)
         preparing = {rank: name for rank, (name, _) in self.preparing.items()}
-        plan = buddy_plan(trainers.nodes, {name: s.node for name, s in holders.items()},
+        plan = buddy_plan(trainers.nodes, {name: c.holder for name, c in holders.items()},
                           {**self.buddies, **preparing, **{rank: p.holder for rank, p in ready.items()}})
         self.buddies = {rank: name for rank, name in self.buddies.items() if plan.get(rank) == name}
         if self.buddies != before:
@@ -196,13 +206,15 @@ class MemoryCopies:
                 except Exception:  # noqa: BLE001 - a dead rank is the next group call's fault; asked again
                     pass
 
-    def _note_prepared(self, world_size: int) -> tuple[dict[int, Prepared], dict[str, BaseException]]:
-        """The preparations that finished: the ready holders (rank -> Prepared) and the failed ones still in the
-        pool (name -> cause); NoRoom raised (the holder's node has no room); any other error is warned, and its
-        rank's holder prepared again after LINK_SECS. One whose holder left the pool meanwhile (it took a dead
-        rank's place, or was dropped) is forgotten."""
+    def _note_prepared(self, world_size: int, holders: dict[str, "Candidate"]) -> \
+            tuple[dict[int, Prepared], dict[str, BaseException]]:
+        """The preparations that finished: the ready holders (rank -> Prepared) and the failed spares still in the
+        pool (name -> cause); NoRoom raised (the holder's node has no room); any other error, or a peer that
+        failed (a dead rank is the next group call's fault), is warned, and its rank's holder prepared again
+        after LINK_SECS. One whose holder left meanwhile (a spare that took a dead rank's place, or was dropped;
+        a rank replaced) is forgotten."""
         self._collect_abandoned()
-        pool = {s.name for s in self.spares.spares}
+        pool = set(holders)
         ready, failed = {}, {}
         for rank, (name, future) in list(self.preparing.items()):
             if not future.done():
@@ -212,8 +224,10 @@ class MemoryCopies:
                 prepared = future.result()
             except HolderFailed as e:
                 self.orphans += [e.unanswered] if e.unanswered is not None else []
-                if name in pool:
+                if name in pool and holders[name].holder.rank is None:
                     failed[name] = e.cause
+                elif name in pool:
+                    self.resting[rank] = time.monotonic() + LINK_SECS
                 continue
             except NoRoom:
                 raise
@@ -245,7 +259,7 @@ class MemoryCopies:
         """On the linker's thread: the holder allocates `rank`'s two slots (`hold`: seconds at ~100M, beside the
         steps) and, where the rank runs on another host, starts its side link's store. HolderFailed when the
         holder died or stalled (no answer within LINK_SECS)."""
-        held = ask_holder(holder.hold.remote(rank, slots))
+        held = ask_holder(holder.hold.remote(rank, slots, name))
         where = ask_holder(holder.located.remote())
         if where["ip"] == node_ip(node):  # its host: the rank maps the holder's slots (memory_attach)
             return Prepared(name, held)
@@ -266,13 +280,14 @@ class MemoryCopies:
                           f"{first_line(e)}; tried again at the next step")
                 continue
             if attached is False:  # memory_attach: the holder's slots cannot be mapped here (another host)
-                holder = next((s.handle for s in self.spares.spares if s.name == prepared.holder), None)
+                holder = self.candidates(trainers).get(prepared.holder)
                 if holder is not None:
-                    self.preparing[rank] = (prepared.holder, self.linker.submit(self._listen, rank, prepared, holder))
+                    self.preparing[rank] = (prepared.holder,
+                                            self.linker.submit(self._listen, rank, prepared, holder.handle))
                 continue
             self.buddies[rank] = prepared.holder
         if self.buddies != before:
-            self._announce(self.spares.holders())
+            self._announce(self.candidates(trainers))
 
     def _listen(self, rank: int, prepared: Prepared, holder: ray.actor.ActorHandle,
                 where: dict | None = None) -> Prepared:
@@ -294,19 +309,26 @@ class MemoryCopies:
                       f"({type(cause).__name__}: {first_line(cause)}); dropped from the spare pool, its ranks "
                       f"linked to another at the next step")
 
-    def retired(self, names: tuple[str, ...]) -> None:
+    def retired(self, trainers: TrainGroup, names: tuple[str, ...]) -> None:
         """Holders taken out of the pool while alive (their node drains): their ranks are uncovered until they are
         linked to another holder, from the next step on."""
         kept = {rank: name for rank, name in self.buddies.items() if name not in names}
         if kept != self.buddies:
             self.buddies = kept
-            self._announce(self.spares.holders())
+            self._announce(self.candidates(trainers))
 
-    def _announce(self, holders: dict) -> None:
-        nodes = {name: s.node for name, s in holders.items()}
+    def candidates(self, trainers: TrainGroup) -> dict[str, Candidate]:
+        """Who can hold ranks' copies now, without waiting: the spares that have started, then the ranks."""
+        spares = {name: Candidate(s.handle, Holder(s.node)) for name, s in self.spares.holders().items()} \
+            if self.spares is not None else {}
+        return spares | {peer_name(r, m.pid): Candidate(m.handle, Holder(m.node_id, r))
+                         for r, m in enumerate(trainers.members) if m.pid is not None}
+
+    def _announce(self, holders: dict[str, Candidate]) -> None:
+        nodes = {name: c.holder.node for name, c in holders.items()}
         self.linked({rank: nodes.get(name) for rank, name in self.buddies.items()})
 
-    def _turn_off(self, trainers: TrainGroup, holders: dict, reason: str) -> None:
+    def _turn_off(self, trainers: TrainGroup, holders: dict[str, Candidate], reason: str) -> None:
         """No room for the copies: every rank and buddy gives its slots back, recovery from disk from now on."""
         self.off = f"a node has no room for the memory tier's copies: {reason}"
         self.warn(f"{self.off}; recovery from disk for the rest of the run")
@@ -342,11 +364,10 @@ class MemoryCopies:
                       f"ranks are linked again at the next step")
             self._unlink()
 
-    def holding(self) -> dict[str, dict[int, list[int]]]:
+    def holding(self, trainers: TrainGroup) -> dict[str, dict[int, list[int]]]:
         """What each buddy holds whole, rank -> steps; a buddy that is dead or silent is absent."""
         names = set(self.buddies.values())
-        spares = {name: s for name, s in ((s.name, s) for s in self.spares.spares) if name in names}
-        refs = {name: s.handle.holding.remote() for name, s in spares.items()}
+        refs = {name: c.handle.holding.remote() for name, c in self.candidates(trainers).items() if name in names}
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=HOLDING_SECS) if refs else ([], [])
         self.orphans = drain(self.orphans, 0)[0] + pending
         held = {}

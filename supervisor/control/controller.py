@@ -23,6 +23,7 @@ from typing import Callable, Optional
 from supervisor.checkpoint.store import Checkpoint, CheckpointError
 from supervisor.checkpoint.trial_lock import LockLost
 from supervisor.cluster.blame import dead_nodes
+from supervisor.cluster.drains import draining_nodes
 from supervisor.cluster.errors import CapacityError, Group, first_line
 from supervisor.config import MEMORY_TIER_BACKENDS, Config
 from supervisor.control.classify import Fault, FaultKind, classify
@@ -255,7 +256,7 @@ class Controller:
             if r.memory is not None and r.memory.off is None:
                 r.memory.wait_landed(trainers, step)  # the copy of the step just completed, sent beside the step
             choice = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
-                                           set(range(trainers.world_size)) - lost)
+                                           set(range(trainers.world_size)) - lost, bundles=False)
         pool = self.spares.holders() if self.spares is not None else {}  # as it is now: an earlier handoff took some
         handoff = plan_handoff(node=node, deadline=deadline, now=time.time(), rank_nodes=trainers.nodes,
                                engine_nodes={m.name: m.node_id for m in engines.members},
@@ -282,7 +283,7 @@ class Controller:
         if handoff.spares:
             self.spares.drop(list(handoff.spares))  # refilled elsewhere after the next step
             if self.runner.memory is not None:
-                self.runner.memory.retired(handoff.spares)
+                self.runner.memory.retired(self.fleet.trainers, handoff.spares)
         if handoff.engines:
             with self.clock.part("teardown"):
                 self._make_room_for_engines(len(handoff.engines))
@@ -471,8 +472,9 @@ class Controller:
                         committed=self.checkpoints.last_commit is not None, reference=cfg.actor.kl_coef > 0,
                         shrunk=trainers is not None and trainers.world_size < cfg.cluster.n_train_workers)
 
-    def _recovery_source(self, fault: Fault, alive: set[int] | None) -> Choice:
-        """Memory or disk (recovery_source.py), from who still answers and what the buddies hold."""
+    def _recovery_source(self, fault: Fault, alive: set[int] | None, bundles: bool = True) -> Choice:
+        """Memory or disk (recovery_source.py), from who still answers and what the buddies hold. `bundles`:
+        whether a lost rank may start again in its bundle (not when its node drains)."""
         r, trainers = self.runner, self.fleet.trainers
         if r.memory is None or r.memory.off is not None:
             return Choice(Source.DISK, self.memory_off if r.memory is None else r.memory.off)
@@ -480,9 +482,14 @@ class Controller:
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
         lost = set() if alive is None else set(range(trainers.world_size)) - alive
+        spares = {name for name, c in r.memory.candidates(trainers).items() if c.holder.rank is None}
+        bundles = bundles and not fault.node_lost  # a node Ray has not marked dead yet may still hold a bundle
+        gone = dead_nodes() | set(draining_nodes() or ()) if lost and bundles else set()
+        bundled = {rank for rank in lost if bundles and rank in trainers.bundles and trainers.nodes[rank] not in gone}
         return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size, lost=lost,
-                               buddies=r.memory.buddies, holding=r.memory.holding(), staged=r.memory.staged,
-                               snapshots=set(r.snapshots))
+                               buddies=r.memory.buddies, holding=r.memory.holding(trainers), staged=r.memory.staged,
+                               snapshots=set(r.snapshots), spares=spares, bundled=bundled,
+                               free_spares=len(self.spares) if self.spares is not None else 0)
 
     def _kept(self, fault: Fault, alive: set[int] | None) -> tuple[list[int], str | None]:
         """For a repair from disk: the lost ranks, and None when the others keep their processes
@@ -512,17 +519,21 @@ class Controller:
         """Restart only the dead: their buddies take their places with their state, the survivors roll back in
         place, the Supervisor rolls back to the same step from its own memory; engines that already hold that
         step's weights are not resynced. Nothing is read from disk."""
-        r, trainers, lost = self.runner, self.fleet.trainers, sorted(choice.adopters)
+        r, trainers, lost = self.runner, self.fleet.trainers, choice.lost
         with self.clock.part("teardown"):
             self.fleet.close_stream()
             self.checkpoints.drop_in_flight(keep_export=0 not in lost)
-        adopters = self.spares.claim(list(choice.adopters.values()))
-        trainers.rejoin(lost, {rank: adopters[name] for rank, name in choice.adopters.items()}, choice.step)
+        adopters = self.spares.claim(list(choice.adopters.values())) if choice.adopters else {}
+        holders = r.memory.candidates(trainers)
+        trainers.rejoin({rank: adopters[name] for rank, name in choice.adopters.items()},
+                        {rank: holders[name].handle for rank, name in choice.givers.items()}, choice.step,
+                        self.spares)
         r.memory.adopted()
         for part, part_secs in trainers.timings.items():
             self.clock.add(part, part_secs)
-        self.events.emit(Event.SPARES, action="taken", taken=len(lost), cold=0, pool=len(self.spares),
-                         size=self.spares.size)
+        if self.spares is not None:
+            self.events.emit(Event.SPARES, action="taken", taken=trainers.from_spares,
+                             cold=len(lost) - trainers.from_spares, pool=len(self.spares), size=self.spares.size)
         self.refill_due = True
         r.restore(choice.step)
         self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk

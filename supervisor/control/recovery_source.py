@@ -1,5 +1,6 @@
-"""Where a TrainGroup repair loads from: the memory tier (survivors roll back in place, buddies take the dead
-ranks' places) or the last valid disk checkpoint, and, from disk, whether the survivors keep their processes.
+"""Where a TrainGroup repair loads from: the memory tier (survivors roll back in place; a dead rank's place is
+taken by the spare that holds its state, or by a new process or free spare that loads it from the peer rank
+holding it) or the last valid disk checkpoint, and, from disk, whether the survivors keep their processes.
 Pure: every reason memory cannot serve is one line here, the job log's and the `recovery` event's.
 """
 from __future__ import annotations
@@ -26,15 +27,24 @@ class Choice:
     reason: str
     step: int | None = None                    # the global step restored from memory
     adopters: dict[int, str] = field(default_factory=dict)  # lost rank -> the buddy spare taking its place
+    givers: dict[int, str] = field(default_factory=dict)  # lost rank -> the peer rank giving its state to a new one
+
+    @property
+    def lost(self) -> list[int]:
+        return sorted(self.adopters | self.givers)
 
 
 def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lost: set[int],
                     buddies: dict[int, str], holding: dict[str, dict[int, list[int]]], staged: list[int],
-                    snapshots: set[int]) -> Choice:
+                    snapshots: set[int], spares: set[str] = frozenset(), bundled: set[int] = frozenset(),
+                    free_spares: int = 0) -> Choice:
     """`enabled`: None when the tier serves this job, else why not (the engine, the config). `lost`: the ranks
-    that did not answer a probe (dead, or stuck); `buddies`: rank -> spare holding its copies; `holding`: what
-    each live buddy reported holding, rank -> steps landed (a dead buddy is absent); `staged`: the steps every
-    rank staged in its own slots; `snapshots`: the steps whose Supervisor state is kept."""
+    that did not answer a probe (dead, or stuck); `buddies`: rank -> holder of its copies; `holding`: what
+    each live holder reported holding, rank -> steps landed (a dead one is absent); `staged`: the steps every
+    rank staged in its own slots; `snapshots`: the steps whose Supervisor state is kept. `spares`: the holders
+    that are warm spares (a spare takes the place of the rank it holds; a peer rank gives the copy to a new
+    process); `bundled`: the lost ranks whose bundle can start a new process now (its node alive, not
+    draining); `free_spares`: the pool's spares, any of which can take a place the adopters leave."""
     def disk(reason: str) -> Choice:
         return Choice(Source.DISK, reason)
 
@@ -54,9 +64,14 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     gone = sorted(r for r in lost if buddies[r] not in holding)
     if gone:
         return disk(f"rank {gone[0]} and its buddy were lost together")
-    adopters = {r: buddies[r] for r in sorted(lost)}
+    adopters = {r: buddies[r] for r in sorted(lost) if buddies[r] in spares}
+    givers = {r: buddies[r] for r in sorted(lost) if buddies[r] not in spares}
     if len(set(adopters.values())) < len(adopters):
-        return disk(f"ranks {sorted(lost)} share one buddy: it can take only one place")
+        return disk(f"ranks {sorted(adopters)} share one buddy: it can take only one place")
+    homeless = sorted(r for r in givers if r not in bundled)
+    if len(homeless) > free_spares - len(adopters):
+        return disk(f"rank {homeless[0]}'s state is held by a peer, but it has no bundle to start again in and no "
+                    f"warm spare is free")
     common = set(snapshots) if len(lost) == world_size else set(staged) & snapshots  # staged: the survivors'
     for r in lost:
         common &= set(holding[buddies[r]].get(r, []))
@@ -64,7 +79,7 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
         return disk(f"no step is held in memory for every rank (staged {sorted(staged)}, "
                     f"held {[holding[buddies[r]].get(r, []) for r in sorted(lost)]})")
     step = max(common)
-    return Choice(Source.MEMORY, f"step {step} from memory", step, adopters)
+    return Choice(Source.MEMORY, f"step {step} from memory", step, adopters, givers)
 
 
 def can_keep(*, rejoins: bool, kind: FaultKind, committed: bool, reference: bool, shrunk: bool) -> str | None:

@@ -143,10 +143,16 @@ def _memory_tier(config: Config, shape: dict | None) -> str:
     n = config.cluster.n_train_workers
     state = (f"~{3 * param_count(shape) * 4 / n / 2**20:,.1f} MiB (its shards of the weights and of AdamW's two "
              f"moments, fp32)" if shape else "its shards of the weights and of AdamW's two moments")
+    if config.recover.spare_workers == 0 or keeps_none:
+        holder = ("a peer rank's (another node's where one runs), after every step; a new process takes a dead "
+                  "rank's place with the copy its peer gives it")
+    else:
+        holder = ("a holder's, after every step: a warm spare on another node, else a peer rank there, else a spare "
+                  "or peer on its own node (a process death only); a dead rank's place is taken by the spare "
+                  "holding its state, or by a new process given the peer's copy")
     return (f"{config.recover.memory.value}: each rank's state, {state}, is kept twice in its own memory and twice "
-            f"in its buddy's, a warm spare on another node, after every step; a dead rank's buddy takes its place "
-            f"and the others roll back in place, nothing read from disk; a node without the room for its copies "
-            f"(15% of its memory left free) turns it off for the run")
+            f"in {holder}, and the others roll back in place, nothing read from disk; a node without the room for "
+            f"its copies (15% of its memory left free) turns it off for the run")
 
 
 def _rank_peak(config: Config, shape: dict | None) -> str:

@@ -26,15 +26,17 @@ DEFAULT_JOB = REPO / "configs" / "tiny_grpo.yaml"
 
 def suite_job(config: Path) -> Path:
     """`config` as the suite runs it, written beside this worker's other temp files: `rollout.engine: hf`, the
-    built-in engine, and no warm spares (`recover.spare_workers: 0`). The suite's jobs start engines hundreds of
-    times, and vLLM's import (10-20 s at every engine start) does not fit its time; the default job as shipped,
-    on vLLM, runs in the demo, the submitted job, the documented cluster recipe and test_vllm_engine.py. Each
-    job's spares cost it two more TrainWorker processes to start, and on a multi-node cluster its first step
-    waits for them (the memory tier's first link): the tests of the spares and of the memory tier ask for them
-    (`recover.spare_workers=auto`, as shipped, or a number), the others run without."""
+    built-in engine, no warm spares (`recover.spare_workers: 0`) and no memory tier (`recover.memory: off`). The
+    suite's jobs start engines hundreds of times, and vLLM's import (10-20 s at every engine start) does not fit
+    its time; the default job as shipped, on vLLM, runs in the demo, the submitted job, the documented cluster
+    recipe and test_vllm_engine.py. Each job's spares cost it two more TrainWorker processes to start, and on a
+    multi-node cluster its first step waits for them (the memory tier's first link); the tier's copies cost every
+    step: the tests of the spares and of the memory tier ask for them (`recover.spare_workers=auto`, as shipped,
+    or a number, and MEMORY_TIER), the others run without, and so test the repairs from disk."""
     raw = yaml.safe_load(config.read_text())
     raw.setdefault("rollout", {})["engine"] = "hf"
     raw.setdefault("recover", {})["spare_workers"] = 0
+    raw["recover"]["memory"] = "off"
     path = Path(tempfile.mkdtemp(prefix="relaunch-cfg.")) / config.name
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -42,6 +44,7 @@ def suite_job(config: Path) -> Path:
 
 CONFIG = suite_job(DEFAULT_JOB)
 AS_SHIPPED_SPARES = "recover.spare_workers=auto"
+MEMORY_TIER = "recover.memory=auto"  # as shipped
 # The job the fault tests break: two epochs (24 steps), a recover checkpoint every 5 steps.
 SHORT = ["total_train_epochs=2"]
 

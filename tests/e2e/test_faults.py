@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import (AS_SHIPPED_SPARES, CONFIG, SHORT, Trial, curve, data_as, job_env, kill_session, metrics,
+from harness import (AS_SHIPPED_SPARES, CONFIG, MEMORY_TIER, SHORT, Trial, curve, data_as, job_env, kill_session, metrics,
                      relaunch, start_relaunch, status_json)
 
 from supervisor.cluster.drains import POLL_SECS
@@ -98,7 +98,7 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
     buddies (linked from step 2 on): each takes its rank's place with the state it holds, no step trained
     again, and the run ends bit-identical to the reference, whose prompts this job reads from a Parquet file."""
     env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2", "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, data_as("parquet", tmp_path),
+    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, MEMORY_TIER, data_as("parquet", tmp_path),
                           *trial.overrides, "--address", cluster.address, env=env, log=tmp_path / "job.log")
     try:
         trial.wait_for_step(6, proc)
@@ -407,7 +407,8 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
     within recover.term_grace_secs with step 13 saved, and the same command resumes after it. Bit-identical."""
     env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=6,step.begin:pause:step=13",
                    "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    command = ("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, *trial.overrides, "--address", cluster.address)
+    command = ("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
+               cluster.address)
     proc = start_relaunch(*command, env=env, log=tmp_path / "job.log")
 
     def paused(step: int) -> None:
@@ -518,7 +519,7 @@ def test_dead_ranks_are_replaced_from_memory_and_no_completed_step_is_trained_ag
                        "TrainWorker.train.exit:kill:step=10:rank=0", "step.begin:wait_spares:step=13",
                        "step.trained:kill_rank:step=16", "step.begin:wait_spares:step=19",
                        "TrainWorker.train.enter:stop:step=21:rank=0"])
-    r = run_with_fault(cluster, trial, tmp_path, faults, "recover.spare_workers=2", "recover.retries=4",
+    r = run_with_fault(cluster, trial, tmp_path, faults, "recover.spare_workers=2", MEMORY_TIER, "recover.retries=4",
                        "recover.step_timeout_secs=15")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recoveries = trial.events("recovery")
@@ -630,7 +631,7 @@ def test_a_rank_killed_in_the_first_steps_of_the_job_as_shipped_is_recovered_fro
     (then the other as step 5 does) is replaced from memory, no completed step trained again, bit-identical to
     the reference, whose prompts this job reads from a directory saved by HF datasets."""
     faults = "TrainWorker.train.enter:kill:step=2:rank=1,TrainWorker.train.enter:kill:step=5:rank=0"
-    r = run_with_fault(cluster, trial, tmp_path, faults, AS_SHIPPED_SPARES, data_as("saved", tmp_path))
+    r = run_with_fault(cluster, trial, tmp_path, faults, AS_SHIPPED_SPARES, MEMORY_TIER, data_as("saved", tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recoveries = trial.events("recovery")
     assert [(e["global_step"], e["source"], e["replayed_steps"]) for e in recoveries] == \
@@ -639,6 +640,32 @@ def test_a_rank_killed_in_the_first_steps_of_the_job_as_shipped_is_recovered_fro
     buddies = trial.events("buddies")
     assert buddies and buddies[0]["time"] < min(e["time"] for e in trial.events("commit"))
     assert_recovered_exactly(trial, reference, restarts=2)
+
+
+def test_without_spares_the_ranks_hold_each_other_and_a_dead_one_is_replaced_from_its_peer_memory(
+        cluster, reference, trial, tmp_path):
+    """No warm spare (recover.spare_workers 0), the memory tier as shipped: each rank holds the other's copies (a
+    peer). Rank 1 SIGKILLed as step 1 trains, rank 0 after its optimizer step of step 8 (rank 1 rolls back in
+    place), and rank 1 SIGSTOPped as step 14 trains (a hang: it is killed as the culprit): each time a new process
+    takes the lost rank's place with the copy its peer gives it, no completed step is trained again, and the run
+    ends bit-identical."""
+    faults = ",".join(["TrainWorker.train.enter:kill:step=1:rank=1", "TrainWorker.train.exit:kill:step=8:rank=0",
+                       "TrainWorker.train.enter:stop:step=14:rank=1"])
+    r = run_with_fault(cluster, trial, tmp_path, faults, MEMORY_TIER, "recover.retries=3",
+                       "recover.step_timeout_secs=15")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [(e["cause"], e["global_step"]) for e in trial.events("failure")] == \
+        [("worker_died", 1), ("worker_died", 8), ("hang", 14)]
+    recoveries = trial.events("recovery")
+    assert [(e["global_step"], e["source"], e["loaded_step"], e["replayed_steps"]) for e in recoveries] == \
+        [(1, "memory", 0, 0), (8, "memory", 7, 0), (14, "memory", 13, 0)], (recoveries, trial.events("buddies"),
+                                                                            trial.events("warning"))
+    # linked before the first step, each rank to the other
+    buddies = trial.events("buddies")
+    assert buddies[0]["time"] < trial.events("commit")[0]["time"] and set(buddies[0]["nodes"]) == {"0", "1"}
+    assert [e["kept"] for e in trial.events("loaded")] == [[], [0], [1], [0]]
+    assert not trial.events("spares")
+    assert_recovered_exactly(trial, reference, restarts=3)
 
 
 def test_a_frozen_holder_is_dropped_and_a_copy_that_never_landed_rolls_back_past_a_committed_step(
@@ -651,7 +678,7 @@ def test_a_frozen_holder_is_dropped_and_a_copy_that_never_landed_rolls_back_past
     whose published checkpoint stands (it is not written again: a published step directory never is)."""
     faults = ",".join(["TrainWorker.hold.enter:stop:rank=0", "memory_send:hang:step=7:rank=1",
                        "step.rolled_out:kill_rank:step=8"])
-    r = run_with_fault(cluster, trial, tmp_path, faults, "recover.spare_workers=2", "recover.freq_steps=1",
+    r = run_with_fault(cluster, trial, tmp_path, faults, "recover.spare_workers=2", MEMORY_TIER, "recover.freq_steps=1",
                        "recover.write_mode=sync")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     dropped = [e for e in trial.events("warning") if "failed while linking" in e["message"]]

@@ -6,9 +6,11 @@ LR scheduler, RNGs). Two kills in one run: rank 1 while rank 0 waits in the step
 step), then rank 0 (itself a survivor of the first) after the step's optimizer step but before its memory copy
 (the survivor rolls back one step), while its background save of the step before still hangs: it is abandoned,
 and a save into that save's directory is refused while it may still land there.
+A third kill has no spare: rank 0 is SIGKILLed after its copy landed in its peer (rank 1, a rank holding the
+other's copy), and a new process takes its place with the copy the peer gives it (`held_copy`, carried by Ray).
 A background recover save after the rejoins writes through the new writer group. The first spare receives the
-copies over side links (as a holder on another host does), the second is written into (this machine is one
-host)."""
+copies over side links (as a holder on another host does), the second and the peer are written into (this
+machine is one host)."""
 from __future__ import annotations
 
 import os
@@ -88,9 +90,10 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
     ranks_node, spare_node = (n.node_id for n in cluster.workers[:2])
     actors = []
 
-    def start(node: str):
-        actor = TrainWorker.options(num_cpus=1, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node, soft=False)).remote(config)
+    def start(node: str, name: str | None = None):
+        """A TrainWorker on `node`; a spare has a `name`, which it holds ranks' copies under."""
+        actor = TrainWorker.options(num_cpus=1, max_restarts=0, name=name, scheduling_strategy=(
+            NodeAffinitySchedulingStrategy(node, soft=False))).remote(config)
         actors.append(actor)
         return actor
 
@@ -137,11 +140,13 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         ray.get([r.start_upload.remote(step) for r in ranks])
         return [r.save_result.remote(step) for r in ranks]
 
-    def link(ranks: list, holder, shared: bool) -> None:
-        """`holder` holds every rank's copies: `shared`, written into by the ranks (this machine is one host),
-        else received over a side link per rank, each on a port of its own (as from another host)."""
-        for i, r in enumerate(ranks):
-            held = ray.get(holder.hold.remote(i, ray.get(r.memory_slots.remote())))
+    def link(ranks: dict, holder, shared: bool) -> None:
+        """`holder` holds the copies of `ranks` (rank -> actor), under the name it holds as: `shared`, written into
+        by the ranks (this machine is one host), else received over a side link per rank, each on a port of its
+        own (as from another host)."""
+        name = ray.get(holder.__ray_call__.remote(lambda worker: worker.holder_as))
+        for i, r in ranks.items():
+            held = ray.get(holder.hold.remote(i, ray.get(r.memory_slots.remote()), name))
             if shared:
                 assert ray.get(r.memory_attach.remote(held))
                 continue
@@ -162,10 +167,10 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
             ray.kill(r)
 
         # ---- the run: two ranks, a spare on the other node holding both ------------------------------------
-        ranks, spare = [start(ranks_node), start(ranks_node)], start(spare_node)
+        ranks, spare = [start(ranks_node), start(ranks_node)], start(spare_node, "spare-1")
         ray.get(spare.warm.remote())
         form(ranks)
-        link(ranks, spare, shared=False)
+        link(dict(enumerate(ranks)), spare, shared=False)
         for step in range(3):
             train(ranks, step)
             copy(ranks, step)
@@ -189,9 +194,9 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         assert ray.get(spare.progress.remote())["phase"] == "idle"
 
         # kill 2: rank 0, after step 4's optimizer step on both ranks, before its memory copy of step 4
-        spare = start(spare_node)
+        spare = start(spare_node, "spare-2")
         ray.get(spare.warm.remote())
-        link(ranks, spare, shared=True)
+        link(dict(enumerate(ranks)), spare, shared=True)
         train(ranks, 3)
         copy(ranks, 3)
         save(ranks, 3)  # rank 1's part hangs in its writer thread
@@ -207,8 +212,21 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         with pytest.raises(ray.exceptions.RayTaskError, match="abandoned at a repair is still uploading") as e:
             ray.get(ranks[1].begin_save.remote(str(tmp_path / "step3"), 3))
         assert isinstance(e.value.cause, OSError)
-        for step in (4, 5):
-            train(ranks, step)
+        # kill 3, no spare: rank 1 holds rank 0's copies (a peer); rank 0 dies after its copy of step 4 landed
+        # there, and a new process takes its place from that copy while rank 1 rolls back in place
+        with pytest.raises(ray.exceptions.RayTaskError, match="holds no copies as spare-2"):
+            ray.get(ranks[0].hold.remote(1, ray.get(ranks[1].memory_slots.remote()), "spare-2"))  # a rank now
+        link({0: ranks[0]}, ranks[1], shared=True)
+        train(ranks, 4)
+        copy(ranks, 4)
+        assert ray.get(ranks[1].holding.remote()) == {0: [4]}
+        os.kill(ray.get(ranks[0].where.remote())["pid"], signal.SIGKILL)
+        new = start(ranks_node)
+        where = ray.get(new.where.remote(0))
+        ray.get([new.adopt_copy.remote(where["ip"], where["port"], 0, 2, 4, *ranks[1].held_copy.remote(0, 4)),
+                 ranks[1].rejoin.remote(where["ip"], where["port"], 1, 2, 4)], timeout=120)
+        ranks = [new, ranks[1]]
+        train(ranks, 5)
 
         got = ray.get([r.__ray_call__.remote(snapshot) for r in ranks])
         assert [differences(g, w) for g, w in zip(got, want)] == [[], []]

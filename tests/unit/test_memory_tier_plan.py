@@ -1,33 +1,64 @@
-"""The memory tier's pure decisions: which spare holds which rank (buddies.py), and whether a repair loads
-from memory or disk, and from disk whether the survivors keep their processes (recovery_source.py)."""
+"""The memory tier's pure decisions: which holder (a spare, else a peer rank) keeps which rank (buddies.py), and
+whether a repair loads from memory or disk, and from disk whether the survivors keep their processes
+(recovery_source.py)."""
 import pytest
 
-from supervisor.cluster.buddies import buddy_plan, link_steps
+from supervisor.cluster.buddies import Holder, buddy_plan, link_steps
 from supervisor.control.classify import FaultKind
 from supervisor.control.recovery_source import Source, can_keep, hang_culprits, keep_survivors, recovery_source
 
 
+def spares(**nodes):
+    return {name: Holder(node) for name, node in nodes.items()}
+
+
+def peers(nodes: list):
+    return {f"p{r}": Holder(node, r) for r, node in enumerate(nodes)}
+
+
 def test_one_spare_per_rank_on_other_nodes():
-    assert buddy_plan(["a", "a"], {"s1": "b", "s2": "c"}) == {0: "s1", 1: "s2"}
+    assert buddy_plan(["a", "a"], spares(s1="b", s2="c")) == {0: "s1", 1: "s2"}
 
 
-def test_a_spare_on_the_rank_node_is_never_its_buddy():
-    assert buddy_plan(["a", "b"], {"s1": "a"}) == {1: "s1"}
+def test_a_spare_on_another_node_comes_before_one_on_the_rank_node():
+    assert buddy_plan(["a", "b"], spares(s1="a", s2="a")) == {0: "s1", 1: "s2"}  # rank 0 has only its own node's
+    assert buddy_plan(["a", "b"], spares(s1="a", s2="b")) == {0: "s2", 1: "s1"}
 
 
 def test_one_spare_holds_every_rank_when_it_is_the_only_one():
-    assert buddy_plan(["a", "a"], {"s1": "b"}) == {0: "s1", 1: "s1"}
+    assert buddy_plan(["a", "a"], spares(s1="b")) == {0: "s1", 1: "s1"}
 
 
-def test_unknown_nodes_are_never_trusted():
-    assert buddy_plan([None, "a"], {"s1": "b", "s2": None}) == {1: "s1"}
+def test_an_unknown_node_counts_as_the_rank_node():
+    assert buddy_plan([None, "a"], spares(s1="b", s2=None)) == {0: "s1", 1: "s1"}
 
 
 def test_a_working_link_is_kept_and_a_gone_spare_replaced():
-    assert buddy_plan(["a", "a"], {"s1": "b", "s3": "c"}, held={0: "s2", 1: "s1"}) == {0: "s3", 1: "s1"}
+    assert buddy_plan(["a", "a"], spares(s1="b", s3="c"), held={0: "s2", 1: "s1"}) == {0: "s3", 1: "s1"}
 
 
-def test_no_spares_no_buddies():
+def test_without_spares_the_ranks_hold_each_other_and_never_themselves():
+    assert buddy_plan(["a", "b"], peers(["a", "b"])) == {0: "p1", 1: "p0"}
+    assert buddy_plan(["a"], peers(["a"])) == {}  # one rank: nobody to hold it
+    # ranks sharing a node hold each other there (a process death); a peer on another node comes first
+    assert buddy_plan(["a", "a", "b"], peers(["a", "a", "b"])) == {0: "p2", 1: "p2", 2: "p0"}
+
+
+def test_spares_and_peers_in_the_order_of_what_they_cover():
+    holders = spares(s1="a") | peers(["a", "b"])
+    # rank 0: a peer on another node (a node loss) before a spare on its own node (a process death)
+    # rank 1: the spare on another node
+    assert buddy_plan(["a", "b"], holders) == {0: "p1", 1: "s1"}
+    assert buddy_plan(["a", "a"], spares(s1="a") | peers(["a", "a"])) == {0: "s1", 1: "s1"}
+
+
+def test_a_link_gives_way_to_a_holder_of_a_better_class_only():
+    holders = spares(s1="b") | peers(["a", "b"])
+    assert buddy_plan(["a", "b"], holders, held={0: "p1", 1: "p0"}) == {0: "s1", 1: "p0"}  # the pool refilled
+    assert buddy_plan(["a", "a"], spares(s1="b", s2="c"), held={0: "s2", 1: "s2"}) == {0: "s2", 1: "s2"}
+
+
+def test_no_holders_no_buddies():
     assert buddy_plan(["a", "b"], {}) == {}
 
 
@@ -48,8 +79,26 @@ def test_a_holder_prepared_for_a_rank_the_plan_moved_is_not_used():
 
 def choose(**overrides):
     args = dict(enabled=None, kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, buddies={0: "s1", 1: "s2"},
-                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5})
+                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5},
+                spares={"s1", "s2"}, free_spares=2)
     return recovery_source(**(args | overrides))
+
+
+PEERS = dict(buddies={0: "p1", 1: "p0"}, holding={"p0": {1: [4, 5]}}, spares=set(), free_spares=0)
+
+
+def test_a_rank_held_by_a_peer_is_given_its_copy_in_a_new_process():
+    c = choose(**PEERS, bundled={1})
+    assert (c.source, c.step, c.adopters, c.givers, c.lost) == (Source.MEMORY, 5, {}, {1: "p0"}, [1])
+    c = choose(**PEERS | dict(free_spares=1))  # its node is gone: a free spare takes the place
+    assert (c.source, c.givers) == (Source.MEMORY, {1: "p0"})
+
+
+def test_a_spare_adopts_and_a_peer_gives_in_one_repair():
+    c = choose(world_size=3, lost={1, 2}, buddies={0: "p1", 1: "s1", 2: "p0"},
+               holding={"s1": {1: [5]}, "p0": {2: [5], 1: [5]}}, staged=[5], spares={"s1"}, free_spares=1,
+               bundled={2})
+    assert (c.source, c.adopters, c.givers) == (Source.MEMORY, {1: "s1"}, {2: "p0"})
 
 
 def test_the_newest_step_every_lost_rank_buddy_holds():
@@ -82,18 +131,21 @@ def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
     (dict(holding={"s1": {0: [5]}}), "rank 1 and its buddy were lost together"),
     (dict(world_size=3, lost={0, 1}, buddies={0: "s1", 1: "s1"}, holding={"s1": {0: [5], 1: [5]}}), "share one buddy"),
     (dict(holding={"s2": {1: []}}), "no step is held in memory"),
+    (PEERS, "rank 1's state is held by a peer, but it has no bundle to start again in and no warm spare is free"),
+    (dict(lost={0, 1}, **PEERS), "rank 0 and its buddy were lost together"),
 ])
 def test_every_loss_the_tier_cannot_cover_goes_to_disk_and_says_why(overrides, reason):
     c = choose(**overrides)
     assert c.source is Source.DISK and reason in c.reason and c.step is None
 
 
-def test_the_default_job_is_served_by_the_memory_tier_when_it_has_spares():
+def test_the_default_job_is_served_by_the_memory_tier_with_spares_or_without():
     from supervisor.config import load_config
 
     c = load_config()
-    assert c.memory_tier_off(spares=2) is None
-    assert "spare" in c.memory_tier_off(spares=0)
+    assert c.memory_tier_off(spares=2) is None and c.memory_tier_off(spares=0) is None  # without: peers hold
+    one = load_config(None, ["cluster.n_train_workers=1", "recover.spare_workers=0"])
+    assert one.memory_tier_off() == "one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -115,7 +167,7 @@ def test_memory_on_for_a_job_it_cannot_serve_is_an_error_naming_the_key():
 
 
 def test_ranks_sharing_a_node_share_the_one_spare_off_it():
-    assert buddy_plan(["b", "b"], {"s3": "b", "s4": "a"}) == {0: "s4", 1: "s4"}
+    assert buddy_plan(["b", "b"], spares(s3="b", s4="a")) == {0: "s4", 1: "s4"}
 
 
 def waiting(seq):

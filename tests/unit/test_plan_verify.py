@@ -58,9 +58,10 @@ def test_plan_of_the_gpu_example_reports_its_steps_and_schedule_without_a_cluste
     assert ("spares     none (recover.spare_workers=auto idles no GPU; set it to N to keep N, each holding "
             "{CPU: 4, GPU: 1} and the unsharded fp32 model from model.path (its size unknown here: no config.json "
             "on this machine))") in out
-    # no spare, so no buddy: a lost rank is said to recover from disk, not from a memory no spare holds
-    assert "memory     off: no warm spare to hold the copies (recover.spare_workers); a lost rank recovers from disk" \
-        in out
+    # no spare: the ranks hold each other's copies, and a dead rank's new process loads its peer's
+    assert ("memory     auto: each rank's state, its shards of the weights and of AdamW's two moments, is kept twice "
+            "in its own memory and twice in a peer rank's (another node's where one runs), after every step; a new "
+            "process takes a dead rank's place with the copy its peer gives it") in out
     assert [w for w in out.splitlines() if w.startswith("warning:")] == [
         f"warning: {GPU_WHAT_RAN}",
         "warning: model.path /models/Qwen2.5-0.5B-Instruct is not on this machine: every node must have it"]
