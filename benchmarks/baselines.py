@@ -1,5 +1,5 @@
-"""Recovery from a dead worker side by side in one run: relaunch with its memory tier, relaunch from disk
-(recover.memory=off), Ray Train (TorchTrainer + FailureConfig) and torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
+"""Recovery from a dead worker side by side in one run: relaunch with its memory tier (with its warm spares as
+shipped, and without any: its ranks holding each other's copies), relaunch from disk (recover.memory=off), Ray Train (TorchTrainer + FailureConfig) and torchrun --max-restarts, each with 2 gloo ranks of the same model (`--size`: the default job's tiny one, ~100M or
 ~0.5B), the same steps (whole epochs of 12), a checkpoint after every step, and rank 1 SIGKILLed at the start of
 step K: a fixed step and one drawn at random from the first ones (1 to 8), each system once per step.
 
@@ -55,21 +55,25 @@ def baseline_figures(log: Path) -> dict:
             "replayed_steps": kill["step"] - loaded - 1}
 
 
-def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str, memory: bool) -> dict:
-    """relaunch with the memory tier (the default; its buddies linked before the first step) or from disk."""
+def relaunch(address: str, root: Path, steps: int, kill_at: int, size: str, memory: bool,
+             spares: bool = True) -> dict:
+    """relaunch with the memory tier (the default; its buddies linked before the first step) or from disk; without
+    `spares` (recover.spare_workers=0), the ranks hold each other's copies and a new process takes the dead
+    rank's place with its peer's ("peers")."""
     # 12 steps an epoch at every size
-    epochs, trial = steps // 12, f"relaunch-{'memory' if memory else 'disk'}-{kill_at}"
+    expected = "disk" if not memory else "memory" if spares else "peers"
+    epochs, trial = steps // 12, f"relaunch-{expected}-{kill_at}"
     secs, layout = killed_run(address, root, trial, [f"total_train_epochs={epochs}", "recover.freq_steps=1",
-                                                     f"recover.memory={'auto' if memory else 'off'}"],
+                                                     f"recover.memory={'auto' if memory else 'off'}",
+                                                     *([] if spares else ["recover.spare_workers=0"])],
                               kill_at, SIZES[size].config)
     killed = kill_time(root, trial)
     recovery = next(e for e in read_jsonl(layout.events_log) if e["event"] == Event.RECOVERY)
     assert recovery["global_step"] == kill_at, recovery  # its clock stops at the killed step, as the baselines'
-    expected = "memory" if memory else "disk"
-    if recovery["source"] != expected:
+    if recovery["source"] != ("disk" if not memory else "memory"):
         return {"system": f"relaunch ({expected})", "kill_at_step": kill_at,
                 "error": f"recovered from {recovery['source']}, not {expected}: {recovery.get('reason')}"}
-    return {"system": f"relaunch ({recovery['source']})", "kill_at_step": kill_at, "recovery_secs": recovery["time"] - killed,
+    return {"system": f"relaunch ({expected})", "kill_at_step": kill_at, "recovery_secs": recovery["time"] - killed,
             "median_step_secs": statistics.median(steady_steps(read_jsonl(layout.stats_log), steps)),
             "loaded_step": recovery["loaded_step"], "replayed_steps": recovery["replayed_steps"], "wall_secs": secs,
             "steps": epochs * 12, "breakdown": recovery}
@@ -144,6 +148,7 @@ def systems(address: str, root: Path, steps: int, kill_at: int, size: str, quick
     """Every system killed at `kill_at`, one after the other on the same cluster."""
     # torchrun's bound: its two process starts (imports, the model) on a loaded 2-core machine, and the steps
     return [relaunch(address, root, steps, kill_at, size, memory=True),
+            relaunch(address, root, steps, kill_at, size, memory=True, spares=False),
             relaunch(address, root, steps, kill_at, size, memory=False),
             ray_train(address, root, steps, kill_at, size),
             torchrun(root, steps, kill_at, 180 if quick else 300 * (1 + 4 * (size != "tiny")), size)]

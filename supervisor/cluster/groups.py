@@ -277,7 +277,8 @@ class TrainGroup(_Members):
         process in their bundle, which loads the peer's copy; every rank joins a new process group at a new
         rendezvous, the survivors rolling back in place to `global_step`, the others loading it. The actors of
         the survivors stay: no new placement group, no process but the lost ones' started, no model built
-        again. RuntimeError, nothing started, when a given rank finds no place (recovery_source checked it)."""
+        again. RuntimeError, nothing started and the spares it took given back to the pool, when a given rank
+        finds no place (recovery_source checked it)."""
         started = time.monotonic()
         lost = sorted(adopters | givers)
         self._kill([self.members[r] for r in lost])
@@ -289,8 +290,8 @@ class TrainGroup(_Members):
         warm = sorted(givers, key=lambda r: r in self.bundles)[:len(taken)]  # the ranks without a bundle first
         cold = [r for r in givers if r not in warm]
         if any(r not in self.bundles for r in cold):
-            for handle in taken:
-                ray.kill(handle, no_restart=True)
+            if taken:
+                spares.give_back(taken)
             raise RuntimeError(f"rank {min(r for r in cold if r not in self.bundles)} has no bundle to start again "
                                f"in and no warm spare is free")
         self._free_bundles([*adopters, *warm])
@@ -349,8 +350,8 @@ class TrainGroup(_Members):
         killed and replaced, by warm spares where `spares` has them (first for the ranks without a bundle), else
         by new processes in their bundles or in free ones; every rank joins a new process group, the survivors
         with their built models (`TrainWorker.regroup`). Each rank's state is then the checkpoint's:
-        `load_recover` follows, on every rank. RuntimeError, nothing left running, when a lost rank finds no
-        place."""
+        `load_recover` follows, on every rank. RuntimeError, nothing started and the spares it took given back to
+        the pool, when a lost rank finds no place."""
         started = time.monotonic()
         self._kill([self.members[r] for r in lost])
         self.timings = {"teardown": time.monotonic() - started}
@@ -359,8 +360,8 @@ class TrainGroup(_Members):
         warm, cold = order[:len(taken)], order[len(taken):]
         homeless = [r for r in cold if r not in self.bundles]
         if len(homeless) > len(self.free) + len([r for r in warm if r in self.bundles]):
-            for handle in taken:
-                ray.kill(handle, no_restart=True)
+            if taken:
+                spares.give_back(taken)
             raise RuntimeError(f"rank {homeless[0]} has no bundle to start again in and no warm spare is free")
         self._free_bundles(warm)
         for r, handle in zip(warm, taken):

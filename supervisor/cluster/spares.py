@@ -65,6 +65,7 @@ class SparePool:
         self.spares: list[Spare] = []
         self.orphans: list[ray.ObjectRef] = []
         self.dropped = 0  # spares dropped as holders since the last refill (the Supervisor refills their places)
+        self.lent: list[Spare] = []  # the spares the last `take` handed out, until `give_back`
 
     def __len__(self) -> int:
         return len(self.spares)
@@ -95,7 +96,15 @@ class SparePool:
         self.orphans += [s.warm for s, where in taken if where is None]  # retrieved later, so Ray stays quiet
         self._kill(broken)
         self.spares = [s for s, _ in (live + warming)[n:]]
+        self.lent = [s for s, _ in taken]
         return [(s.handle, where) for s, where in taken]
+
+    def give_back(self, handles: list[ray.actor.ActorHandle]) -> None:
+        """Spares the last `take` handed out that were not used (a repair that could not place its ranks after
+        all): back in the pool as they were, instead of killed and started again."""
+        back = [s for s in self.lent if any(s.handle is h for h in handles)]
+        self.lent = [s for s in self.lent if s not in back]
+        self.spares = back + self.spares
 
     def peak_memory(self) -> list[dict]:
         """The peak memory of every spare that finished warming, read once from its warm-up's answer."""

@@ -72,14 +72,14 @@ def test_baselines_benchmark(cluster, tmp_path):
     """relaunch from memory and from disk, Ray Train and torchrun each recover from the same kill, at a step drawn
     from the first ones (1 to 8; the seed here draws step 1, the earliest), timed to the killed step, each with
     the step it loaded; relaunch with its memory tier as shipped (nobody waiting for its spares) from memory,
-    nothing trained again. A system that does not recover, or relaunch's tier that does not serve, fails the
+    nothing trained again, and so without spares (its ranks holding each other's copies). A system that does not recover, or relaunch's tier that does not serve, fails the
     benchmark (bench asserts exit 0)."""
     figures = bench("baselines", "--address", cluster.address, "--seed", "2", tmp_path=tmp_path)
     [kill_at] = figures["kill_at_steps"]
     assert kill_at == 1 and figures["seed"] == 2
     rows = {r["system"].split(" ")[0] + (r["system"].split(" ")[1] if r["system"].startswith("relaunch") else ""): r
             for r in figures["rows"]}
-    assert set(rows) == {"relaunch(memory)", "relaunch(disk)", "Ray", "torchrun"}
+    assert set(rows) == {"relaunch(memory)", "relaunch(peers)", "relaunch(disk)", "Ray", "torchrun"}
     assert not [r for r in rows.values() if "error" in r], figures["stdout"][-3000:]
     for row in rows.values():
         assert row["kill_at_step"] == kill_at
@@ -89,9 +89,11 @@ def test_baselines_benchmark(cluster, tmp_path):
     # torchrun's loop checkpoints synchronously before each step: it loads the step before the killed one; the
     # memory tier holds the step before the killed one too, and trains nothing again
     assert rows["torchrun"]["loaded_step"] == kill_at - 1
-    assert (rows["relaunch(memory)"]["loaded_step"], rows["relaunch(memory)"]["replayed_steps"]) == (kill_at - 1, 0)
-    assert rows["relaunch(memory)"]["breakdown"]["global_step"] == kill_at
-    for name in ("relaunch(memory)", "relaunch(disk)"):  # the kill's own clock, not an earlier fault point's
+    for name in ("relaunch(memory)", "relaunch(peers)"):  # without spares too: the ranks hold each other's copies
+        assert (rows[name]["loaded_step"], rows[name]["replayed_steps"]) == (kill_at - 1, 0)
+        assert rows[name]["breakdown"]["global_step"] == kill_at and rows[name]["breakdown"]["source"] == "memory"
+    # the kill's own clock, not an earlier fault point's
+    for name in ("relaunch(memory)", "relaunch(peers)", "relaunch(disk)"):
         assert abs(rows[name]["recovery_secs"] - rows[name]["breakdown"]["total"]) < 1.0, rows[name]
     assert "kill -> killed step done" in figures["stdout"] and "--seed" in figures["stdout"]
 
