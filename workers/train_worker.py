@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,13 +340,10 @@ class TrainWorker:
         """This rank's two slots, allocated (and touched) now if they are not yet, off any step, once the node
         has the room for them (NoRoom otherwise); what one holds: {"numel", "dtype"} (an index of DTYPES)."""
         if self.memory is None:
-            self.memory = self._own_slots()
+            layout = self.engine.memory_layout
+            self.memory = Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype,
+                                          pin=self.engine.device.type == "cuda")
         return {"numel": self.memory.numel, "dtype": DTYPES.index(self.memory.dtype)}
-
-    def _own_slots(self) -> Slots:
-        layout = self.engine.memory_layout
-        return Slots.with_room(f"rank {self.rank}'s two copies of its state", layout.numel, layout.dtype,
-                               pin=self.engine.device.type == "cuda")
 
     @fault_points
     def memory_attach(self, held: dict) -> bool:
@@ -535,6 +533,15 @@ class TrainWorker:
 
     @ray.method(concurrency_group=HOLDER)
     @fault_points
+    def unhold(self, rank: int, holder: str) -> None:
+        """Give back the slots held for `rank` as `holder` (it is held elsewhere now)."""
+        with self.holdings_lock:
+            held = self.holdings.pop(rank, None) if self.holder_as == holder else None
+        if held is not None:
+            held.close()
+
+    @ray.method(concurrency_group=HOLDER)
+    @fault_points
     def release(self) -> None:
         """Give back every rank's copies and close their links, and hold none again: the tier is off for the run."""
         self._hold_as(None)
@@ -579,16 +586,16 @@ class TrainWorker:
     def adopt_copy(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int,
                    data: np.ndarray, meta: dict) -> None:
         """A new process (started cold, or a spare that held no copy of it) taking dead `rank`'s place, whose
-        copy a peer rank held: join the group as a new rank does, then load `global_step` from the copy (the
-        peer's `held_copy`, which Ray resolved before this call), written first into this rank's own slots, so
-        that it is its own copy, as an adopter's is."""
+        copy a peer rank held: join the group as a new rank does, then load `global_step` straight from the copy
+        (the peer's `held_copy`, which Ray resolved before this call, read-only in its object store). Its own
+        slots are allocated beside the next step, as a rank started cold gets them (`memory_slots`)."""
         self._hold_as(peer_name(rank, os.getpid()))
         self._setup(master_addr, master_port, rank, world_size)
-        self.memory = self._own_slots()
-        slot = self.memory.for_step(global_step)
-        np.copyto(slot.flat.view(torch.uint8).numpy(), data)  # ValueError when the copy does not fit the layout
-        slot.meta = meta
-        self.engine.load_memory(slot.flat, slot.meta)
+        layout = self.engine.memory_layout
+        with warnings.catch_warnings():  # read only: load_memory copies out of it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            flat = torch.from_numpy(data).view(layout.dtype)
+        self.engine.load_memory(flat, meta)
 
     @ray.method(concurrency_group=PROBE)
     def progress(self) -> dict:

@@ -6,7 +6,7 @@ serves, a peer rank (a new process, or a free spare, takes the dead rank's place
 peer's memory). A rank's holder is the first of these that exists, so that it covers as much as it can:
 
 1. a spare on another node: a node loss, and the place taken by the process that holds the state;
-2. a peer on another node: a node loss;
+2. a peer on another node: the state outlives a node loss (the rank then needs a free spare or bundle);
 3. a spare on the rank's node: a process death, its place taken warm;
 4. a peer on the rank's node: a process death (ranks sharing one machine, the common single-node job).
 

@@ -270,35 +270,41 @@ class TrainGroup(_Members):
         """Kill these ranks' actors (the culprits of a hang): their peers' collectives then fail at once."""
         self._kill([self.members[r] for r in sorted(ranks)])
 
-    def rejoin(self, adopters: dict[int, ray.actor.ActorHandle], givers: dict[int, ray.actor.ActorHandle],
-               global_step: int, spares=None) -> None:
-        """Restart only the dead: the lost ranks' actors are killed; the ranks a warm spare held take that spare
-        (`adopters`), the ranks a peer held (`givers`: rank -> that peer) a free spare from `spares` or a new
-        process in their bundle, which loads the peer's copy; every rank joins a new process group at a new
-        rendezvous, the survivors rolling back in place to `global_step`, the others loading it. The actors of
-        the survivors stay: no new placement group, no process but the lost ones' started, no model built
-        again. RuntimeError, nothing started and the spares it took given back to the pool, when a given rank
-        finds no place (recovery_source checked it)."""
+    def rejoin(self, adopters: dict[int, str], givers: dict[int, ray.actor.ActorHandle], global_step: int,
+               spares=None, bundled: frozenset[int] = frozenset()) -> None:
+        """Restart only the dead: the ranks a warm spare held take that spare (`adopters`: rank -> its name in
+        `spares`), the ranks a peer held (`givers`: rank -> that peer) a free spare from `spares`, a new process
+        in their own bundle (`bundled`: their node is alive) or in a free one, which loads the peer's copy; every
+        rank joins a new process group at a new rendezvous, the survivors rolling back in place to
+        `global_step`, the others loading it. The actors of the survivors stay: no new placement group, no
+        process but the lost ones' started, no model built again. RuntimeError before anything is killed or
+        started (the spares given back to the pool) when a rank finds no place."""
         started = time.monotonic()
-        lost = sorted(adopters | givers)
-        self._kill([self.members[r] for r in lost])
-        # the peers' copies, asked for now: they are in Ray's object store before any rank enters the rendezvous
-        # (a survivor hosting it blocks in the store's constructor, holder thread included), while the new
-        # processes start
-        copies = {r: holder.held_copy.remote(r, global_step) for r, holder in givers.items()}  # (bytes, meta)
+        claimed = spares.claim(list(adopters.values())) if adopters else {}
         taken = [handle for handle, _ in spares.take(len(givers))] if spares is not None and givers else []
-        warm = sorted(givers, key=lambda r: r in self.bundles)[:len(taken)]  # the ranks without a bundle first
-        cold = [r for r in givers if r not in warm]
-        if any(r not in self.bundles for r in cold):
-            if taken:
-                spares.give_back(taken)
-            raise RuntimeError(f"rank {min(r for r in cold if r not in self.bundles)} has no bundle to start again "
+        warm = sorted(givers, key=lambda r: r in bundled)[:len(taken)]  # the ranks without a bundle first
+        homes, free = {}, list(self.free)
+        for r in (r for r in sorted(givers) if r not in warm):
+            homes[r] = self.bundles[r] if r in bundled else free.pop(0) if free else None
+        if None in homes.values():
+            if spares is not None:
+                spares.give_back([*claimed.values(), *taken])
+            raise RuntimeError(f"rank {min(r for r, b in homes.items() if b is None)} has no bundle to start again "
                                f"in and no warm spare is free")
+        lost = sorted(adopters | givers)
+        # the peers' copies, asked for before any rank enters the rendezvous (asked for as the new rank joined, a
+        # survivor hosting the rendezvous never gave its copy in a test: it waited there for the new rank, which
+        # waited for the copy); they reach Ray's object store while the new processes start
+        copies = {r: holder.held_copy.remote(r, global_step) for r, holder in givers.items()}  # (bytes, meta)
+        self._kill([self.members[r] for r in lost])
         self._free_bundles([*adopters, *warm])
-        for r, handle in [*adopters.items(), *zip(warm, taken)]:
+        for r, handle in [*((r, claimed[name]) for r, name in adopters.items()), *zip(warm, taken)]:
             self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
-        for r in cold:
-            self.members[r] = Member(self._cold(self.bundles[r]), f"TrainWorker[rank {r}]")
+        for r, bundle in homes.items():
+            if bundle != self.bundles.get(r):  # its own bundle was on a node that is gone: a free one instead
+                self.bundles[r] = bundle
+                self.free.remove(bundle)
+            self.members[r] = Member(self._cold(bundle), f"TrainWorker[rank {r}]")
         self._release_unused()
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs

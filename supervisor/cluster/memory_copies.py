@@ -105,6 +105,9 @@ class MemoryCopies:
         self.allocating: dict[int, ray.ObjectRef] = {}  # rank -> its memory_slots call, begun after a copy
         self.abandoned: list[Future] = []  # preparations of a group or a tier that is gone, collected when done
         self.resting: dict[int, float] = {}  # rank -> when its holder may be prepared again, after an error
+        # rank -> the holder whose slots were last allocated for it: given back (`unhold`) once it is held
+        # elsewhere, so a holder keeps no copy that nobody plans (kept across repairs: a survivor's holding)
+        self.held_by: dict[int, str] = {}
 
     def begin(self, trainers: TrainGroup, global_step: int) -> None:
         """After `global_step`'s optimizer step on every rank: every rank stages its state (its slot of two steps
@@ -180,12 +183,16 @@ class MemoryCopies:
         preparing = {rank: name for rank, (name, _) in self.preparing.items()}
         plan = buddy_plan(trainers.nodes, {name: c.holder for name, c in holders.items()},
                           {**self.buddies, **preparing, **{rank: p.holder for rank, p in ready.items()}})
-        self.buddies = {rank: name for rank, name in self.buddies.items() if plan.get(rank) == name}
+        # a rank keeps its buddy until it is linked to the one the plan moved it to: its copies still go there
+        self.buddies = {rank: name for rank, name in self.buddies.items()
+                        if name in holders and rank < trainers.world_size}
         if self.buddies != before:
             self._announce(holders)
         resting = {rank for rank, until in self.resting.items() if time.monotonic() < until}
         now, prepare = link_steps(plan, self.buddies, preparing, {rank: p.holder for rank, p in ready.items()},
                                   set(self.slots) - resting)
+        for rank in set(ready) - set(now):  # prepared for a holder the plan moved it from: its slots go back
+            self._unhold(rank, ready[rank].holder, holders)
         for rank in prepare:
             name = plan[rank]
             self.preparing[rank] = (name, self.linker.submit(self._prepare, rank, self.slots[rank], name,
@@ -279,15 +286,24 @@ class MemoryCopies:
                 self.warn(f"linking rank {rank} to its memory-tier buddy failed: {type(e).__name__}: "
                           f"{first_line(e)}; tried again at the next step")
                 continue
+            holders = self.candidates(trainers)
             if attached is False:  # memory_attach: the holder's slots cannot be mapped here (another host)
-                holder = self.candidates(trainers).get(prepared.holder)
+                holder = holders.get(prepared.holder)
                 if holder is not None:
                     self.preparing[rank] = (prepared.holder,
                                             self.linker.submit(self._listen, rank, prepared, holder.handle))
                 continue
             self.buddies[rank] = prepared.holder
+            old, self.held_by[rank] = self.held_by.get(rank), prepared.holder
+            if old not in (None, prepared.holder):
+                self._unhold(rank, old, holders)
         if self.buddies != before:
             self._announce(self.candidates(trainers))
+
+    def _unhold(self, rank: int, name: str, holders: dict[str, Candidate]) -> None:
+        """`name` gives back the slots it holds for `rank`, if it is still there (not waited for)."""
+        if name in holders and self.held_by.get(rank) != name:
+            self.orphans.append(holders[name].handle.unhold.remote(rank, name))
 
     def _listen(self, rank: int, prepared: Prepared, holder: ray.actor.ActorHandle,
                 where: dict | None = None) -> Prepared:

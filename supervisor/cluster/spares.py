@@ -65,7 +65,7 @@ class SparePool:
         self.spares: list[Spare] = []
         self.orphans: list[ray.ObjectRef] = []
         self.dropped = 0  # spares dropped as holders since the last refill (the Supervisor refills their places)
-        self.lent: list[Spare] = []  # the spares the last `take` handed out, until `give_back`
+        self.lent: list[Spare] = []  # the spares `take` and `claim` handed out since the last refill (`give_back`)
 
     def __len__(self) -> int:
         return len(self.spares)
@@ -96,11 +96,11 @@ class SparePool:
         self.orphans += [s.warm for s, where in taken if where is None]  # retrieved later, so Ray stays quiet
         self._kill(broken)
         self.spares = [s for s, _ in (live + warming)[n:]]
-        self.lent = [s for s, _ in taken]
+        self.lent += [s for s, _ in taken]
         return [(s.handle, where) for s, where in taken]
 
     def give_back(self, handles: list[ray.actor.ActorHandle]) -> None:
-        """Spares the last `take` handed out that were not used (a repair that could not place its ranks after
+        """Spares handed out (`take`, `claim`) that were not used (a repair that could not place its ranks after
         all): back in the pool as they were, instead of killed and started again."""
         back = [s for s in self.lent if any(s.handle is h for h in handles)]
         self.lent = [s for s in self.lent if s not in back]
@@ -143,6 +143,7 @@ class SparePool:
     def claim(self, names: list[str]) -> dict[str, ray.actor.ActorHandle]:
         """The named spares (the buddies that hold dead ranks' state), removed from the pool to take their places."""
         claimed = {s.name: s.handle for s in self.spares if s.name in names}
+        self.lent += [s for s in self.spares if s.name in claimed]
         self.spares = [s for s in self.spares if s.name not in claimed]
         return claimed
 
@@ -157,6 +158,7 @@ class SparePool:
     def refill(self, avoid: list[str | None]) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
         nodes they were placed on. Not waited for: each is checked when it is next taken."""
+        self.lent = []
         need = rank_resources(self.config.cluster)
         nodes = choose_nodes(room_per_node(), {n for n in avoid if n}, need,
                              self.size - len(self.spares))

@@ -482,14 +482,15 @@ class Controller:
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
         lost = set() if alive is None else set(range(trainers.world_size)) - alive
-        spares = {name for name, c in r.memory.candidates(trainers).items() if c.holder.rank is None}
+        peers = {name: c.holder.rank for name, c in r.memory.candidates(trainers).items() if c.holder.rank is not None}
+        gone = dead_nodes() | set(draining_nodes() or ()) if lost else set()
         bundles = bundles and not fault.node_lost  # a node Ray has not marked dead yet may still hold a bundle
-        gone = dead_nodes() | set(draining_nodes() or ()) if lost and bundles else set()
         bundled = {rank for rank in lost if bundles and rank in trainers.bundles and trainers.nodes[rank] not in gone}
+        spares = [s for s in self.spares.spares if s.node not in gone] if self.spares is not None else []
         return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size, lost=lost,
                                buddies=r.memory.buddies, holding=r.memory.holding(trainers), staged=r.memory.staged,
-                               snapshots=set(r.snapshots), spares=spares, bundled=bundled,
-                               free_spares=len(self.spares) if self.spares is not None else 0)
+                               snapshots=set(r.snapshots), peers=peers, bundled=bundled, free_spares=len(spares),
+                               free_bundles=len(trainers.free) if bundles else 0)
 
     def _kept(self, fault: Fault, alive: set[int] | None) -> tuple[list[int], str | None]:
         """For a repair from disk: the lost ranks, and None when the others keep their processes
@@ -523,11 +524,9 @@ class Controller:
         with self.clock.part("teardown"):
             self.fleet.close_stream()
             self.checkpoints.drop_in_flight(keep_export=0 not in lost)
-        adopters = self.spares.claim(list(choice.adopters.values())) if choice.adopters else {}
         holders = r.memory.candidates(trainers)
-        trainers.rejoin({rank: adopters[name] for rank, name in choice.adopters.items()},
-                        {rank: holders[name].handle for rank, name in choice.givers.items()}, choice.step,
-                        self.spares)
+        trainers.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
+                        choice.step, self.spares, choice.bundled)
         r.memory.adopted()
         for part, part_secs in trainers.timings.items():
             self.clock.add(part, part_secs)

@@ -28,6 +28,7 @@ class Choice:
     step: int | None = None                    # the global step restored from memory
     adopters: dict[int, str] = field(default_factory=dict)  # lost rank -> the buddy spare taking its place
     givers: dict[int, str] = field(default_factory=dict)  # lost rank -> the peer rank giving its state to a new one
+    bundled: frozenset[int] = frozenset()  # the givers' ranks that start again in their own bundle
 
     @property
     def lost(self) -> list[int]:
@@ -36,15 +37,16 @@ class Choice:
 
 def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lost: set[int],
                     buddies: dict[int, str], holding: dict[str, dict[int, list[int]]], staged: list[int],
-                    snapshots: set[int], spares: set[str] = frozenset(), bundled: set[int] = frozenset(),
-                    free_spares: int = 0) -> Choice:
+                    snapshots: set[int], peers: dict[str, int] | None = None, bundled: set[int] = frozenset(),
+                    free_spares: int = 0, free_bundles: int = 0) -> Choice:
     """`enabled`: None when the tier serves this job, else why not (the engine, the config). `lost`: the ranks
     that did not answer a probe (dead, or stuck); `buddies`: rank -> holder of its copies; `holding`: what
     each live holder reported holding, rank -> steps landed (a dead one is absent); `staged`: the steps every
-    rank staged in its own slots; `snapshots`: the steps whose Supervisor state is kept. `spares`: the holders
-    that are warm spares (a spare takes the place of the rank it holds; a peer rank gives the copy to a new
-    process); `bundled`: the lost ranks whose bundle can start a new process now (its node alive, not
-    draining); `free_spares`: the pool's spares, any of which can take a place the adopters leave."""
+    rank staged in its own slots; `snapshots`: the steps whose Supervisor state is kept. `peers`: the holders
+    that are ranks, name -> rank (a peer gives the copy to a new process; any other holder is a warm spare,
+    which takes the place of the rank it holds); `bundled`: the lost ranks whose bundle can start a new
+    process now (its node alive, not draining); `free_spares`: the pool's live spares (the adopters among
+    them), `free_bundles`: the group's bundles no rank holds, either of which can take a peer-held rank's place."""
     def disk(reason: str) -> Choice:
         return Choice(Source.DISK, reason)
 
@@ -64,12 +66,16 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     gone = sorted(r for r in lost if buddies[r] not in holding)
     if gone:
         return disk(f"rank {gone[0]} and its buddy were lost together")
-    adopters = {r: buddies[r] for r in sorted(lost) if buddies[r] in spares}
-    givers = {r: buddies[r] for r in sorted(lost) if buddies[r] not in spares}
+    peers = peers or {}
+    adopters = {r: buddies[r] for r in sorted(lost) if buddies[r] not in peers}
+    givers = {r: buddies[r] for r in sorted(lost) if buddies[r] in peers}
+    both = sorted(r for r in givers if peers[givers[r]] in lost)  # a stuck rank may still answer as a holder
+    if both:
+        return disk(f"rank {both[0]} and its buddy rank {peers[givers[both[0]]]} were lost together")
     if len(set(adopters.values())) < len(adopters):
         return disk(f"ranks {sorted(adopters)} share one buddy: it can take only one place")
     homeless = sorted(r for r in givers if r not in bundled)
-    if len(homeless) > free_spares - len(adopters):
+    if len(homeless) > free_spares - len(adopters) + free_bundles:
         return disk(f"rank {homeless[0]}'s state is held by a peer, but it has no bundle to start again in and no "
                     f"warm spare is free")
     common = set(snapshots) if len(lost) == world_size else set(staged) & snapshots  # staged: the survivors'
@@ -79,7 +85,8 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
         return disk(f"no step is held in memory for every rank (staged {sorted(staged)}, "
                     f"held {[holding[buddies[r]].get(r, []) for r in sorted(lost)]})")
     step = max(common)
-    return Choice(Source.MEMORY, f"step {step} from memory", step, adopters, givers)
+    return Choice(Source.MEMORY, f"step {step} from memory", step, adopters, givers,
+                  frozenset(r for r in givers if r in bundled))
 
 
 def can_keep(*, rejoins: bool, kind: FaultKind, committed: bool, reference: bool, shrunk: bool) -> str | None:

@@ -96,9 +96,9 @@ def assert_exact(trial: Trial, reference: Trial, faults: int, steps: int = 24) -
     assert st["state"] == "done" and st["restarts"] <= faults, (st["restarts"], faults)
 
 
-# why these jobs' TrainGroup repairs come from disk: they keep no warm spare (tests/e2e/harness.py: CONFIG), so the
-# memory tier is off; the tests of the tier, with spares, assert memory (test_faults.py, test_benchmarks.py)
-NO_SPARE = "no warm spare to hold the copies (recover.spare_workers)"
+# why these jobs' TrainGroup repairs come from disk: the suite's jobs run without the memory tier
+# (tests/e2e/harness.py: CONFIG); the tests of the tier assert memory (test_faults.py, test_benchmarks.py)
+NO_TIER = "recover.memory is off"
 
 
 def killed_at_start(cls: str, method: str) -> bool:
@@ -129,15 +129,16 @@ def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(points, cluster, re
     lone = [e for e in trial.events("engines_restarted") if len(e["replaced"]) == 1]
     assert lone and any(e["pushed"] == 1 for e in trial.events("resync"))
     # one line per handled fault in the job's log (and one per TrainGroup repair saying where its state came
-    # from: this job keeps no warm spare, so from disk, saying why), and none of Ray's unhandled-error tracebacks
+    # from: this job runs without the memory tier, so from disk, saying why), and none of Ray's unhandled-error
+    # tracebacks
     lines = [line for line in r.stdout.splitlines() if "[relaunch] step " in line]
     sources = [line for line in lines if ": recovering from " in line]
     assert len(lines) - len(sources) == len(causes)
-    assert sources and all(x.endswith(f": recovering from disk: {NO_SPARE}") for x in sources), sources
+    assert sources and all(x.endswith(f": recovering from disk: {NO_TIER}") for x in sources), sources
     # and so says each repair's `recovery` event (a restarted Supervisor's start gives none: it was not asked)
     repairs = [e for e in trial.events("recovery") if e["source"] != "none"]  # "none": an engine's, the trainer kept
     assert repairs and {e["source"] for e in repairs} == {"disk"} and \
-        {e["reason"] for e in repairs} - {None} == {NO_SPARE}, repairs
+        {e["reason"] for e in repairs} - {None} == {NO_TIER}, repairs
     # from disk, a rank killed after the first checkpoint is started again alone: the other keeps its process
     kept = [e["kept"] for e in trial.events("loaded") if e["global_step"] >= 0]
     assert [1] in kept or [0] in kept, kept

@@ -79,25 +79,25 @@ def test_a_holder_prepared_for_a_rank_the_plan_moved_is_not_used():
 
 def choose(**overrides):
     args = dict(enabled=None, kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, buddies={0: "s1", 1: "s2"},
-                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5},
-                spares={"s1", "s2"}, free_spares=2)
+                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5}, free_spares=2)
     return recovery_source(**(args | overrides))
 
 
-PEERS = dict(buddies={0: "p1", 1: "p0"}, holding={"p0": {1: [4, 5]}}, spares=set(), free_spares=0)
+PEERS = dict(buddies={0: "p1", 1: "p0"}, holding={"p0": {1: [4, 5]}}, peers={"p0": 0, "p1": 1}, free_spares=0)
 
 
 def test_a_rank_held_by_a_peer_is_given_its_copy_in_a_new_process():
     c = choose(**PEERS, bundled={1})
-    assert (c.source, c.step, c.adopters, c.givers, c.lost) == (Source.MEMORY, 5, {}, {1: "p0"}, [1])
-    c = choose(**PEERS | dict(free_spares=1))  # its node is gone: a free spare takes the place
-    assert (c.source, c.givers) == (Source.MEMORY, {1: "p0"})
+    assert (c.source, c.step, c.adopters, c.givers, c.lost, c.bundled) == (Source.MEMORY, 5, {}, {1: "p0"}, [1], {1})
+    for place in (dict(free_spares=1), dict(free_bundles=1)):  # its node is gone: a spare, or a free bundle
+        c = choose(**PEERS | place)
+        assert (c.source, c.givers, c.bundled) == (Source.MEMORY, {1: "p0"}, frozenset())
 
 
 def test_a_spare_adopts_and_a_peer_gives_in_one_repair():
     c = choose(world_size=3, lost={1, 2}, buddies={0: "p1", 1: "s1", 2: "p0"},
-               holding={"s1": {1: [5]}, "p0": {2: [5], 1: [5]}}, staged=[5], spares={"s1"}, free_spares=1,
-               bundled={2})
+               holding={"s1": {1: [5]}, "p0": {2: [5], 1: [5]}}, staged=[5], peers={"p0": 0, "p1": 1},
+               free_spares=1, bundled={2})
     assert (c.source, c.adopters, c.givers) == (Source.MEMORY, {1: "s1"}, {2: "p0"})
 
 
@@ -133,6 +133,9 @@ def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
     (dict(holding={"s2": {1: []}}), "no step is held in memory"),
     (PEERS, "rank 1's state is held by a peer, but it has no bundle to start again in and no warm spare is free"),
     (dict(lost={0, 1}, **PEERS), "rank 0 and its buddy were lost together"),
+    # a stuck rank that still answers as a holder: its copy is not given, it is lost with the rank it holds
+    (dict(lost={0, 1}, **PEERS | dict(holding={"p0": {1: [5]}, "p1": {0: [5]}})),
+     "rank 0 and its buddy rank 1 were lost together"),
 ])
 def test_every_loss_the_tier_cannot_cover_goes_to_disk_and_says_why(overrides, reason):
     c = choose(**overrides)
