@@ -37,6 +37,7 @@ def entrypoint(config_path: Path, overrides: list[str], config: Config) -> str:
 
 
 AGENT_WAIT_SECS = 120.0  # how long a newly started head's job agent may take to come up
+RECONNECT_SECS = 1.0  # before the job's log stream is opened again, after the dashboard dropped it
 STOP_SHUTDOWN_SECS = 15  # beyond recover.term_grace_secs: Ray's shutdown of the job's actors, and the driver's exit
 
 
@@ -85,11 +86,37 @@ def submit(config_path: Path, overrides: list[str], config: Config, address: str
     if not wait:
         return 0
 
-    async def follow() -> None:
-        async for chunk in client.tail_job_logs(job_id):
-            print(chunk, end="", flush=True)
-
-    asyncio.run(follow())
+    follow_logs(client, job_id)
     status = client.get_job_status(job_id)
     print(f"job {job_id}: {status.value}")
     return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def follow_logs(client, job_id: str, sleep=time.sleep) -> None:
+    """Print the job's log as it is written, until the job ends. The dashboard may drop the stream before that
+    (Ray's `tail_job_logs` raises on an abnormal close, 1006, seen on a loaded head a second after a
+    submission): it is opened again, and as each stream starts at the log's beginning, what was printed is
+    skipped; once the job has ended, the rest of its log is read whole."""
+    printed = 0
+
+    async def stream() -> None:
+        nonlocal printed
+        seen = 0
+        async for chunk in client.tail_job_logs(job_id):
+            new = chunk[max(0, printed - seen):]
+            seen += len(chunk)
+            if new:
+                print(new, end="", flush=True)
+                printed += len(new)
+
+    while True:
+        try:
+            asyncio.run(stream())
+            return
+        except RuntimeError as e:
+            if "closed unexpectedly" not in str(e):
+                raise
+        if client.get_job_status(job_id).is_terminal():
+            print(client.get_job_logs(job_id)[printed:], end="", flush=True)
+            return
+        sleep(RECONNECT_SECS)

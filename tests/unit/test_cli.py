@@ -194,6 +194,45 @@ def test_a_submission_the_head_dropped_is_tried_again_as_the_same_job(monkeypatc
     assert len(client.made) == 1  # one job, not two
 
 
+class DroppedLogsClient:
+    """A head whose dashboard drops the log stream abnormally (Ray raises on close code 1006) after the first
+    chunks of the log, twice, while the job runs; each new stream starts at the log's beginning."""
+
+    LOG = ["submitted\n", "step 0\n", "step 1\n", "step 2\n", "done\n"]
+
+    def __init__(self):
+        self.streams, self.drops = 0, [2, 3]  # each stream, how many chunks before it drops (then to the end)
+
+    async def tail_job_logs(self, job_id):
+        drop = self.drops[self.streams] if self.streams < len(self.drops) else None
+        self.streams += 1
+        for i, chunk in enumerate(self.LOG):
+            if i == drop:
+                raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+            yield chunk
+
+    ended = False  # the job ended before the stream dropped: the rest of its log is read whole
+
+    def get_job_status(self, job_id):
+        from ray.job_submission import JobStatus
+
+        return JobStatus.SUCCEEDED if self.ended else JobStatus.RUNNING
+
+    def get_job_logs(self, job_id):
+        return "".join(self.LOG)
+
+
+@pytest.mark.parametrize("ended, streams", [(False, 3), (True, 1)])
+def test_a_log_stream_the_dashboard_drops_is_opened_again_and_nothing_is_printed_twice(capsys, ended, streams):
+    from supervisor.submit import follow_logs
+
+    client = DroppedLogsClient()
+    client.ended = ended
+    follow_logs(client, "raysubmit_1", sleep=lambda s: None)
+    assert capsys.readouterr().out == "".join(DroppedLogsClient.LOG)
+    assert client.streams == streams
+
+
 def test_submit_fails_in_one_line_on_another_error():
     with pytest.raises(SubmitError, match=r"^--address http://h:8265: Request failed with status code 403$"):
         submit_when_ready(StandInJobsClient(busy=1, error="Request failed with status code 403\nbody"),
