@@ -36,7 +36,8 @@ class _Repair:
     source: Source = Source.NONE  # where the state came from: memory, disk, or none (an engine repair)
     reason: str | None = None  # why it came from disk, where the memory tier was asked
     resumed: float | None = None  # wall clock when training went on (after the resync)
-    replayed_until: float | None = None  # wall clock when the last replayed step completed
+    replayed_until: float | None = None  # wall clock when the last replayed step completed since `resumed`
+    replayed: float = 0.0     # the replay's seconds before a later fault in the same repair stopped it
 
 
 class RepairClock:
@@ -74,8 +75,14 @@ class RepairClock:
             self._repair.reason = reason
 
     def resumed(self) -> None:
-        if self._repair is not None:
-            self._repair.resumed = time.time()
+        """Training goes on. A repair resumed before (a second fault struck while it replayed steps) keeps the
+        replay it had done as `replay`; what came after belongs to the second repair's parts."""
+        rep = self._repair
+        if rep is not None:
+            if rep.replayed_until is not None:
+                rep.replayed += rep.replayed_until - (rep.resumed or rep.seen)
+                rep.replayed_until = None
+            rep.resumed = time.time()
 
     def completed(self, global_step: int, steady_steps: list[float]) -> dict | None:
         """After a completed step: the `recovery` event's fields when it was the step in flight at the fault (or
@@ -90,7 +97,7 @@ class RepairClock:
             return None
         self._repair = None
         resumed = rep.resumed or rep.seen
-        replay = (rep.replayed_until - resumed) if rep.replayed_until else 0.0
+        replay = rep.replayed + ((rep.replayed_until - resumed) if rep.replayed_until else 0.0)
         total = now - rep.seen + rep.detection
         steady = statistics.median(steady_steps) if steady_steps else None
         fields = {"detection": rep.detection, **rep.parts, "replay": replay,

@@ -220,7 +220,7 @@ def end(proc, stopped: list[int]) -> None:
 
 @pytest.mark.timeout(1200)
 def test_seeded_random_chaos_on_a_bucket_ends_bit_identical(cluster, s3_server, reference, tmp_path):
-    """Up to 6 SIGKILLs and SIGSTOPs of random actors and the Supervisor at random moments (a stopped
+    """Up to 4 SIGKILLs and SIGSTOPs of random actors and the Supervisor at random moments (a stopped
     Supervisor is restarted by the driver's watchdog), and two storage errors each on one rank only (a
     background save's DCP write at step 14, rank 0's part before its upload at step 9), with the checkpoints
     on the S3 server (the jobs above break a local fileroot at every chosen point): a kill mid-upload never
@@ -237,7 +237,7 @@ def test_seeded_random_chaos_on_a_bucket_ends_bit_identical(cluster, s3_server, 
     trial.fileroot.mkdir()
     storage = ["TrainWorker.begin_save.enter:enospc:step=9:rank=0", "dcp_write:enospc:step=14:rank=1"]
     env = job_env({"RELAUNCH_FAULT": ",".join(storage), "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    signals = 6
+    signals = 4  # each costs 20-80 s of a CI worker (a stopped Supervisor: its 30 s unanswered bound)
     proc = start_relaunch("run", str(CONFIG), *JOB, f"recover.retries={signals}", *trial.overrides,
                           "--address", cluster.address,
                           env=env, log=tmp_path / "job.log")
@@ -256,7 +256,7 @@ def test_seeded_random_chaos_on_a_bucket_ends_bit_identical(cluster, s3_server, 
         end(proc, stopped)
     log = (tmp_path / "job.log").read_text()
     assert code == 0, f"seed {seed}, faults {done}\n{log[-4000:]}"
-    assert len(done) >= 3, f"seed {seed}: the job ended after {done}"
+    assert len(done) >= 2, f"seed {seed}: the job ended after {done}"
     assert fired(tmp_path) == len(storage)
     assert_exact(trial, reference, len(done))  # a storage error skips its save: no restart
     store = RecoverStore(TrialLayout(as_path(trial.url), trial.root.parts[-3], "tiny-grpo", "trial0"), keep_last=2)

@@ -36,6 +36,30 @@ def test_the_clock_runs_through_replayed_steps_to_the_step_in_flight(now):
     assert "loaded step 5 from disk, 1 step trained again" in line
 
 
+def test_a_fault_while_steps_are_replayed_keeps_the_replay_done_and_no_part_is_negative(now):
+    """Seen in a hang job: a rank hung while the repair replayed steps, and the engines broke in that repair's
+    resync; the replay done before the second fault stays `replay`, the second repair's time goes to its parts."""
+    clock = RepairClock()
+    clock.start("hang", "restart_train_group", detection=10.0, in_flight=9)
+    clock.loaded(6, "disk")
+    now[0] += 3.0
+    clock.resumed()
+    now[0] += 2.0
+    assert clock.completed(7, []) is None  # replayed
+    now[0] += 1.0
+    clock.start("collective_failed", "restart_engines", detection=1.0, in_flight=8)  # the same repair
+    clock.add("teardown", 25.0)
+    now[0] += 25.0
+    clock.resumed()
+    now[0] += 2.0
+    assert clock.completed(8, []) is None  # replayed, after the second repair
+    now[0] += 4.0
+    rec = clock.completed(9, [1.0])
+    assert rec["replay"] == 2.0 + 2.0 and rec["redo"] == 4.0 and rec["teardown"] == 25.0
+    assert min(v for v in rec.values() if isinstance(v, float)) >= 0
+    assert rec["total"] == 37.0 + 10.0
+
+
 def test_an_engine_repair_rolls_nothing_back_and_a_first_step_has_no_steady_step(now):
     clock = RepairClock()
     clock.start("worker_died", "restart_engines", detection=None, in_flight=0)
