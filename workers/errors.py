@@ -15,6 +15,12 @@ class WeightSyncError(RuntimeError):
     holds no version until a new sync completes."""
 
 
+class TransferTimedOut(WeightSyncError):
+    """An engine waited a transfer's whole timeout and its sender sent nothing: the error of one left waiting,
+    not of the one at fault (a stopped engine holds up the sender, and the others time out). The Supervisor
+    blames those that never answered first (supervisor/cluster/blame.py)."""
+
+
 class ShardWriteError(RuntimeError):
     """A trainer rank could not write its shards into an engine's shared weights (workers/weight_sync.py). Every
     rank raises it together. Nothing of the infrastructure fails there (the memory is mapped and sealed): it

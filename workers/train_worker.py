@@ -39,7 +39,7 @@ from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
 from workers.memory_tier import DTYPES, Holding, Link, SharedLink, SharedSlots, Slots, peer_name
 from workers.shared_weights import attach
-from workers.weight_sync import join_group, mismatched, op_timeout, send, to_check, write_shared
+from workers.weight_sync import join_group, mismatched, op_timeout, send, shard_digest, to_check, write_shared
 
 
 PROBE = "probe"  # the concurrency group of `progress`: it answers while the default group's method waits
@@ -139,6 +139,12 @@ class TrainWorker:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "port": port, "memory": peak_memory(),  # a warm spare's, for the stats
                 "gpu": gpu}
+
+    @fault_points
+    def shard_digest(self) -> str:
+        """This rank's part of the weights, hashed: asked before and after a handoff, it proves the ranks hold what
+        they held without gathering them (the engines, which hold them, need nothing pushed)."""
+        return shard_digest(self.engine.weight_shard(i) for i in range(len(self.engine.weight_params())))
 
     @fault_points
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:

@@ -29,7 +29,7 @@ import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import xxhash
 
 from supervisor.testing.fault_points import fault_point
-from workers.errors import ShardWriteError, WeightSyncError
+from workers.errors import ShardWriteError, TransferTimedOut, WeightSyncError
 
 TAG_DIGESTS = 1 << 30  # the tag of the hashes message; bucket k is sent with tag k
 DIGESTS = ("xxh3", "sum64")  # an engine's weights on the CPU, on a GPU
@@ -92,6 +92,16 @@ def bucket_hash(t: torch.Tensor, kind: str = "xxh3") -> int:
     if kind == "sum64":
         return sum64(t)
     return xxhash.xxh3_64_intdigest(t.view(torch.uint8).cpu().numpy())
+
+
+def shard_digest(shards: Iterable[tuple[int, torch.Tensor]]) -> str:
+    """One rank's parts of the streamed weights (`shards`: each parameter's `weight_shard`, in order) hashed
+    together: the same rank's before and after it moves prove it holds what it held, with nothing gathered."""
+    h = xxhash.xxh3_64()
+    for start, part in shards:
+        h.update(start.to_bytes(8, "big"))
+        h.update(part.detach().contiguous().view(torch.uint8).cpu().numpy())
+    return f"xxh3-{h.hexdigest()}"
 
 
 _word_weights: dict[torch.device, torch.Tensor] = {}
@@ -360,6 +370,18 @@ def mismatched(full: Callable[[int], torch.Tensor], flat: torch.Tensor | None, n
     return bad
 
 
+def received(work, timeout: datetime.timedelta) -> None:
+    """Wait for an engine's receive. One that broke raises WeightSyncError; one that waited the whole timeout
+    for a sender that sent nothing raises TransferTimedOut: the engine was left waiting, it is not at fault."""
+    started = time.monotonic()
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        waited = time.monotonic() - started >= 0.9 * timeout.total_seconds()
+        raise (TransferTimedOut if waited else WeightSyncError)(
+            f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
+
+
 def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int, group,
                    timeout: datetime.timedelta, kind: str = "xxh3") -> str:
     """The engine's side of the shared-memory sync: the trainer ranks wrote its weights in place and hashed
@@ -367,7 +389,9 @@ def receive_shared(numels: Sequence[int], dtype: torch.dtype, bucket_bytes: int,
     failed, and the weights are not whole). The digest of what the engine holds."""
     theirs = torch.empty(-(-sum(numels) // bucket_elements(dtype.itemsize, bucket_bytes)) + 1, dtype=torch.int64)
     try:
-        group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
+        received(group.recv([theirs], 0, TAG_DIGESTS), timeout)
+    except WeightSyncError:
+        raise
     except RuntimeError as e:
         raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
     if theirs[-1]:
@@ -393,7 +417,7 @@ def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: in
         try:
             work = post(0)
             for k, bucket in enumerate(plan):
-                work.wait(timeout)
+                received(work, timeout)
                 if k >= 1:
                     hashes[k - 1].result()  # the other buffer is free again
                 work = post(k + 1)
@@ -404,7 +428,9 @@ def receive(params: Sequence[torch.Tensor], dtype: torch.dtype, bucket_bytes: in
                         flat[piece.param][piece.start:piece.start + piece.length].copy_(
                             data[piece.offset:piece.offset + piece.length])
             theirs = torch.empty(len(plan), dtype=torch.int64, device=device)
-            group.recv([theirs], 0, TAG_DIGESTS).wait(timeout)
+            received(group.recv([theirs], 0, TAG_DIGESTS), timeout)
+        except WeightSyncError:
+            raise
         except RuntimeError as e:
             raise WeightSyncError(f"weight stream broken: {str(e).splitlines()[0][:300]}") from e
         mine, sent = [f.result() for f in hashes], from_message(theirs.cpu())

@@ -10,7 +10,9 @@ on an engine after a transfer's timeout). The precedence, first match wins:
 2. Otherwise the earliest tier in which some call failed (raised, or never answered): a later tier's errors
    are its members giving up on it.
 3. Within that tier, those that raised, the first first: a peer still inside a collective waits on them.
-   If none raised, those that never answered: they hung.
+   If none raised, those that never answered: they hung. Only if none of them is left, those that gave up
+   waiting (an engine's transfer timed out, workers/errors.py: TransferTimedOut): a stopped engine holds up
+   the sender, and the engines behind it time out while it never answers.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from supervisor.cluster.errors import Group, GroupError
+from workers.errors import TransferTimedOut
 
 
 class Outcome(enum.Enum):
@@ -26,6 +29,7 @@ class Outcome(enum.Enum):
     RAISED = "raised"    # the actor is alive and its call raised
     DIED = "died"        # the actor (or its node) is gone
     PENDING = "pending"  # no answer when the wait ended
+    GAVE_UP = "gave_up"  # the actor is alive and raised because what it waited for never came
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,13 @@ def blame(calls: Sequence[Call]) -> Optional[Verdict]:
         return Verdict(Outcome.DIED, _first_first(calls, [i for i in dead if calls[i].tier == tier]), False)
     tier = min(calls[i].tier for i in failed)
     raised = [i for i in failed if calls[i].tier == tier and calls[i].outcome is Outcome.RAISED]
+    settled = all(c.outcome is not Outcome.PENDING for c in calls)
     if raised:
-        settled = all(c.outcome is not Outcome.PENDING for c in calls)
         return Verdict(Outcome.RAISED, _first_first(calls, raised), settled)
-    return Verdict(Outcome.PENDING, tuple(i for i in failed if calls[i].tier == tier), False)
+    hung = tuple(i for i in failed if calls[i].tier == tier and calls[i].outcome is Outcome.PENDING)
+    if hung:
+        return Verdict(Outcome.PENDING, hung, False)
+    return Verdict(Outcome.RAISED, _first_first(calls, [i for i in failed if calls[i].tier == tier]), settled)
 
 
 def _first_first(calls: Sequence[Call], indices: list[int]) -> tuple[int, ...]:
@@ -64,11 +71,14 @@ def _first_first(calls: Sequence[Call], indices: list[int]) -> tuple[int, ...]:
 
 
 def outcome_of(error: BaseException) -> Outcome:
-    """A call's error as an outcome: an actor that raised is alive; any other error of Ray's (an actor died,
-    its node or the object with it was lost) means it is gone."""
+    """A call's error as an outcome: an actor that raised is alive (it gave up, if what it waited for never
+    came); any other error of Ray's (an actor died, its node or the object with it was lost) means it is gone."""
     from ray.exceptions import RayTaskError
 
-    return Outcome.RAISED if isinstance(error, RayTaskError) else Outcome.DIED
+    if not isinstance(error, RayTaskError):
+        return Outcome.DIED
+    gave_up = isinstance(error, TransferTimedOut) or isinstance(getattr(error, "cause", None), TransferTimedOut)
+    return Outcome.GAVE_UP if gave_up else Outcome.RAISED
 
 
 def group_error(verdict: Verdict, group: Group, errors: dict[int, BaseException], members: Sequence,

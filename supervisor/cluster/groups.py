@@ -327,6 +327,10 @@ class TrainGroup(_Members):
         # as a new group's: its weight stream checks them whole
         self.from_spares, self.steps = len(adopters) + len(taken), 0
 
+    def shard_digests(self) -> list[str]:
+        """Every rank's digest of its part of the weights (TrainWorker.shard_digest), in rank order."""
+        return self.gather([m.handle.shard_digest.remote() for m in self.members])
+
     def _free_bundles(self, ranks: list[int]) -> None:
         """These ranks' places go to spares: their bundles are free for a later lost rank, but for those on a
         node Ray has dead (Ray places such a bundle again only when the cluster has room) or draining (it starts

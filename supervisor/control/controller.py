@@ -277,9 +277,11 @@ class Controller:
     def _hand_off(self, handoff: Handoff, choice: Choice | None, step: int) -> None:
         fleet = self.fleet
         self.clock.start("preemption", "handoff", 0.0, step + 1)  # timed to the next step's completion
+        held = None
         if handoff.ranks:
             with self.clock.part("teardown"):
                 self._finish_writes(handoff.deadline)
+                held = fleet.trainers.shard_digests()  # what the ranks hold, checked once they moved
         if handoff.spares:
             self.spares.drop(list(handoff.spares))  # refilled elsewhere after the next step
             if self.runner.memory is not None:
@@ -290,7 +292,7 @@ class Controller:
                 replaced = fleet.engines.replace(handoff.engines)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
         if handoff.ranks:
-            self._rejoin_from_memory(choice)  # resyncs every engine
+            self._rejoin_from_memory(choice, held)  # resyncs every engine
             return
         with self.clock.part("resync"):
             fleet.sync_engines(self.runner.weights_version, gate=True)
@@ -516,10 +518,12 @@ class Controller:
                           extra={"step": self.runner.state.step.global_step, "phase": self.phase})
             trainers.kill_ranks(culprits)
 
-    def _rejoin_from_memory(self, choice: Choice) -> None:
+    def _rejoin_from_memory(self, choice: Choice, held: list[str] | None = None) -> None:
         """Restart only the dead: their buddies take their places with their state, the survivors roll back in
         place, the Supervisor rolls back to the same step from its own memory; engines that already hold that
-        step's weights are not resynced. Nothing is read from disk."""
+        step's weights are not resynced. Nothing is read from disk. The restored weights are checked whole at the
+        resync (gathered and hashed), but after a handoff, where every rank's digest of its part from before it
+        moved (`held`) is matched instead."""
         r, trainers, lost = self.runner, self.fleet.trainers, choice.lost
         with self.clock.part("teardown"):
             self.fleet.close_stream()
@@ -535,7 +539,10 @@ class Controller:
                              cold=len(lost) - trainers.from_spares, pool=len(self.spares), size=self.spares.size)
         self.refill_due = True
         r.restore(choice.step)
-        self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
+        with self.clock.part("resync"):
+            proven = held is not None and trainers.shard_digests() == held
+        if not proven:
+            self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
         self.clock.loaded(choice.step, Source.MEMORY)
         self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
                          nodes=trainers.nodes, kept=[rank for rank in range(trainers.world_size) if rank not in lost],

@@ -7,7 +7,7 @@ import pytest
 from supervisor.cluster.blame import Call, Outcome, Verdict, blame, group_error
 from supervisor.cluster.errors import Group
 
-OK, RAISED, DIED, PENDING = Outcome.OK, Outcome.RAISED, Outcome.DIED, Outcome.PENDING
+OK, RAISED, DIED, PENDING, GAVE_UP = Outcome.OK, Outcome.RAISED, Outcome.DIED, Outcome.PENDING, Outcome.GAVE_UP
 
 
 @pytest.mark.parametrize("calls, verdict", [
@@ -29,6 +29,13 @@ OK, RAISED, DIED, PENDING = Outcome.OK, Outcome.RAISED, Outcome.DIED, Outcome.PE
     pytest.param([Call(OK), Call(OK), Call(PENDING, tier=1), Call(RAISED, tier=1, order=1)],
                  Verdict(RAISED, (3,), False), id="trainers-done,-one-engine-raises,-one-hangs:-the-raiser"),
     pytest.param([Call(OK), Call(PENDING, tier=1)], Verdict(PENDING, (1,), False), id="an-engine-hangs"),
+    # seen in a hang job: engine 0 SIGSTOPped in a sync, the sender held up, engine 1's receive timed out
+    pytest.param([Call(OK), Call(PENDING, tier=1), Call(GAVE_UP, tier=1, order=1)], Verdict(PENDING, (1,), False),
+                 id="an-engine-stopped,-the-other-times-out-waiting:-the-stopped-one"),
+    pytest.param([Call(OK), Call(GAVE_UP, tier=1, order=2), Call(RAISED, tier=1, order=3)],
+                 Verdict(RAISED, (2,), True), id="one-engine-raises,-one-times-out:-the-raiser"),
+    pytest.param([Call(OK), Call(GAVE_UP, tier=1, order=2), Call(GAVE_UP, tier=1, order=1)],
+                 Verdict(RAISED, (2, 1), True), id="all-time-out,-nobody-else-failed:-those-that-timed-out"),
 ])
 def test_the_precedence(calls, verdict):
     assert blame(calls) == verdict
@@ -66,3 +73,31 @@ def test_dead_nodes_without_ray_is_empty():
     from supervisor.cluster.blame import dead_nodes
 
     assert dead_nodes() == set()
+
+
+def test_a_receive_that_waited_its_whole_timeout_gave_up_and_one_that_broke_raised():
+    """An engine's receive (workers/weight_sync.py: received) says which: the blame leans on it."""
+    import datetime
+
+    from ray.exceptions import RayTaskError
+
+    from supervisor.cluster.blame import outcome_of
+    from workers.errors import TransferTimedOut, WeightSyncError
+    from workers.weight_sync import received
+
+    class Work:
+        def __init__(self, secs):
+            self.secs = secs
+
+        def wait(self, timeout):
+            import time
+            time.sleep(self.secs)
+            raise RuntimeError("Timed out waiting 200ms for recv operation to complete")
+
+    timeout = datetime.timedelta(seconds=0.2)
+    for secs, kind in ((0.2, TransferTimedOut), (0.0, WeightSyncError)):
+        with pytest.raises(WeightSyncError) as e:
+            received(Work(secs), timeout)
+        assert type(e.value) is kind
+        as_ray = RayTaskError("engine.update", "traceback", e.value)
+        assert outcome_of(as_ray) is (GAVE_UP if kind is TransferTimedOut else RAISED)

@@ -881,6 +881,38 @@ def test_a_drain_notice_moves_the_engines_off_their_node_at_a_step_boundary_and_
     assert sorted(set(engines.generated)) == sorted(set(clean[1]))
 
 
+def test_a_handoff_that_fails_is_repaired_as_a_fault_once_and_the_run_ends_exact(tmp_path, clean, monkeypatch):
+    """The engines' node drains after step 2 and the engine that should take engine 0's place dies as it starts:
+    the handoff's error is a fault like any other (a `failure`, a repair of the engines, one retry spent), the
+    step trained next is not trained twice, and the run ends exact. The node is not acted on again."""
+    from supervisor.cluster.errors import Group, GroupError
+
+    world = World()
+    controller, layout, engines = make_controller(tmp_path, world)
+    at = lambda: controller.runner.state.step.global_step  # noqa: E731
+    polls = iter(range(0, 10**6, 10))
+    controller.drains = DrainWatch(source=lambda: {"n0": time.time() + 60} if at() >= 2 else {},
+                                   clock=lambda: next(polls))
+    replace, failed = type(engines).replace, []
+
+    def dies_once(self, faulty):
+        if faulty and not failed:
+            failed.append(faulty)
+            world.dead_engines.add(0)
+            raise GroupError(Group.ROLLOUT, rex.ActorDiedError(), ("RolloutWorker[0]",), "n2", 0.1)  # as it started
+        return replace(self, faulty)
+
+    monkeypatch.setattr(type(engines), "replace", dies_once)
+    result = controller.run()
+    assert result.exit_code == 0, result.message
+    assert_complete_and_exact(layout, clean[0])
+    events = read_jsonl(layout.events_log)
+    assert failed and [(e["group"], e["global_step"]) for e in events if e["event"] == "failure"] == [("rollout", 3)]
+    assert [e["what"] for e in events if e["event"] == "restart"] == ["restart_engines"]
+    assert [r["global_step"] for r in read_jsonl(layout.stats_log)] == list(range(len(clean[0])))
+    assert [e["node"] for e in events if e["event"] == "preemption"] == []  # the handoff never finished
+
+
 @pytest.mark.parametrize("at, full", [(2, False), (3, False), (4, False), (4, True)])
 def test_a_stop_asked_for_ends_at_the_next_step_boundary_saved_there_and_the_same_command_resumes_exact(
         tmp_path, clean, at, full, monkeypatch):
