@@ -102,6 +102,58 @@ def ray_train_loop(args: dict) -> None:
             log_line(log, step=step, time=time.time())
 
 
+def ray_train_drained_loop(args: dict) -> None:
+    """Ray Train's loop under a drain notice (benchmarks/recovery.py --drain): as ray_train_loop, but every rank
+    logs its node, waits at the start of step `at` until the benchmark has sent the notice (the file `go`), and
+    asks ray.train.get_preemption_info() at every step (Ray Train's way to tell a loop; a barrier of all ranks),
+    rank 0 logging when it first answers. Every step is checkpointed already: nothing more to save on notice.
+    The first group trains on until its node goes at the deadline; the one Ray Train starts after it ends 3 steps
+    after the step it loaded."""
+    import itertools
+    import tempfile
+
+    import ray.train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    run_dir = Path(args["dir"])
+    log = run_dir / "log.jsonl"
+    log_line(log, event="node", rank=rank, node=ray.get_runtime_context().get_node_id(), time=time.time())
+    model, optim, vocab = build(args.get("config"))
+    start, ckpt = 0, ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        start = state["step"] + 1
+    if rank == 0:
+        log_line(log, event="loaded", step=start - 1, time=time.time())
+    restarted, noticed = (run_dir / "go").exists(), False
+    ddp = DDP(model)
+    for step in itertools.count(start):
+        if restarted and step >= start + 3:
+            break
+        if step == args["at"] and not restarted:
+            while not (run_dir / "go").exists():
+                time.sleep(0.05)
+        if ray.train.get_preemption_info() is not None and not noticed:
+            noticed = True
+            if rank == 0:
+                log_line(log, event="notice", step=step, time=time.time())
+        loss = train_step(ddp, optim, step_batch(step, rank, vocab))
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step},
+                           Path(d) / "state.pt")
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report({"step": step, "loss": loss}, checkpoint=checkpoint)
+        if rank == 0:
+            log_line(log, step=step, time=time.time())
+
+
 def torchrun_loop(run_dir: Path, steps: int, kill_at: int, config_path: str | None = None) -> None:
     """torchrun's entry point: resumes from the newest torch.save checkpoint, writes one every step."""
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -258,6 +258,79 @@ def node_lost_run(address: str, fileroot: Path, trial: str, overrides: list[str]
         cluster.add_node()
 
 
+def ray_train_drained(cluster: LocalCluster, root: Path, size: str, at: int, deadline_secs: int) -> dict:
+    """Ray Train's own preemption path on the same cluster: a TorchTrainer (its preemption watcher on, as shipped:
+    it polls Ray's drain list every 5 s) with the same model on 2 gloo ranks of one node and a checkpoint every
+    step (benchmarks/baseline_loop.py: ray_train_drained_loop). Their node is drained as step `at` begins, with
+    `deadline_secs` to go, and killed at the deadline: Ray Train trains on until then, and then restarts the whole
+    group from its last checkpoint. Timed from the node's loss (nothing is lost before it) to the completion of the
+    step then in flight, less its median steady step."""
+    import ray
+    from baseline_loop import ray_train_drained_loop
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    run_dir = root / "ray-train-drained"
+    run_dir.mkdir()
+    log = run_dir / "log.jsonl"
+    here = Path(__file__).resolve().parent
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}})
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            TorchTrainer(ray_train_drained_loop,
+                         train_loop_config={"dir": str(run_dir), "at": at, "config": str(SIZES[size].config)},
+                         torch_config=TorchConfig(backend="gloo"),
+                         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1},
+                                                      placement_strategy="STRICT_PACK"),
+                         run_config=RunConfig(name="baseline-drained", storage_path=str(run_dir / "storage"),
+                                              failure_config=FailureConfig(max_failures=0,
+                                                                           max_preemption_failures=1))).fit()
+        except BaseException as e:  # noqa: BLE001 - said after the run
+            errors.append(e)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    rows = lambda: read_jsonl(log) if log.exists() else []  # noqa: E731
+    try:
+        while not any(r.get("step") == at - 1 and "event" not in r for r in rows()):
+            if not thread.is_alive():
+                raise RuntimeError(f"Ray Train ended before step {at}: {errors[:1]}")
+            time.sleep(0.05)
+        [node] = {r["node"] for r in rows() if r.get("event") == "node"}
+        drained = time.time()
+        r = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                            "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                            "benchmark", "--deadline-remaining-seconds", str(deadline_secs)],
+                           capture_output=True, text=True)
+        (run_dir / "go").touch()
+        if r.returncode:
+            raise RuntimeError(f"ray drain-node failed: {(r.stderr or r.stdout).strip()[-500:]}")
+        time.sleep(max(0.0, drained + deadline_secs - time.time()))
+        cluster.kill_node(cluster.node_of(node))
+        lost = time.time()
+        thread.join(timeout=600)
+    finally:
+        ray.shutdown()
+        cluster.add_node()
+    if thread.is_alive() or errors:
+        raise RuntimeError(f"Ray Train did not recover from the drained node: {errors[:1] or 'still running'}")
+    done = sorted((r["step"], r["time"]) for r in rows() if "event" not in r)
+    in_flight = max(step for step, t in done if t < lost) + 1
+    finished = min(t for step, t in done if step >= in_flight and t > lost)
+    notice = next((r["time"] for r in rows() if r.get("event") == "notice"), None)
+    steady = statistics.median(t1 - t0 for (s0, t0), (s1, t1) in zip(done, done[1:])
+                               if s1 == s0 + 1 and s1 != at and t1 < lost)
+    loaded = next(r["step"] for r in rows() if r.get("event") == "loaded" and r["time"] > lost)
+    return {"system": f"Ray Train {ray.__version__}", "deadline_secs": deadline_secs,
+            "notice_seen_secs": None if notice is None else notice - drained,
+            "steps_before_the_node_went": sum(drained < t < lost for _, t in done),
+            "total": finished - lost, "steady_step": steady, "lost": finished - lost - steady,
+            "loaded_step": loaded, "replayed_steps": in_flight - loaded - 1}
+
+
 def drain_figures(clean: TrialLayout, layout: TrialLayout, secs: float) -> dict:
     events = read_jsonl(layout.events_log)
     recovery = next(e for e in events if e["event"] == Event.RECOVERY)
@@ -306,11 +379,23 @@ def drain_main(args, fileroot: Path, cluster: LocalCluster) -> None:
             trial = "node-" + label.split(",")[0]
             secs, layout = node_lost_run(cluster.address, fileroot, trial, tier, at, config, cluster, notice)
             runs[label] = drain_figures(clean, layout, secs)
+        ray_train = ray_train_drained(cluster, fileroot, args.size, at, 10 if args.quick else DRAIN_SECS)
     finally:
         cluster.shutdown()
     print(f"model: {args.size} ({config.name}), the node lost after step {at}")
     report(drain_table(runs, clean_secs), {"benchmark": "recovery", "size": args.size, "kill": "node",
-                                           "uninterrupted_secs": clean_secs, "runs": runs}, args.json)
+                                           "uninterrupted_secs": clean_secs, "runs": runs, "ray_train": ray_train},
+           args.json)
+    ours = runs["drained, then killed"]["recovery"]
+    print(f"A drained node beside Ray Train's preemption path ({ray_train['system']}: a watcher of the same drain "
+          f"list; the group trains on until the deadline, {ray_train['deadline_secs']} s here, then restarts whole "
+          f"from its last checkpoint; the same model, a checkpoint every step):")
+    report([("", "relaunch (handoff at the next step boundary)", f"{ray_train['system']} (restart at the deadline)"),
+            ("lost beyond one steady step", f"{ours['lost']:.2f} s (step {ours['steady_step']:.2f} s)",
+             f"{ray_train['lost']:.2f} s (step {ray_train['steady_step']:.2f} s)"),
+            ("steps trained again", str(ours["replayed_steps"]), str(ray_train["replayed_steps"])),
+            ("notice seen by the training loop", "-", "-" if ray_train["notice_seen_secs"] is None
+             else f"{ray_train['notice_seen_secs']:.1f} s after it was sent")], None, None)
     print(f"(runs under {fileroot})")
 
 

@@ -150,7 +150,8 @@ def test_weight_sync_benchmark(cluster, tmp_path):
 def test_drain_benchmark(tmp_path):
     """The ranks' node lost after step 8, killed and then drained before it is killed, side by side on a cluster of
     the benchmark's own: both from memory with nothing trained again; the drained one sees no failure and spends
-    no retry, and its figures start at the notice (no detection)."""
+    no retry, and its figures start at the notice (no detection). Then Ray Train's preemption path, drained 10 s
+    ahead and killed at the deadline."""
     figures = bench("recovery", "--drain", tmp_path=tmp_path)
     killed, drained = figures["runs"]["killed"], figures["runs"]["drained, then killed"]
     assert killed["failures"] >= 1 and (killed["retries"], killed["recovery"]["cause"]) == (1, "worker_died")
@@ -160,6 +161,12 @@ def test_drain_benchmark(tmp_path):
         assert (run["recovery"]["source"], run["recovery"]["replayed_steps"]) == ("memory", 0) and run["identical"]
     assert drained["recovery"]["detection"] == 0 < killed["recovery"]["detection"]
     assert "lost beyond one steady step" in figures["stdout"]
+    # Ray Train's own preemption path beside it, on the same cluster: its loop is told (get_preemption_info),
+    # trains on until the deadline, and its group restarts whole from the last checkpoint once the node went
+    ray_train = figures["ray_train"]
+    assert ray_train["system"].startswith("Ray Train") and ray_train["notice_seen_secs"] is not None
+    assert ray_train["steps_before_the_node_went"] >= 1 and ray_train["total"] > ray_train["lost"] > 0
+    assert ray_train["replayed_steps"] >= 0 and "restart at the deadline" in figures["stdout"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (./dev.sh installs it)")
