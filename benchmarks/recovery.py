@@ -267,7 +267,7 @@ def ray_train_drained(cluster: LocalCluster, root: Path, size: str, at: int, dea
     step then in flight, less its median steady step."""
     import ray
     from baseline_loop import ray_train_drained_loop
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     run_dir = root / "ray-train-drained"
@@ -286,6 +286,7 @@ def ray_train_drained(cluster: LocalCluster, root: Path, size: str, at: int, dea
                          scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1},
                                                       placement_strategy="STRICT_PACK"),
                          run_config=RunConfig(name="baseline-drained", storage_path=str(run_dir / "storage"),
+                                              checkpoint_config=CheckpointConfig(num_to_keep=2),  # ~1.2 GB at ~100M
                                               failure_config=FailureConfig(max_failures=0,
                                                                            max_preemption_failures=1))).fit()
         except BaseException as e:  # noqa: BLE001 - said after the run

@@ -107,7 +107,7 @@ def connect(config: Config, address: str | None) -> None:
         # Inside a submitted Ray job the job's runtime env (working dir, env vars) already reaches every actor.
         in_ray_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
         try:
-            ray.init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
+            _init(address=address, namespace=NAMESPACE, runtime_env=None if in_ray_job else _runtime_env())
         except (ConnectionError, ray.exceptions.AuthenticationError) as e:
             raise ClusterUnreachable(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
         return
@@ -115,8 +115,19 @@ def connect(config: Config, address: str | None) -> None:
     needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker
     # "local": a Ray of the job's own, even where another cluster on this machine left its address file
     # (a plain ray.init() would join that cluster, and refuse num_cpus there)
-    ray.init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=NAMESPACE,
-             include_dashboard=False, runtime_env=_runtime_env(), object_store_memory=512 * 1024**2)
+    _init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=NAMESPACE,
+          include_dashboard=False, runtime_env=_runtime_env(), object_store_memory=512 * 1024**2)
+
+
+def _init(**kwargs) -> None:
+    """ray.init, which puts its own SIGTERM handler in while it connects (`sys.exit(15)`): a SIGTERM then stops the
+    run as one at any other time does, not as an exit with code 15 and nothing said."""
+    try:
+        ray.init(**kwargs)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        raise Terminated() from None
 
 
 def run_job(config: Config, address: str | None) -> int:
@@ -142,6 +153,11 @@ def run_job(config: Config, address: str | None) -> int:
     except ClusterUnreachable as e:
         print(f"relaunch: error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    except Terminated:  # while Ray started, before the Supervisor did: nothing ran
+        ray.shutdown()
+        print("relaunch: stopped by SIGTERM while starting, before any step; the last valid checkpoint is kept and "
+              "the same command resumes", file=sys.stderr)
+        return ExitCode.TERMINATED
     except KeyboardInterrupt:  # while Ray started, before the run was followed
         ray.shutdown()
         print("relaunch: interrupted while starting; the last valid checkpoint is kept", file=sys.stderr)
@@ -154,6 +170,8 @@ def run_job(config: Config, address: str | None) -> int:
 def _run_locked(config: Config, address: str | None, lock: TrialLock, term: Termination) -> int:
     connect(config, address)
     signal.signal(signal.SIGTERM, term.handler)  # ray.init put its own in (sys.exit), without a step boundary
+    if term.noted.is_set():  # before ray.init put its own in
+        raise Terminated()
     try:
         name = supervisor_name(config)
         try:

@@ -55,16 +55,18 @@ def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef
     return pending, errors
 
 
-def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> tuple[list[ray.ObjectRef], bool]:
     """Kill the actors and wait (a bounded while) until they are gone (a fresh call on each fails), and for
-    the calls in `waited`; returns those still running. Nothing a killed actor did outlives it, and its
-    resources are free for what replaces it."""
+    the calls in `waited`; returns those still running, and whether every actor was seen gone. Nothing a killed
+    actor did outlives it, and its resources are free for what replaces it."""
     for h in handles:
         try:
             ray.kill(h, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-    return drain(waited + [h.where.remote() for h in handles], KILL_WAIT_SECS)[0]
+    probes = [h.where.remote() for h in handles]
+    running = drain(waited + probes, KILL_WAIT_SECS)[0]
+    return running, not set(probes) & set(running)
 
 
 def wait_for_write(poll: Callable[[], list], bound: float, sleep: Callable[[float], None] = time.sleep,
@@ -91,6 +93,9 @@ class _Members:
         self.timeout = timeout
         self.members: list[Member] = []
         self.orphans: list[ray.ObjectRef] = []  # calls left behind by a fault
+        # whether an actor of this group may still live that was killed and not seen gone, or (a new group) one of
+        # whoever came before it: until a reader who cares (WeightStream) has dealt with it and set it back
+        self.unconfirmed = True
 
     def gather(self, refs: list[ray.ObjectRef], timeout: float | None = None,
                members: list[Member] | None = None) -> list:
@@ -133,7 +138,8 @@ class _Members:
         return [{"name": m.name, "node": m.node_id, "pid": m.pid} for m in self.members]
 
     def _kill(self, members: list[Member]) -> None:
-        self.orphans = kill([m.handle for m in members], self.orphans)
+        self.orphans, gone = kill([m.handle for m in members], self.orphans)
+        self.unconfirmed |= not gone
 
 
 def placement_group_name(config: Config) -> str:

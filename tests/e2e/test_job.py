@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,10 +123,22 @@ def test_two_runs_of_one_trial_at_once_one_runs_the_other_touches_nothing(refere
 
 
 def test_ctrl_c_is_told_truthfully_and_the_rerun_says_where_it_resumed(reference, trial, tmp_path):
-    """Ctrl-C as a terminal sends it (SIGINT to the driver's whole process group): exit 130, no Ray line about
+    """SIGTERM while the job starts (Ray starting): exit 143, the lock released, nothing run. Then Ctrl-C as a
+    terminal sends it (SIGINT to the driver's whole process group): exit 130, no Ray line about
     retries that never happen, `status` says interrupted with the step kept, and the rerun says where it
     resumed and ends exactly as the uninterrupted reference."""
     args = ("run", str(CONFIG), *SHORT, "recover.spare_workers=0", *trial.overrides)
+    # first SIGTERM while it starts (its own Ray starting, with Ray's handler in place): a stop like any other
+    starting = start_relaunch(*args, env=job_env(), log=tmp_path / "starting.log")
+    while not (trial.root / "run.lock").exists():
+        assert starting.poll() is None, (tmp_path / "starting.log").read_text()[-2000:]
+        time.sleep(0.02)
+    starting.send_signal(signal.SIGTERM)
+    assert starting.wait(timeout=60) == 143, (tmp_path / "starting.log").read_text()[-2000:]
+    assert (tmp_path / "starting.log").read_text().splitlines()[-1] == (
+        "relaunch: stopped by SIGTERM while starting, before any step; the last valid checkpoint is kept and the "
+        "same command resumes")
+    assert not (trial.root / "run.lock").exists() and not trial.stats()
     log = tmp_path / "first.log"
     proc = start_relaunch(*args, env=job_env(), log=log)
     trial.wait_for_step(7, proc)
