@@ -64,7 +64,7 @@ MEMORY_TIER_BACKENDS = (Backend.FSDP,)  # engines whose ranks can re-form their 
 
 
 class MemoryTier(str, enum.Enum):
-    AUTO = "auto"  # on where it can serve: fsdp, no KL reference policy, at least one warm spare
+    AUTO = "auto"  # on where it can serve: fsdp, no refreshed KL reference policy, two ranks or a warm spare
     ON = "on"      # the same, but a config it cannot serve is an error before the job starts
     OFF = "off"
 
@@ -357,7 +357,7 @@ class RecoverConfig(Frequency):
                                      "buddy (a warm spare, else a peer rank; on another node where one runs); a rank "
                                      "that dies is then replaced with that state, the other ranks roll back in "
                                      "place, and nothing is read from disk (docs/failures.md); auto: where it can "
-                                     "(fsdp, actor.kl_coef 0, two ranks or a spare)")
+                                     "(fsdp, no refreshed KL reference, two ranks or a spare)")
     min_train_workers: Optional[int] = Field(
         None, ge=1, description="shrink the TrainGroup down to this many ranks when the cluster cannot offer "
                                 "cluster.n_train_workers (DCP reshards the checkpoint); null never shrinks")
@@ -435,8 +435,9 @@ class Config(_Strict):
             return (f"the memory tier needs actor.backend fsdp (DeepSpeed keeps its process groups in global comm "
                     f"state that cannot be re-formed in place); actor.backend {self.actor.backend.value} recovers "
                     f"from disk")
-        if self.actor.kl_coef:
-            return "the memory tier does not hold the KL reference policy yet (actor.kl_coef > 0)"
+        if self.actor.kl_coef and self.actor.ref_update_steps:
+            return ("the memory tier does not hold a refreshed KL reference policy yet (actor.ref_update_steps); "
+                    "the initial policy as the reference (null) a new rank rebuilds from the config")
         if not self.recover.mode.enabled:
             return "recover.mode is off: no repair at all"
         if self.cluster.n_train_workers == 1 and (spares == 0 or self.recover.spare_workers == 0):

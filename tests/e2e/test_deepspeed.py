@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from harness import CONFIG, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
+from harness import CONFIG, MEMORY_TIER, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e
@@ -168,5 +168,24 @@ def test_the_fsdp_engine_restores_its_reference_exactly(cluster, tmp_path):
     whole, killed = trials["whole"], trials["killed"]
     assert [e["global_step"] for e in killed.events("loaded")] == [-1, 14]
     assert [s["global_step"] for s in whole.stats() if s["kl"] == 0] == [0, 10, 20]
+    assert curve(killed.stats()) == curve(whole.stats())
+    assert killed.final_weights() == whole.final_weights()
+
+
+def test_a_rank_replaced_from_memory_rebuilds_the_initial_policy_as_its_reference(cluster, tmp_path):
+    """GRPO's KL term against the initial policy (no refresh) on fsdp has the memory tier: rank 1 killed in step 7's
+    update is replaced from its peer's copy by a new process, which builds the reference from the config as every
+    rank did; nothing trained again, and the run ends bit-identical to the uninterrupted one, kl included."""
+    job = ["total_train_epochs=1", "actor.kl_coef=0.05", MEMORY_TIER, "recover.backoff_secs=0"]
+    trials = {}
+    for name, fault in (("whole", None), ("killed", "TrainWorker.train.enter:kill:step=7:rank=1")):
+        trials[name] = t = Trial(tmp_path / name / "runs")
+        env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)} if fault else None)
+        r = relaunch("run", str(CONFIG), *job, *t.overrides, "--address", cluster.address, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    whole, killed = trials["whole"], trials["killed"]
+    recovery, = killed.events("recovery")
+    assert (recovery["source"], recovery["loaded_step"], recovery["replayed_steps"]) == ("memory", 6, 0), recovery
+    assert all(s["kl"] > 0 for s in whole.stats()[1:])  # the policy moved away from its reference
     assert curve(killed.stats()) == curve(whole.stats())
     assert killed.final_weights() == whole.final_weights()

@@ -149,6 +149,8 @@ def test_the_default_job_is_served_by_the_memory_tier_with_spares_or_without():
     assert c.memory_tier_off(spares=2) is None and c.memory_tier_off(spares=0) is None  # without: peers hold
     one = load_config(None, ["cluster.n_train_workers=1", "recover.spare_workers=0"])
     assert one.memory_tier_off() == "one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
+    # GRPO's KL term against the initial policy: a new rank rebuilds that reference from the config
+    assert load_config(None, ["actor.kl_coef=0.1"]).memory_tier_off(spares=2) is None
 
 
 @pytest.mark.parametrize("overrides, reason", [
