@@ -120,57 +120,66 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def _init(**kwargs) -> None:
-    """ray.init, which puts its own SIGTERM handler in while it connects (`sys.exit(15)`): a SIGTERM then stops the
-    run as one at any other time does, not as an exit with code 15 and nothing said."""
+    """ray.init, which puts its own SIGTERM handler in (`sys.exit(15)`) and leaves it: a SIGTERM while it connects
+    stops the run as one at any other time does, not as an exit with code 15 and nothing said, and the handler in
+    place before it is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(**kwargs)
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise
         raise Terminated() from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def run_job(config: Config, address: str | None) -> int:
     if not config.recover.mode.enabled:
         print(f"relaunch: warning: {RECOVERY_OFF.format(mode=config.recover.mode.value)}", file=sys.stderr)
     lock = trial_lock(TrialLayout.from_config(config))
-    try:
-        if address:
-            probe(address)
-        taken_over = lock.acquire()
-    except (ClusterUnreachable, TrialLocked) as e:
-        print(f"relaunch: error: {e}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except OSError as e:  # the lock's disk or store failed it: nothing has started
-        print(f"relaunch: error: cannot take the trial's lock {lock.path}: {e}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
     term = Termination()
-    previous = signal.signal(signal.SIGTERM, term.handler)
+    previous = signal.signal(signal.SIGTERM, term.handler)  # from here on a SIGTERM is a stop, never a bare exit
     try:
-        if taken_over:
-            print(f"relaunch: {taken_over}", file=sys.stderr)
-        return _run_locked(config, address, lock, term)
-    except ClusterUnreachable as e:
-        print(f"relaunch: error: {e}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except Terminated:  # while Ray started, before the Supervisor did: nothing ran
-        ray.shutdown()
-        print("relaunch: stopped by SIGTERM while starting, before any step; the last valid checkpoint is kept and "
-              "the same command resumes", file=sys.stderr)
-        return ExitCode.TERMINATED
-    except KeyboardInterrupt:  # while Ray started, before the run was followed
-        ray.shutdown()
-        print("relaunch: interrupted while starting; the last valid checkpoint is kept", file=sys.stderr)
-        return ExitCode.INTERRUPTED
+        try:
+            if address:
+                probe(address)
+            taken_over = lock.acquire()
+        except (ClusterUnreachable, TrialLocked) as e:
+            print(f"relaunch: error: {e}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        except OSError as e:  # the lock's disk or store failed it: nothing has started
+            print(f"relaunch: error: cannot take the trial's lock {lock.path}: {e}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        try:
+            if taken_over:
+                print(f"relaunch: {taken_over}", file=sys.stderr)
+            return _run_locked(config, address, lock, term)
+        except ClusterUnreachable as e:
+            print(f"relaunch: error: {e}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        except Terminated:  # before the Supervisor started: nothing ran
+            ray.shutdown()
+            print("relaunch: stopped by SIGTERM while starting, before any step; the last valid checkpoint is kept "
+                  "and the same command resumes", file=sys.stderr)
+            return ExitCode.TERMINATED
+        except KeyboardInterrupt:  # while Ray started, before the run was followed
+            ray.shutdown()
+            print("relaunch: interrupted while starting; the last valid checkpoint is kept", file=sys.stderr)
+            return ExitCode.INTERRUPTED
+        finally:
+            lock.release()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        lock.release()
 
 
 def _run_locked(config: Config, address: str | None, lock: TrialLock, term: Termination) -> int:
+    if term.noted.is_set():  # while the lock was taken
+        raise Terminated()
     connect(config, address)
-    signal.signal(signal.SIGTERM, term.handler)  # ray.init put its own in (sys.exit), without a step boundary
-    if term.noted.is_set():  # before ray.init put its own in
+    if term.noted.is_set():  # before ray.init put its own handler in
         raise Terminated()
     try:
         name = supervisor_name(config)

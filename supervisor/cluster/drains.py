@@ -62,3 +62,7 @@ class DrainWatch:
 
     def done(self, node: str) -> None:
         self.acted.add(node)
+
+    def again(self, node: str) -> None:
+        """Act on `node` again at the next poll (its handoff failed: what it did not move is planned again)."""
+        self.acted.discard(node)

@@ -57,16 +57,17 @@ def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef
 
 def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> tuple[list[ray.ObjectRef], bool]:
     """Kill the actors and wait (a bounded while) until they are gone (a fresh call on each fails), and for
-    the calls in `waited`; returns those still running, and whether every actor was seen gone. Nothing a killed
-    actor did outlives it, and its resources are free for what replaces it."""
+    the calls in `waited`; returns those still running, and whether every actor was seen gone (its probe failed
+    as a dead actor's: one that answered, or is still running, was not). Nothing a killed actor did outlives it,
+    and its resources are free for what replaces it."""
     for h in handles:
         try:
             ray.kill(h, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
     probes = [h.where.remote() for h in handles]
-    running = drain(waited + probes, KILL_WAIT_SECS)[0]
-    return running, not set(probes) & set(running)
+    running, errors = drain(waited + probes, KILL_WAIT_SECS)
+    return running, all(isinstance(errors.get(p), ray.exceptions.ActorDiedError) for p in probes)
 
 
 def wait_for_write(poll: Callable[[], list], bound: float, sleep: Callable[[float], None] = time.sleep,

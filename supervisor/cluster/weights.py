@@ -48,10 +48,11 @@ class WeightStream:
         # each engine's shared weights in a segment of this group's own, so that no writer of an earlier group
         # reaches it; unless every rank that wrote the old one is in this group or was seen gone (a repair from
         # memory or a handoff whose killed ranks all went): then the old one serves this group, with no copy
-        fresh = trainers.unconfirmed
-        memories = (engines.gather([m.handle.share_weights.remote(name, fresh) for m in engines.members])
-                    if in_place else [None] * len(engines.members))
-        trainers.unconfirmed = False
+        memories = [None] * len(engines.members)
+        if in_place:
+            memories = engines.gather([m.handle.share_weights.remote(name, trainers.unconfirmed)
+                                       for m in engines.members])
+            trainers.unconfirmed = False  # every engine's segment is this group's now
         joined = [m.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend, memories)
                   for m in trainers.members]
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)

@@ -242,7 +242,11 @@ class Controller:
         notices = self.drains.new(used)
         for node, deadline in notices.items():
             self.drains.done(node)
-            self._preempt(node, deadline, set(notices))
+            try:
+                self._preempt(node, deadline, set(notices))
+            except BaseException:  # a fault, repaired as one; the node's work is planned again after it
+                self.drains.again(node)
+                raise
 
     def _preempt(self, node: str, deadline: float | None, draining: set[str]) -> None:
         """Move the work off a node that will go: its ranks to the spares holding their copies of the step just

@@ -9,6 +9,7 @@ The parts, for P parameters over n ranks (fp32 master weights in either actor.dt
   ZeRO-1 keeps the weights and gradients whole (2wP), ZeRO-2 the weights (wP + wP/n), ZeRO-3 neither (2wP/n);
 - micro-batches on fsdp: the unsharded gradients kept until an update's last micro-batch, 4P;
 - the memory tier's two slots of the rank's own state (weights and both moments, 12P/n each);
+- with actor.kl_coef, the reference policy: a frozen full fp32 copy on every rank, 4P (not measured);
 - the engines' weights the rank maps where an engine shares its host (the shared path writes them in place), 4P
   (2P for bf16 engines; none without rollout.shared_memory_weights);
 - then the largest of two moments that do not overlap: the step's activations (logits over the vocabulary, kept
@@ -83,6 +84,7 @@ def rank_memory(config: Config, shape: dict, memory_tier: bool) -> RankMemory:
     engine_bytes = 2 if config.engine_dtype == "bfloat16" else 4
     parts = {"process": PROCESS_GB * GB, "training state": state, "unsharded gradients of micro-batches":
              4 * p if split else 0.0, SLOTS: 2 * 12 * p / n if memory_tier else 0.0,
+             "KL reference": 4 * p if actor.kl_coef else 0.0,
              "engine weights mapped": engine_bytes * p if config.rollout.shared_memory_weights else 0.0,
              "activations" if activations > after_step else
              "background save and HF export": max(activations, after_step)}

@@ -150,7 +150,7 @@ def test_weight_sync_benchmark(cluster, tmp_path):
 def test_drain_benchmark(tmp_path):
     """The ranks' node lost after step 8, killed and then drained before it is killed, side by side on a cluster of
     the benchmark's own: both from memory with nothing trained again; the drained one sees no failure and spends
-    no retry, and its figures start at the notice (no detection). Then Ray Train's preemption path, drained 10 s
+    no retry, and its figures start at the notice (no detection). Then Ray Train's preemption path, drained 20 s
     ahead and killed at the deadline."""
     figures = bench("recovery", "--drain", tmp_path=tmp_path)
     killed, drained = figures["runs"]["killed"], figures["runs"]["drained, then killed"]

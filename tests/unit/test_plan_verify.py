@@ -114,6 +114,7 @@ def test_plan_predicts_a_ranks_peak_from_its_parts_and_what_a_holder_keeps():
 
     assert parts()["training state"] == 16 * params / 2 and parts()["memory tier's two slots"] == 24 * params / 2
     assert parts("recover.memory=off")["memory tier's two slots"] == 0
+    assert parts()["KL reference"] == 0 and parts("actor.kl_coef=0.1")["KL reference"] == 4 * params
     assert parts("actor.micro_batch_size=4")["unsharded gradients of micro-batches"] == 4 * params
     assert parts("actor.micro_batch_size=32")["unsharded gradients of micro-batches"] == 0  # one pass a rank
     zero = [parts("actor.backend=deepspeed", f"actor.zero_stage={z}")["training state"] for z in (1, 2, 3)]

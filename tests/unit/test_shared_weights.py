@@ -100,6 +100,17 @@ def test_with_no_writer_of_the_earlier_group_left_the_segment_serves_the_next_gr
     assert torch.equal(model[0].weight, torch.full((7, 4), 1.5))
 
 
+def test_both_engine_buffers_take_the_arguments_share_weights_gives_them():
+    """RolloutWorker.share_weights passes `fresh` to whichever buffer the engine has: the CUDA one (which renews
+    always) takes it too."""
+    import inspect
+
+    from workers.cuda_weights import CudaSharedWeights
+
+    for cls in (SharedWeights, CudaSharedWeights):
+        inspect.signature(cls.renew).bind(object(), "weights-3", False)
+
+
 # ---- write_shared: three trainer ranks (processes, one gloo group) write into an engine (this process) ----
 SHAPES = [(2, 3), (5, 4), (1, 7), (6,)]  # fewer rows than ranks, uneven shards, a vector
 # Bounds a failure only (a sync that works returns as soon as it is done): three spawned ranks importing torch
