@@ -65,9 +65,19 @@ def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> t
             ray.kill(h, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-    probes = [h.where.remote() for h in handles]
-    running, errors = drain(waited + probes, KILL_WAIT_SECS)
-    return running, all(isinstance(errors.get(p), ray.exceptions.ActorDiedError) for p in probes)
+    deadline, left = time.monotonic() + KILL_WAIT_SECS, list(handles)
+    running, _ = drain(waited, 0)
+    while left:  # a probe sent before the kill landed may still be answered: asked again until it fails
+        probes = {h.where.remote(): h for h in left}
+        pending, errors = drain(list(probes), max(deadline - time.monotonic(), 0))
+        left = [h for p, h in probes.items() if not isinstance(errors.get(p), ray.exceptions.ActorDiedError)]
+        if pending or time.monotonic() >= deadline:
+            running += pending
+            break
+        if left:
+            time.sleep(0.05)
+    running = drain(running, max(deadline - time.monotonic(), 0))[0]
+    return running, not left
 
 
 def wait_for_write(poll: Callable[[], list], bound: float, sleep: Callable[[float], None] = time.sleep,
