@@ -35,10 +35,8 @@ class CudaSharedWeights:
         self.buffer: torch.Tensor | None = None
         self.renew(None)
 
-    def renew(self, generation: str | None, fresh: bool = True) -> dict:
-        """A new buffer for the group `generation`, holding the parameters as they are; returns its handle. Always
-        a new one, `fresh` or not: a device-to-device copy is cheap, and a killed process's queued CUDA copies may
-        outlive the report of its death."""
+    def renew(self, generation: str | None) -> dict:
+        """A new buffer for the group `generation`, holding the parameters as they are; returns its handle."""
         buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.params[0].device)
         move_into(self.params, buffer)
         torch.cuda.current_stream().synchronize()  # whole before any rank is told where it is

@@ -82,11 +82,10 @@ class RolloutWorker:
                 "gpu": device_uuid() if self.gpu else None}
 
     @fault_points
-    def share_weights(self, group_name: str, fresh: bool = True) -> dict | None:
+    def share_weights(self, group_name: str) -> dict | None:
         """The handle of a new segment of its shared weights, for the ranks of the weights-update group
-        `group_name` alone (workers/shared_weights.py: renew; not `fresh`: the segment it has, for that group
-        now); None when it offers none."""
-        return self.shared.renew(group_name, fresh) if self.shared else None
+        `group_name` alone (workers/shared_weights.py: renew); None when it offers none."""
+        return self.shared.renew(group_name) if self.shared else None
 
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -29,9 +29,7 @@ class SharedWeights:
     Each weights-update group gets a segment of its own (`renew`): the parameters are copied into a new memfd
     and the old one is let go, so a writer left over from an earlier group (a rank of a killed TrainGroup that
     outlived its kill) writes into memory the engine no longer serves. That costs one copy of the weights per
-    new group, and the old segment's memory until its last such writer is gone. Where no such writer can be
-    (every rank of the earlier group is in the new one or was seen gone), the segment is kept for the new
-    group: no copy."""
+    new group, and the old segment's memory until its last such writer is gone."""
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for _, p in model.named_parameters()]
@@ -43,12 +41,8 @@ class SharedWeights:
         self.fd, self.map, self.nonce = -1, None, b""
         self.renew(None)
 
-    def renew(self, generation: str | None, fresh: bool = True) -> dict:
-        """A new segment for the group `generation`, holding the parameters as they are (not `fresh`: the one it
-        has, no writer of an earlier group being left); returns its handle."""
-        if not fresh and self.fd >= 0:
-            self.generation = generation
-            return self.handle()
+    def renew(self, generation: str | None) -> dict:
+        """A new segment for the group `generation`, holding the parameters as they are; returns its handle."""
         fd, segment, nonce = create_segment(NAME, HEADER + self.nbytes)
         move_into(self.params, torch.frombuffer(segment, dtype=torch.uint8)[HEADER:])
         if self.fd >= 0:

@@ -55,29 +55,16 @@ def drain(refs: list[ray.ObjectRef], timeout: float) -> tuple[list[ray.ObjectRef
     return pending, errors
 
 
-def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> tuple[list[ray.ObjectRef], bool]:
+def kill(handles: list[ray.actor.ActorHandle], waited: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
     """Kill the actors and wait (a bounded while) until they are gone (a fresh call on each fails), and for
-    the calls in `waited`; returns those still running, and whether every actor was seen gone (its probe failed
-    as a dead actor's: one that answered, or is still running, was not). Nothing a killed actor did outlives it,
-    and its resources are free for what replaces it."""
+    the calls in `waited`; returns those still running. Nothing a killed actor did outlives it, and its
+    resources are free for what replaces it."""
     for h in handles:
         try:
             ray.kill(h, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-    deadline, left = time.monotonic() + KILL_WAIT_SECS, list(handles)
-    running, _ = drain(waited, 0)
-    while left:  # a probe sent before the kill landed may still be answered: asked again until it fails
-        probes = {h.where.remote(): h for h in left}
-        pending, errors = drain(list(probes), max(deadline - time.monotonic(), 0))
-        left = [h for p, h in probes.items() if not isinstance(errors.get(p), ray.exceptions.ActorDiedError)]
-        if pending or time.monotonic() >= deadline:
-            running += pending
-            break
-        if left:
-            time.sleep(0.05)
-    running = drain(running, max(deadline - time.monotonic(), 0))[0]
-    return running, not left
+    return drain(waited + [h.where.remote() for h in handles], KILL_WAIT_SECS)[0]
 
 
 def wait_for_write(poll: Callable[[], list], bound: float, sleep: Callable[[float], None] = time.sleep,
@@ -104,9 +91,6 @@ class _Members:
         self.timeout = timeout
         self.members: list[Member] = []
         self.orphans: list[ray.ObjectRef] = []  # calls left behind by a fault
-        # whether an actor of this group may still live that was killed and not seen gone, or (a new group) one of
-        # whoever came before it: until a reader who cares (WeightStream) has dealt with it and set it back
-        self.unconfirmed = True
 
     def gather(self, refs: list[ray.ObjectRef], timeout: float | None = None,
                members: list[Member] | None = None) -> list:
@@ -149,8 +133,7 @@ class _Members:
         return [{"name": m.name, "node": m.node_id, "pid": m.pid} for m in self.members]
 
     def _kill(self, members: list[Member]) -> None:
-        self.orphans, gone = kill([m.handle for m in members], self.orphans)
-        self.unconfirmed |= not gone
+        self.orphans = kill([m.handle for m in members], self.orphans)
 
 
 def placement_group_name(config: Config) -> str:

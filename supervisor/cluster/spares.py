@@ -182,7 +182,7 @@ class SparePool:
     def _kill(self, spares: list[Spare]) -> None:
         # the pool's other leftover calls are only collected, not waited for: a taken spare's warm-up may run on
         self.orphans = drain(self.orphans, 0)[0] + kill([s.handle for s in spares],
-                                                        [s.warm for s in spares] + [s.located for s in spares])[0]
+                                                        [s.warm for s in spares] + [s.located for s in spares])
 
     def shutdown(self) -> None:
         spares, self.spares = self.spares, []

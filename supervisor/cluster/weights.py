@@ -45,14 +45,9 @@ class WeightStream:
         uuids = gpus(trainers, engines) if gpu else []
         in_place = len(set(uuids)) == 1 if gpu else config.cluster.gpus_per_worker == 0
         backend = "nccl" if gpu and len(set(uuids)) == len(uuids) else "gloo"
-        # each engine's shared weights in a segment of this group's own, so that no writer of an earlier group
-        # reaches it; unless every rank that wrote the old one is in this group or was seen gone (a repair from
-        # memory or a handoff whose killed ranks all went): then the old one serves this group, with no copy
-        memories = [None] * len(engines.members)
-        if in_place:
-            memories = engines.gather([m.handle.share_weights.remote(name, trainers.unconfirmed)
-                                       for m in engines.members])
-            trainers.unconfirmed = False  # every engine's segment is this group's now
+        # each engine's shared weights in a segment of this group's own: no writer of an earlier group reaches it
+        memories = (engines.gather([m.handle.share_weights.remote(name) for m in engines.members]) if in_place
+                    else [None] * len(engines.members))
         joined = [m.handle.init_weights_update_group.remote(address, self.store.port, world, name, backend, memories)
                   for m in trainers.members]
         refs = [m.handle.init_weights_update_group.remote(address, self.store.port, 1 + i, world, name, backend)

@@ -85,32 +85,6 @@ def test_a_writer_of_an_earlier_group_writes_into_memory_the_engine_no_longer_se
     assert attach(old) is None  # nor can it map the new one through the handle it had
 
 
-def test_with_no_writer_of_the_earlier_group_left_the_segment_serves_the_next_group_without_a_copy():
-    """After a repair whose killed ranks were all seen gone (a handoff, a repair from memory), the engine keeps its
-    segment for the new group: the same memory, the new group's name, and a rank that maps it writes what the engine
-    serves."""
-    model = tied_model()
-    shared = SharedWeights(model)
-    first = shared.renew("weights-1")
-    where = [p.data_ptr() for p in model.parameters()]
-    handle = shared.renew("weights-2", fresh=False)
-    assert [p.data_ptr() for p in model.parameters()] == where  # nothing copied
-    assert handle["generation"] == "weights-2" and (handle["path"], handle["nonce"]) == (first["path"], first["nonce"])
-    attach(handle).view(torch.float32)[:28].fill_(1.5)
-    assert torch.equal(model[0].weight, torch.full((7, 4), 1.5))
-
-
-def test_both_engine_buffers_take_the_arguments_share_weights_gives_them():
-    """RolloutWorker.share_weights passes `fresh` to whichever buffer the engine has: the CUDA one (which renews
-    always) takes it too."""
-    import inspect
-
-    from workers.cuda_weights import CudaSharedWeights
-
-    for cls in (SharedWeights, CudaSharedWeights):
-        inspect.signature(cls.renew).bind(object(), "weights-3", False)
-
-
 # ---- write_shared: three trainer ranks (processes, one gloo group) write into an engine (this process) ----
 SHAPES = [(2, 3), (5, 4), (1, 7), (6,)]  # fewer rows than ranks, uneven shards, a vector
 # Bounds a failure only (a sync that works returns as soon as it is done): three spawned ranks importing torch
