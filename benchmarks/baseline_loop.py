@@ -65,10 +65,41 @@ def maybe_kill(step: int, kill_at: int, rank: int, marker: Path, log: Path) -> N
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def ray_train_loop(args: dict) -> None:
-    """Ray Train's train_loop_per_worker: resumes from ray.train.get_checkpoint(), reports one every step."""
+def ray_train_resume(model, optim, rank: int, log: Path) -> int:
+    """The step to start from: after the one in ray.train.get_checkpoint(), loaded into `model` and `optim`, or 0.
+    Rank 0 logs the step loaded (-1: nothing, the first attempt or a restart before any checkpoint registered)."""
+    import ray.train
+
+    start, ckpt = 0, ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        start = state["step"] + 1
+    if rank == 0:
+        log_line(log, event="loaded", step=start - 1, time=time.time())
+    return start
+
+
+def ray_train_report(model, optim, step: int, loss: float, rank: int, log: Path) -> None:
+    """A completed step reported to Ray Train with a checkpoint (rank 0's; every rank reports), then logged."""
     import tempfile
 
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step}, Path(d) / "state.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"step": step, "loss": loss}, checkpoint=checkpoint)
+    if rank == 0:
+        log_line(log, step=step, time=time.time())
+
+
+def ray_train_loop(args: dict) -> None:
+    """Ray Train's train_loop_per_worker: resumes from ray.train.get_checkpoint(), reports one every step."""
     import ray.train
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -77,29 +108,12 @@ def ray_train_loop(args: dict) -> None:
     run_dir = Path(args["dir"])
     log, marker = run_dir / "log.jsonl", run_dir / "killed"
     model, optim, vocab = build(args.get("config"))
-    start = 0
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=True)
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        start = state["step"] + 1
-    if rank == 0:  # step -1: nothing to load (the first attempt, or a restart before any checkpoint registered)
-        log_line(log, event="loaded", step=start - 1, time=time.time())
+    start = ray_train_resume(model, optim, rank, log)
     ddp = DDP(model)
     for step in range(start, args["steps"]):
         maybe_kill(step, args["kill_at"], rank, marker, log)
         loss = train_step(ddp, optim, step_batch(step, rank, vocab))
-        with tempfile.TemporaryDirectory() as d:
-            checkpoint = None
-            if rank == 0:
-                torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step},
-                           Path(d) / "state.pt")
-                checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report({"step": step, "loss": loss}, checkpoint=checkpoint)
-        if rank == 0:
-            log_line(log, step=step, time=time.time())
+        ray_train_report(model, optim, step, loss, rank, log)
 
 
 def ray_train_drained_loop(args: dict) -> None:
@@ -110,7 +124,6 @@ def ray_train_drained_loop(args: dict) -> None:
     The first group trains on until its node goes at the deadline; the one Ray Train starts after it ends 3 steps
     after the step it loaded."""
     import itertools
-    import tempfile
 
     import ray.train
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -121,15 +134,7 @@ def ray_train_drained_loop(args: dict) -> None:
     log = run_dir / "log.jsonl"
     log_line(log, event="node", rank=rank, node=ray.get_runtime_context().get_node_id(), time=time.time())
     model, optim, vocab = build(args.get("config"))
-    start, ckpt = 0, ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=True)
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        start = state["step"] + 1
-    if rank == 0:
-        log_line(log, event="loaded", step=start - 1, time=time.time())
+    start = ray_train_resume(model, optim, rank, log)
     restarted, noticed = (run_dir / "go").exists(), False
     ddp = DDP(model)
     for step in itertools.count(start):
@@ -143,15 +148,7 @@ def ray_train_drained_loop(args: dict) -> None:
             if rank == 0:
                 log_line(log, event="notice", step=step, time=time.time())
         loss = train_step(ddp, optim, step_batch(step, rank, vocab))
-        with tempfile.TemporaryDirectory() as d:
-            checkpoint = None
-            if rank == 0:
-                torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step},
-                           Path(d) / "state.pt")
-                checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report({"step": step, "loss": loss}, checkpoint=checkpoint)
-        if rank == 0:
-            log_line(log, step=step, time=time.time())
+        ray_train_report(model, optim, step, loss, rank, log)
 
 
 def torchrun_loop(run_dir: Path, steps: int, kill_at: int, config_path: str | None = None) -> None:

@@ -184,3 +184,17 @@ def test_sum64_digests_agree_however_the_buckets_are_cut():
     digest = local_digest(ts, torch.float32, 24, kind="sum64")
     assert digest.startswith("sum64-") and digest == flat_digest(flat, torch.float32, 24, kind="sum64")
     assert digest != local_digest(ts, torch.float32, 24)  # the kinds differ: an engine says which it checks with
+
+
+def test_a_ranks_shard_digest_changes_with_any_element_or_where_its_part_starts():
+    """What a handoff compares before and after the ranks move (controller: `_rejoin_from_memory`): equal only for
+    the same parts at the same places, in any dtype."""
+    from workers.weight_sync import shard_digest
+
+    parts = [(0, torch.arange(6, dtype=torch.float32)), (3, torch.ones(4, dtype=torch.bfloat16))]
+    same = [(start, t.clone()) for start, t in parts]
+    assert shard_digest(parts) == shard_digest(same)
+    changed = [(0, parts[0][1].clone()), parts[1]]
+    changed[0][1][5] += 1
+    assert shard_digest(changed) != shard_digest(parts)
+    assert shard_digest([(1, parts[0][1]), parts[1]]) != shard_digest(parts)
