@@ -16,8 +16,10 @@ import sys
 import threading
 import time
 import uuid
+from unittest import mock
 
 import ray
+import ray._private.utils
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from supervisor.checkpoint.layout import TrialLayout
@@ -120,20 +122,15 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def _init(**kwargs) -> None:
-    """ray.init, which puts its own SIGTERM handler in (`sys.exit(15)`) and leaves it: a SIGTERM while it connects
-    stops the run as one at any other time does, not as an exit with code 15 and nothing said, and the handler in
-    place before it is put back."""
-    main = threading.current_thread() is threading.main_thread()
-    handler = signal.getsignal(signal.SIGTERM) if main else None
-    try:
+    """ray.init without the SIGTERM handler it would put in first (`sys.exit(15)`): that exception is raised
+    wherever the driver happens to be, and where Python ignores exceptions (logging's at-fork hook, as Ray
+    starts its processes) the SIGTERM was lost and the run went on. The driver's own handler stays in place and
+    only notes the signal; the run stops once ray.init returns, as at any other time. Ray's core worker then
+    puts in its crash handler, which prints a stack and aborts on a SIGTERM: the driver's is put back over it."""
+    with mock.patch.object(ray._private.utils, "set_sigterm_handler", lambda handler: None):
         ray.init(**kwargs)
-    except SystemExit as e:
-        if e.code != signal.SIGTERM:
-            raise
-        raise Terminated() from None
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
 
 
 def run_job(config: Config, address: str | None) -> int:
@@ -179,7 +176,7 @@ def _run_locked(config: Config, address: str | None, lock: TrialLock, term: Term
     if term.noted.is_set():  # while the lock was taken
         raise Terminated()
     connect(config, address)
-    if term.noted.is_set():  # before ray.init put its own handler in
+    if term.noted.is_set():  # while Ray connected
         raise Terminated()
     try:
         name = supervisor_name(config)
