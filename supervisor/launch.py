@@ -19,6 +19,7 @@ import uuid
 from unittest import mock
 
 import ray
+import ray._private.ray_constants
 import ray._private.utils
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -122,15 +123,18 @@ def connect(config: Config, address: str | None) -> None:
 
 
 def _init(**kwargs) -> None:
-    """ray.init without the SIGTERM handler it would put in first (`sys.exit(15)`): that exception is raised
-    wherever the driver happens to be, and where Python ignores exceptions (logging's at-fork hook, as Ray
-    starts its processes) the SIGTERM was lost and the run went on. The driver's own handler stays in place and
-    only notes the signal; the run stops once ray.init returns, as at any other time. Ray's core worker then
-    puts in its crash handler, which prints a stack and aborts on a SIGTERM: the driver's is put back over it."""
-    with mock.patch.object(ray._private.utils, "set_sigterm_handler", lambda handler: None):
+    """ray.init without the two SIGTERM handlers it would put in the driver. Its own (`sys.exit(15)`) raises
+    wherever the driver happens to be, and where Python ignores exceptions (logging's at-fork hook, as Ray starts
+    its processes) the SIGTERM was lost and the run went on. Its core worker's crash handler prints a stack and
+    aborts the driver 3 s after a SIGTERM (an alarm it never cancels). The driver's own handler stays in place and
+    only notes the signal; the run stops once ray.init returns, as at any other time. It is put back after, in case
+    a Ray to come puts its handlers in another way."""
+    handler = signal.getsignal(signal.SIGTERM)
+    with mock.patch.object(ray._private.utils, "set_sigterm_handler", lambda _: None), \
+            mock.patch.object(ray._private.ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True):
         ray.init(**kwargs)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+        signal.signal(signal.SIGTERM, handler)
 
 
 def run_job(config: Config, address: str | None) -> int:

@@ -545,6 +545,11 @@ class Controller:
         r.restore(choice.step)
         with self.clock.part("resync"):
             proven = held is not None and trainers.shard_digests() == held
+        if held is not None:
+            self.log.info("the moved ranks hold what they held: every rank's digest of its part matches; the engines "
+                          "keep their weights" if proven else "a moved rank's part of the weights differs from "
+                          "before it moved: the weights are checked whole at the resync",
+                          extra={"step": choice.step, "phase": self.phase})
         if not proven:
             self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
         self.clock.loaded(choice.step, Source.MEMORY)

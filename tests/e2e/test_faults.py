@@ -456,6 +456,9 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
     recovery, = trial.events("recovery")
     assert (recovery["cause"], recovery["source"], recovery["replayed_steps"], recovery["global_step"]) == \
         ("preemption", "memory", 0, 7)
+    # the ranks' digests of their parts, taken before they moved and after, matched: the weights were not gathered
+    assert "the moved ranks hold what they held: every rank's digest of its part matches" in \
+        (tmp_path / "job.log").read_text()
 
     interrupted, = trial.events("interrupted")
     assert (interrupted["signal"], interrupted["global_step"], trial.stats()[-1]["global_step"]) == ("SIGTERM", 13, 13)

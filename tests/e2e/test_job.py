@@ -128,7 +128,7 @@ def test_ctrl_c_is_told_truthfully_and_the_rerun_says_where_it_resumed(reference
     retries that never happen, `status` says interrupted with the step kept, and the rerun says where it
     resumed and ends exactly as the uninterrupted reference."""
     args = ("run", str(CONFIG), *SHORT, "recover.spare_workers=0", *trial.overrides)
-    # first SIGTERM while it starts (its own Ray starting, with Ray's handler in place): a stop like any other
+    # first SIGTERM while it starts (its own Ray starting): a stop like any other
     starting = start_relaunch(*args, env=job_env(), log=tmp_path / "starting.log")
     while not (trial.root / "run.lock").exists():
         assert starting.poll() is None, (tmp_path / "starting.log").read_text()[-2000:]
