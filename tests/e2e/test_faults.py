@@ -474,6 +474,49 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
     assert_recovered_exactly(trial, reference, restarts=0)
 
 
+def test_a_drain_of_the_spares_node_retires_them_and_costs_the_run_nothing(cluster, reference, trial, tmp_path):
+    """The job as shipped, its warm spares (the ranks' memory-tier holders) on the other worker node. While it is
+    paused as step 4 begins, that node gets a preemption notice: at the boundary the spares are retired (the ranks
+    stay, and so does the engine on the head) and refilled elsewhere after the next step, and the node is killed
+    once the job says so. Nothing fails, no retry is spent, and the run ends bit-identical."""
+    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=4",
+                   "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
+                          cluster.address, env=env, log=tmp_path / "job.log")
+    added = False
+    try:
+        deadline = time.time() + 300
+        while not any(p.name.startswith("fired-1-") for p in tmp_path.glob("fired-*")):
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.1)
+        ranks_node = trial.events("loaded")[-1]["nodes"][0]
+        spares_node, = [n.node_id for n in cluster.workers if n.node_id != ranks_node]
+        drain(cluster, spares_node, 30)
+        time.sleep(max(0.0, (tmp_path / "fired-1-step.begin").stat().st_mtime + POLL_SECS - time.time()))
+        (tmp_path / "go").touch()
+        deadline = time.time() + 60
+        while not trial.events("preemption"):
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        cluster.kill_node(cluster.node_of(spares_node))
+        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        cluster.add_node()
+        added = True
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if not added:
+            cluster.add_node()
+    preemption, = trial.events("preemption")
+    assert (preemption["node"], preemption["ranks"], preemption["engines"], preemption["fallback"]) == \
+        (spares_node, [], [], None)
+    assert len(preemption["spares"]) == 2, preemption
+    refills = [e for e in trial.events("spares") if e["action"] == "refilled" and e["time"] > preemption["time"]]
+    assert refills and all(spares_node not in e["nodes"] for e in refills), refills  # elsewhere, after the step
+    assert not trial.events("failure") and not trial.events("restart")
+    assert_recovered_exactly(trial, reference, restarts=0)
+
+
 def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster, reference, trial, tmp_path):
     """Five engines and two ranks fill the cluster, so the node of a rank carries an engine too. Every engine
     hangs in step 6's rollout, so the node's death is seen first on its engine (the engines are restarted) and
