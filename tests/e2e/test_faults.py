@@ -397,6 +397,28 @@ def drain(cluster, node_id: str, deadline_secs: int) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def wait_paused(tmp_path: Path, proc, index: int) -> None:
+    """Until the job waits at its `index`-th armed fault point, a `pause` at step.begin (RELAUNCH_FAULT_DIR is
+    tmp_path; touching `go` lets it go)."""
+    deadline = time.time() + 300
+    while not (tmp_path / f"fired-{index}-step.begin").exists():
+        assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def drain_while_paused(cluster, trial: Trial, tmp_path: Path, proc, index: int, node_id: str) -> None:
+    """`node_id` drained (30 s) while the job waits at its `index`-th fault point; the job let go once its drain
+    watch may poll again (at most once a POLL_SECS, the last time before the pause), and waited for until the
+    `preemption` event says the node's work moved."""
+    drain(cluster, node_id, 30)
+    time.sleep(max(0.0, (tmp_path / f"fired-{index}-step.begin").stat().st_mtime + POLL_SECS - time.time()))
+    (tmp_path / "go").touch()
+    deadline = time.time() + 60
+    while not trial.events("preemption"):
+        assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+        time.sleep(0.2)
+
+
 @pytest.mark.quick
 def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_same_command_to_resume(
         cluster, reference, trial, tmp_path):
@@ -410,28 +432,13 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
     command = ("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
                cluster.address)
     proc = start_relaunch(*command, env=env, log=tmp_path / "job.log")
-
-    def paused(step: int) -> None:
-        deadline = time.time() + 300
-        while not any(p.name.endswith("step.begin") and p.name.startswith(f"fired-{[2, 6, 13].index(step)}-")
-                      for p in tmp_path.glob("fired-*")):
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.1)
-
     added = False
     try:
-        paused(6)
+        wait_paused(tmp_path, proc, 1)  # as step 6 begins
         train_node = trial.events("loaded")[-1]["nodes"][0]
-        drain(cluster, train_node, 30)
-        # let go once the drain watch may poll again (at most once a POLL_SECS, the last time before the pause)
-        time.sleep(max(0.0, (tmp_path / "fired-1-step.begin").stat().st_mtime + POLL_SECS - time.time()))
-        (tmp_path / "go").touch()
-        deadline = time.time() + 60
-        while not trial.events("preemption"):
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.2)
+        drain_while_paused(cluster, trial, tmp_path, proc, 1, train_node)
         cluster.kill_node(cluster.node_of(train_node))
-        paused(13)
+        wait_paused(tmp_path, proc, 2)  # as step 13 begins
         proc.send_signal(signal.SIGTERM)
         termed = time.monotonic()
         while "[relaunch] SIGTERM: stopping" not in (tmp_path / "job.log").read_text():  # the driver has it
@@ -485,19 +492,10 @@ def test_a_drain_of_the_spares_node_retires_them_and_costs_the_run_nothing(clust
                           cluster.address, env=env, log=tmp_path / "job.log")
     added = False
     try:
-        deadline = time.time() + 300
-        while not any(p.name.startswith("fired-1-") for p in tmp_path.glob("fired-*")):
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.1)
+        wait_paused(tmp_path, proc, 1)  # as step 4 begins
         ranks_node = trial.events("loaded")[-1]["nodes"][0]
         spares_node, = [n.node_id for n in cluster.workers if n.node_id != ranks_node]
-        drain(cluster, spares_node, 30)
-        time.sleep(max(0.0, (tmp_path / "fired-1-step.begin").stat().st_mtime + POLL_SECS - time.time()))
-        (tmp_path / "go").touch()
-        deadline = time.time() + 60
-        while not trial.events("preemption"):
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.2)
+        drain_while_paused(cluster, trial, tmp_path, proc, 1, spares_node)
         cluster.kill_node(cluster.node_of(spares_node))
         assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
         cluster.add_node()
