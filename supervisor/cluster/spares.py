@@ -171,11 +171,13 @@ class SparePool:
             self.spares.append(Spare(handle, name, handle.warm.remote(), handle.located.remote(), placed=node))
         return nodes
 
-    def make_room(self, n: int) -> int:
+    def make_room(self, n: int, keep: frozenset[str] = frozenset()) -> int:
         """Kill spares until the cluster has free CPUs for `n` more workers (replacements of engines lost with
-        a node must not wait behind spares); returns how many were killed. The pool refills when there is room."""
+        a node must not wait behind spares), never those in `keep` (by name: the spares about to take ranks'
+        places in the same handoff); returns how many were killed. The pool refills when there is room."""
         free = sum(r.get("CPU", 0.0) for r in room_per_node().values()) // self.config.cluster.cpus_per_worker
-        victims, self.spares = self.spares[:max(0, n - int(free))], self.spares[max(0, n - int(free)):]
+        victims = [s for s in self.spares if s.name not in keep][:max(0, n - int(free))]
+        self.spares = [s for s in self.spares if s not in victims]
         self._kill(victims)
         return len(victims)
 

@@ -292,7 +292,8 @@ class Controller:
                 self.runner.memory.retired(self.fleet.trainers, handoff.spares)
         if handoff.engines:
             with self.clock.part("teardown"):
-                self._make_room_for_engines(len(handoff.engines))
+                self._make_room_for_engines(len(handoff.engines),
+                                            keep=frozenset(choice.adopters.values()) if choice else frozenset())
                 replaced = fleet.engines.replace(handoff.engines)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
         if handoff.ranks:
@@ -546,8 +547,8 @@ class Controller:
         with self.clock.part("resync"):
             proven = held is not None and trainers.shard_digests() == held
         if held is not None:
-            self.log.info("the moved ranks hold what they held: every rank's digest of its part matches; the engines "
-                          "keep their weights" if proven else "a moved rank's part of the weights differs from "
+            self.log.info("the moved ranks hold what they held: every rank's digest of its part matches; engines "
+                          "already holding these weights keep them" if proven else "a moved rank's part of the weights differs from "
                           "before it moved: the weights are checked whole at the resync",
                           extra={"step": choice.step, "phase": self.phase})
         if not proven:
@@ -648,11 +649,12 @@ class Controller:
             self.fleet.sync_engines(self.runner.weights_version, gate=True)  # a new engine starts in its sync
         self.clock.resumed()
 
-    def _make_room_for_engines(self, n: int) -> None:
-        """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room."""
+    def _make_room_for_engines(self, n: int, keep: frozenset[str] = frozenset()) -> None:
+        """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room,
+        but for those in `keep` (a handoff's adopters, about to take the moving ranks' places)."""
         engines = self.fleet.engines
         if self.spares is not None and self._best_effort(
-                "making room for the engines", lambda: self.spares.make_room(n - engines.live_spares())):
+                "making room for the engines", lambda: self.spares.make_room(n - engines.live_spares(), keep)):
             self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
 

@@ -409,12 +409,13 @@ def wait_paused(tmp_path: Path, proc, index: int) -> None:
 def drain_while_paused(cluster, trial: Trial, tmp_path: Path, proc, index: int, node_id: str) -> None:
     """`node_id` drained (30 s) while the job waits at its `index`-th fault point; the job let go once its drain
     watch may poll again (at most once a POLL_SECS, the last time before the pause), and waited for until the
-    `preemption` event says the node's work moved."""
+    next `preemption` event says the node's work moved."""
+    before = len(trial.events("preemption"))
     drain(cluster, node_id, 30)
     time.sleep(max(0.0, (tmp_path / f"fired-{index}-step.begin").stat().st_mtime + POLL_SECS - time.time()))
     (tmp_path / "go").touch()
     deadline = time.time() + 60
-    while not trial.events("preemption"):
+    while len(trial.events("preemption")) == before:
         assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
         time.sleep(0.2)
 
@@ -481,38 +482,78 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
     assert_recovered_exactly(trial, reference, restarts=0)
 
 
-def test_a_drain_of_the_spares_node_retires_them_and_costs_the_run_nothing(cluster, reference, trial, tmp_path):
-    """The job as shipped, its warm spares (the ranks' memory-tier holders) on the other worker node. While it is
-    paused as step 4 begins, that node gets a preemption notice: at the boundary the spares are retired (the ranks
-    stay, and so does the engine on the head) and refilled elsewhere after the next step, and the node is killed
-    once the job says so. Nothing fails, no retry is spent, and the run ends bit-identical."""
-    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=4",
+def test_drains_of_the_spares_node_then_of_a_node_with_the_ranks_and_an_engine_cost_the_run_nothing(
+        cluster, reference, trial, tmp_path):
+    """Five engines and two ranks fill the cluster (so the ranks' node carries an engine too), with two warm
+    spares wanted and no room for them. A third worker node is added: the spares start there and hold the ranks'
+    memory-tier copies. Paused as step 4 begins, the spares' node gets a preemption notice (`ray drain-node`,
+    30 s): the spares are retired at the boundary, refilled after the next step on a fourth node, and the drained
+    node is killed once the job says so. Paused as step 8 begins, the ranks' node (with its engine) gets one: each
+    rank hands its place to the spare holding its copy of step 8, the engine is replaced on the spares' node, and
+    that node is killed too. Nothing fails, no retry is spent, nothing is trained again, bit-identical."""
+    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=4,"
+                                     "step.begin:wait_spares:step=6,step.begin:pause:step=8",
                    "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
-                          cluster.address, env=env, log=tmp_path / "job.log")
-    added = False
+    proc = start_relaunch("run", str(CONFIG), *SHORT, "cluster.n_rollout_workers=5", "recover.spare_workers=2",
+                          MEMORY_TIER, *trial.overrides, "--address", cluster.address, env=env,
+                          log=tmp_path / "job.log")
+    workers = {n.node_id for n in cluster.workers}
+    drained = []
     try:
+        deadline = time.time() + 300
+        while not trial.events("loaded"):
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        spares_node = cluster.add_node().node_id  # the only room for the spares (wait_spares, as step 2 begins)
         wait_paused(tmp_path, proc, 1)  # as step 4 begins
-        ranks_node = trial.events("loaded")[-1]["nodes"][0]
-        spares_node, = [n.node_id for n in cluster.workers if n.node_id != ranks_node]
+        refill_node = cluster.add_node().node_id  # the room the retired spares come back to
+        drained.append(spares_node)
         drain_while_paused(cluster, trial, tmp_path, proc, 1, spares_node)
         cluster.kill_node(cluster.node_of(spares_node))
+
+        wait_paused(tmp_path, proc, 3)  # as step 8 begins
+        rank_nodes = trial.events("loaded")[-1]["nodes"]
+        ranks_node = rank_nodes[0]
+        drained.append(ranks_node)
+        drain_while_paused(cluster, trial, tmp_path, proc, 3, ranks_node)
+        cluster.kill_node(cluster.node_of(ranks_node))
         assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
-        cluster.add_node()
-        added = True
     finally:
         if proc.poll() is None:
             proc.kill()
-        if not added:
-            cluster.add_node()
-    preemption, = trial.events("preemption")
-    assert (preemption["node"], preemption["ranks"], preemption["engines"], preemption["fallback"]) == \
+        restore_workers(cluster, workers, drained)
+    spares_drain, ranks_drain = trial.events("preemption")
+    assert (spares_drain["node"], spares_drain["ranks"], spares_drain["engines"], spares_drain["fallback"]) == \
         (spares_node, [], [], None)
-    assert len(preemption["spares"]) == 2, preemption
-    refills = [e for e in trial.events("spares") if e["action"] == "refilled" and e["time"] > preemption["time"]]
-    assert refills and all(spares_node not in e["nodes"] for e in refills), refills  # elsewhere, after the step
+    assert len(spares_drain["spares"]) == 2, spares_drain
+    refills = [e for e in trial.events("spares") if e["action"] == "refilled" and e["time"] > spares_drain["time"]]
+    assert refills and all(set(e["nodes"]) == {refill_node} for e in refills), refills  # after the step, elsewhere
+
+    ranks = [r for r, n in enumerate(rank_nodes) if n == ranks_node]
+    assert (ranks_drain["node"], ranks_drain["global_step"], ranks_drain["ranks"], ranks_drain["fallback"]) == \
+        (ranks_node, 8, ranks, None)
+    assert len(ranks_drain["engines"]) == 1 and set(ranks_drain["to"]) == {refill_node}, ranks_drain
+    replaced, = trial.events("engines_restarted")  # by a new engine, on the only node with room
+    assert replaced["replaced"] == ranks_drain["engines"]
     assert not trial.events("failure") and not trial.events("restart")
+    recovery = trial.events("recovery")[-1]
+    assert (recovery["cause"], recovery["source"], recovery["replayed_steps"], recovery["global_step"]) == \
+        ("preemption", "memory", 0, 9)
+    assert "the moved ranks hold what they held: every rank's digest of its part matches" in \
+        (tmp_path / "job.log").read_text()
     assert_recovered_exactly(trial, reference, restarts=0)
+
+
+def restore_workers(cluster, workers: set[str], drained: list[str]) -> None:
+    """The shared cluster as the next test expects it, whatever happened: as many worker nodes as before, none of
+    them draining (nodes this test drained are killed; those it added beyond the count go too)."""
+    for node in list(cluster.workers):
+        if node.node_id in drained:
+            cluster.kill_node(node)
+    while len(cluster.workers) > len(workers):
+        cluster.kill_node(next(n for n in reversed(cluster.workers) if n.node_id not in workers))
+    while len(cluster.workers) < len(workers):
+        cluster.add_node()
 
 
 def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster, reference, trial, tmp_path):

@@ -84,3 +84,19 @@ def test_a_notice_not_known_this_time_is_no_cancelled_drain():
     for _ in range(2):  # the GCS did not answer, then answers with the same drain: acted on once only
         now[0] += POLL_SECS
         assert watch.new({"b"}) == {}
+
+
+def test_room_made_for_a_handoffs_engines_never_costs_the_spares_adopting_its_ranks(monkeypatch):
+    """The cluster has room for none of the engines replaced: spares go to make it, but not the ones named to take
+    the moving ranks' places (killing one would turn the handoff into a fault)."""
+    from supervisor.cluster import spares as spares_module
+    from supervisor.cluster.spares import Spare, SparePool
+    from supervisor.config import load_config
+
+    pool = SparePool(load_config("configs/tiny_grpo.yaml", []), 3)
+    pool.spares = [Spare(None, name, None, None) for name in ("spare-a", "spare-b", "spare-c")]
+    killed = []
+    monkeypatch.setattr(pool, "_kill", lambda spares: killed.extend(s.name for s in spares))
+    monkeypatch.setattr(spares_module, "room_per_node", lambda: {"head": {"CPU": 0.0}, "b": {"CPU": 0.0}})
+    assert pool.make_room(2, keep=frozenset({"spare-a"})) == 2
+    assert killed == ["spare-b", "spare-c"] and [s.name for s in pool.spares] == ["spare-a"]
