@@ -197,9 +197,10 @@ class TrainWorker:
         """Collective: stream the weights the update of `global_step` made (-1: none yet) to the weights ranks
         `targets`, in buckets gathered from every rank's shards as they go, in `dtype` (the engines');
         with no targets, only their digest. With `shared`, every rank writes its shards straight into the
-        targets' shared weights instead, and the trainer's own gather of one parameter (`check_all`: of every
-        parameter) is compared with what was written (workers/weight_sync.py: mismatched). Rank 0 returns the
-        digest (of the kind the engines check with, `digest`), the targets that failed and figures; the others {}."""
+        targets' shared weights instead, and every rank's own part of one parameter (`check_all`: of every
+        parameter), placed by the sharding itself, is compared by its hash with what was written
+        (workers/weight_sync.py: mismatched). Rank 0 returns the digest (of the kind the engines check with,
+        `digest`), the targets that failed and figures; the others {}."""
         numels = [math.prod(shape) for _, shape in self.engine.weight_params()]
         torch_dtype, bucket_bytes = getattr(torch, dtype), self.config.rollout.weight_bucket_mb * 2**20
         timeout, sender = op_timeout(self.config), self.rank == 0
@@ -211,8 +212,8 @@ class TrainWorker:
         sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes, segments, self.rank,
                             self.world_size, self.weights_group, targets, timeout, global_step, digest)
         t0, which = time.monotonic(), to_check(global_step + 1, len(numels), check_all)
-        bad = mismatched(self.engine.full_param, segments[0].view(torch_dtype) if sender else None, numels,
-                         torch_dtype, which)  # the first engine's: the digests show the others hold the same
+        bad = mismatched(self.engine.placed_part, segments[0].view(torch_dtype) if sender else None, numels,
+                         torch_dtype, which, digest)  # the first engine's: the digests show the others hold the same
         return sent | {"checked": len(which), "mismatch": bad[0] if bad else None,
                        "check_secs": time.monotonic() - t0} if sender else {}
 

@@ -349,24 +349,38 @@ def _write_failed(error: BaseException | None, failed: torch.Tensor, group, targ
 
 
 def to_check(version: int, count: int, whole: bool) -> list[int]:
-    """Which of the `count` parameters a shared sync checks against the trainer's own gather: all of them
+    """Which of the `count` parameters a shared sync checks against the trainer's own parts: all of them
     (`whole`), else one, a different one each version, so that `count` consecutive syncs cover them all."""
     return list(range(count)) if whole else [version % count]
 
 
-def mismatched(full: Callable[[int], torch.Tensor], flat: torch.Tensor | None, numels: Sequence[int],
-               dtype: torch.dtype, which: Sequence[int]) -> list[int]:
-    """Collective, on every trainer rank: parameters `which` as the trainer gathers them (`full`, the stream's
-    gather, not the shards the ranks wrote), compared bitwise on rank 0 with where the ranks wrote them (`flat`:
-    an engine's shared weights, laid end to end in `dtype`; None on the other ranks). The indices that differ,
-    on rank 0: a stale or misplaced shard shows."""
+def mismatched(part: Callable[[int], tuple[int, torch.Tensor]], flat: torch.Tensor | None, numels: Sequence[int],
+               dtype: torch.dtype, which: Sequence[int], kind: str = "xxh3") -> list[int]:
+    """Collective, on every trainer rank: parameters `which` as the trainer holds them, compared on rank 0 with
+    where the ranks wrote them (`flat`: an engine's shared weights as rank 0 maps them, laid end to end in `dtype`;
+    None on the other ranks). Each rank hashes its own part (`part`: the engine's placed_part, placed by the
+    sharding itself, not by the shards the ranks wrote) and only the hashes cross the group: rank 0 hashes the
+    same spans of `flat`. The indices that differ, or whose parts do not cover the parameter exactly once, on
+    rank 0: a stale or misplaced shard shows."""
+    mine = torch.zeros(len(which), 3, dtype=torch.int64)  # per parameter: first element, elements, hash
+    for n, i in enumerate(which):
+        start, tensor = part(i)
+        mine[n, :2] = torch.tensor([start, tensor.numel()])
+        mine[n, 2:] = as_message([bucket_hash(tensor.reshape(-1).to(dtype).contiguous(), kind)])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if flat is None:
+        return []
     first, bad = np.cumsum([0, *numels[:-1]]).tolist(), []
-    for i in which:
-        tensor = full(i)  # collective: every rank, each parameter
-        if flat is not None:
-            own = tensor.reshape(-1).to(dtype).contiguous().view(torch.uint8)
-            if not torch.equal(own, flat[first[i]:first[i] + numels[i]].view(torch.uint8)):
-                bad.append(i)
+    for n, i in enumerate(which):
+        spans = sorted((int(r[n, 0]), int(r[n, 1]), from_message(r[n, 2:])[0]) for r in every if r[n, 1] > 0)
+        covered, held = 0, True
+        for start, count, digest in spans:
+            span = flat[first[i] + start:first[i] + start + count]
+            held = held and start == covered and bucket_hash(span.contiguous(), kind) == digest
+            covered = start + count
+        if not held or covered != numels[i]:
+            bad.append(i)
     return bad
 
 

@@ -60,7 +60,7 @@ class WeightStream:
         self.names, self.shapes = spec["names"], spec["shapes"]
         # every rank mapped every engine's weights: the ranks write them in place (workers/shared_weights.py)
         self.shared = all(a["shared"] for a in (spec, *others))
-        # whether a shared sync was checked whole against the trainer's own gather, before and after the
+        # whether a shared sync was checked whole against the trainer's own parts, before and after the
         # TrainGroup's first optimizer step (right after a load, a stale shard cannot show); every other shared
         # sync checks one parameter, a different one each version
         self.checked: set[bool] = set()
@@ -69,7 +69,7 @@ class WeightStream:
         """Stream the weights of `global_step`'s update to the engines in `only` (default: all; []: only the
         digest). Returns rank 0's figures: digest, bytes, buckets, secs, digest_secs, wait_secs, and
         gather_secs (the stream) or write_secs, checked and check_secs (shared weights). A shared sync whose
-        writes differ from the trainer's own gather stops the job (an internal error)."""
+        writes differ from the trainer's own parts stops the job (an internal error)."""
         trainers, engines = self.trainers, self.engines
         only = list(range(len(engines.members))) if only is None else only
         shared = self.shared and bool(only)

@@ -121,25 +121,59 @@ def test_every_parameter_is_checked_once_in_as_many_syncs_as_there_are_parameter
     assert to_check(3, 5, whole=True) == [0, 1, 2, 3, 4]
 
 
-def test_a_parameter_written_stale_differs_from_the_trainers_own_gather_and_every_rank_gathers_alike():
+def checking_rank(rank: int, init: str, out: str) -> None:
+    """One of two trainer ranks checking what was written (mismatched) in several cases: its parts are dim-0
+    shards as FSDP2 cuts them; rank 0 also holds the written memory. Each case's answer goes to `out`.{rank}."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
     from workers.weight_sync import mismatched
 
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     full = [torch.randn(37, 5), torch.randn(1000), torch.randn(3, 3)]
-    buffer, gathered = torch.empty(1000), []
-
-    def gather(i: int) -> torch.Tensor:  # like FSDP's: a buffer reused from parameter to parameter
-        gathered.append(i)
-        return buffer[:full[i].numel()].view(full[i].shape).copy_(full[i])
-
-    written = torch.cat([t.reshape(-1) for t in full])
     numels = [t.numel() for t in full]
-    assert mismatched(gather, written, numels, torch.float32, [0, 1, 2]) == []
-    written[185 + 999] = torch.nextafter(written[185 + 999], torch.tensor(9.0))  # the last element of parameter 1
-    assert mismatched(gather, written, numels, torch.float32, [0, 1, 2]) == [1]
-    assert mismatched(gather, written, numels, torch.float32, [2]) == []  # another parameter's turn: not seen
-    gathered.clear()
-    assert mismatched(gather, None, numels, torch.float32, [1, 2]) == [] and gathered == [1, 2]  # rank > 0
+    written = torch.cat([t.reshape(-1) for t in full])
+
+    def part(i: int, shift: int = 0, stale: bool = False) -> tuple[int, torch.Tensor]:
+        t = full[i].reshape(full[i].shape[0], -1)
+        rows = -(-t.shape[0] // 2)
+        mine = t[rank * rows:(rank + 1) * rows] + (1.0 if stale and rank == 1 else 0.0)
+        return (rank * rows + shift * (rank == 1)) * t.shape[1], mine
+
+    def check(which, part_of=part, flat=written) -> list[int]:
+        return mismatched(part_of, flat if rank == 0 else None, numels, torch.float32, which)
+
+    answers = {"whole": check([0, 1, 2])}
+    corrupt = written.clone()
+    corrupt[185 + 999] = torch.nextafter(corrupt[185 + 999], torch.tensor(9.0))  # rank 1's last element of param 1
+    answers["corrupt"] = check([0, 1, 2], flat=corrupt)
+    answers["not_its_turn"] = check([2], flat=corrupt)
+    answers["stale"] = check([0, 1, 2], part_of=lambda i: part(i, stale=i == 0))  # rank 1 trained on, unwritten
+    answers["misplaced"] = check([0, 1, 2], part_of=lambda i: part(i, shift=-1 if i == 2 else 0))
+    answers["sum64"] = mismatched(part, corrupt if rank == 0 else None, numels, torch.float32, [1], "sum64")
+    Path(f"{out}.{rank}").write_text(json.dumps(answers))
+    dist.destroy_process_group()
+
+
+def test_a_parameter_written_stale_or_misplaced_differs_from_the_ranks_own_parts_and_only_hashes_cross():
+    """Two ranks: each hashes its own part, rank 0 the same spans of what was written. A changed element, a rank
+    that trained on past what it wrote, and a part placed one row off are seen, each in its parameter."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(checking_rank, args=(f"file://{tmp}/init", f"{tmp}/answers"), nprocs=2,
+                           start_method="spawn")
+        rank0, rank1 = (json.loads(Path(f"{tmp}/answers.{r}").read_text()) for r in range(2))
+    assert rank0 == {"whole": [], "corrupt": [1], "not_its_turn": [], "stale": [0], "misplaced": [2], "sum64": [1]}
+    assert set(map(tuple, rank1.values())) == {()}  # only rank 0 answers
 
 
 def test_an_engines_shared_weights_hash_in_place_as_the_stream_hashes_them():

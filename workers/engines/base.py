@@ -44,6 +44,11 @@ class TrainEngine(Protocol):
         """This rank's contiguous part of parameter `index` of weight_params(), flattened: (its first element,
         the elements). The ranks' parts cover the parameter exactly once; no rank waits for another."""
 
+    def placed_part(self, index: int) -> tuple[int, torch.Tensor]:
+        """Collective where the engine gathers: the part of parameter `index` this rank vouches for when what the
+        ranks wrote is checked (weight_sync.mismatched), placed by the sharding itself rather than by
+        weight_shard's arithmetic: (its first element, the elements). Together the ranks' parts cover it."""
+
     def save(self, directory: Path, global_step: int) -> list[str]:
         """Collective: this step's recover state into `directory`; returns the paths (relative to it)
         this rank wrote, so that together the ranks report every file exactly once."""

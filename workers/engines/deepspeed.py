@@ -94,6 +94,11 @@ class DeepSpeedEngine(EngineBase):
         with deepspeed.zero.GatheredParameters([p]):
             return p.detach().clone() if self.rank == 0 else None
 
+    def placed_part(self, index: int) -> tuple[int, torch.Tensor]:
+        """Whole on rank 0 (DeepSpeed's own gather under ZeRO-3), nothing on the others."""
+        whole = self.full_param(index)
+        return (0, whole) if self.rank == 0 else (0, self.params[index].new_empty(0))
+
     def weight_shard(self, index: int) -> tuple[int, torch.Tensor]:
         """ZeRO-1/2 parameters are whole on every rank: an even share each. ZeRO-3 keeps rank r's partition of
         the flattened parameter in `p.ds_tensor`, elements from r * its length, the last one padded."""

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from supervisor.checkpoint import safe_load
@@ -163,6 +164,16 @@ class FSDPEngine(EngineBase):
         for work in works:
             work.wait()
         return whole[:p.shape[0]]
+
+    def placed_part(self, index: int) -> tuple[int, torch.Tensor]:
+        """A dim-0 shard where DTensor's own placement puts it (not weight_shard's arithmetic): nothing is
+        gathered. A parameter sharded otherwise, or not at all, is vouched for whole by rank 0."""
+        p = self.params[index]
+        if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),):
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            return offset[0] * (p.numel() // max(p.shape[0], 1)), p.to_local().detach()
+        whole = self.full_param(index)
+        return (0, whole) if self.rank == 0 else (0, p.new_empty(0))
 
     def weight_shard(self, index: int) -> tuple[int, torch.Tensor]:
         """A dim-0 shard is contiguous in the flattened parameter: rank r's rows start at r * ceil(rows / world)."""
