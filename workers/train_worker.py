@@ -39,7 +39,8 @@ from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
 from workers.memory_tier import DTYPES, Holding, Link, SharedLink, SharedSlots, Slots, peer_name
 from workers.shared_weights import attach
-from workers.weight_sync import join_group, mismatched, op_timeout, send, shard_digest, to_check, write_shared
+from workers.weight_sync import (bucket_elements, join_group, mismatched, op_timeout, send, shard_digest, to_check,
+                                 write_shared)
 
 
 PROBE = "probe"  # the concurrency group of `progress`: it answers while the default group's method waits
@@ -212,8 +213,9 @@ class TrainWorker:
         sent = write_shared(self.engine.weight_shard, numels, torch_dtype, bucket_bytes, segments, self.rank,
                             self.world_size, self.weights_group, targets, timeout, global_step, digest)
         t0, which = time.monotonic(), to_check(global_step + 1, len(numels), check_all)
+        # against the first engine's memory: the digests show the others hold the same
         bad = mismatched(self.engine.placed_part, segments[0].view(torch_dtype) if sender else None, numels,
-                         torch_dtype, which, digest)  # the first engine's: the digests show the others hold the same
+                         torch_dtype, which, digest, bucket_elements(torch_dtype.itemsize, bucket_bytes))
         return sent | {"checked": len(which), "mismatch": bad[0] if bad else None,
                        "check_secs": time.monotonic() - t0} if sender else {}
 

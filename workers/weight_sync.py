@@ -355,18 +355,18 @@ def to_check(version: int, count: int, whole: bool) -> list[int]:
 
 
 def mismatched(part: Callable[[int], tuple[int, torch.Tensor]], flat: torch.Tensor | None, numels: Sequence[int],
-               dtype: torch.dtype, which: Sequence[int], kind: str = "xxh3") -> list[int]:
+               dtype: torch.dtype, which: Sequence[int], kind: str = "xxh3", chunk: int = 1 << 22) -> list[int]:
     """Collective, on every trainer rank: parameters `which` as the trainer holds them, compared on rank 0 with
     where the ranks wrote them (`flat`: an engine's shared weights as rank 0 maps them, laid end to end in `dtype`;
     None on the other ranks). Each rank hashes its own part (`part`: the engine's placed_part, placed by the
     sharding itself, not by the shards the ranks wrote) and only the hashes cross the group: rank 0 hashes the
     same spans of `flat`. The indices that differ, or whose parts do not cover the parameter exactly once, on
-    rank 0: a stale or misplaced shard shows."""
+    rank 0: a stale or misplaced shard shows. Hashed `chunk` elements at a time (span_hash)."""
     mine = torch.zeros(len(which), 3, dtype=torch.int64)  # per parameter: first element, elements, hash
     for n, i in enumerate(which):
         start, tensor = part(i)
         mine[n, :2] = torch.tensor([start, tensor.numel()])
-        mine[n, 2:] = as_message([bucket_hash(tensor.reshape(-1).to(dtype).contiguous(), kind)])
+        mine[n, 2:] = as_message([span_hash(tensor.reshape(-1), dtype, kind, chunk)])
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     if flat is None:
@@ -377,11 +377,18 @@ def mismatched(part: Callable[[int], tuple[int, torch.Tensor]], flat: torch.Tens
         covered, held = 0, True
         for start, count, digest in spans:
             span = flat[first[i] + start:first[i] + start + count]
-            held = held and start == covered and bucket_hash(span.contiguous(), kind) == digest
+            held = held and start == covered and span_hash(span, dtype, kind, chunk) == digest
             covered = start + count
         if not held or covered != numels[i]:
             bad.append(i)
     return bad
+
+
+def span_hash(t: torch.Tensor, dtype: torch.dtype, kind: str, chunk: int) -> int:
+    """`bucket_hash` of flat `t` cast to `dtype`, `chunk` elements at a time, the pieces' hashes hashed together
+    (one piece: its own hash): no cast or temporary larger than a piece, whatever the parameter's size."""
+    hashes = [bucket_hash(t[k:k + chunk].to(dtype).contiguous(), kind) for k in range(0, t.numel(), chunk)]
+    return hashes[0] if len(hashes) == 1 else xxhash.xxh3_64_intdigest(as_message(hashes).numpy().tobytes())
 
 
 def received(work, timeout: datetime.timedelta) -> None:

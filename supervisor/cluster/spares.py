@@ -171,13 +171,17 @@ class SparePool:
             self.spares.append(Spare(handle, name, handle.warm.remote(), handle.located.remote(), placed=node))
         return nodes
 
-    def make_room(self, n: int, keep: frozenset[str] = frozenset()) -> int:
+    def make_room(self, n: int, keep: frozenset[str] = frozenset(), reserve: int = 0,
+                  last: frozenset[str] = frozenset()) -> int:
         """Kill spares until the cluster has free CPUs for `n` more workers (replacements of engines lost with
-        a node must not wait behind spares), never those in `keep` (by name: the spares about to take ranks'
-        places in the same handoff); returns how many were killed. The pool refills when there is room."""
+        a node must not wait behind spares); returns how many were killed. Never those in `keep` (by name: the
+        spares about to take moving ranks' places), nor the first `reserve` of the others (free spares that
+        moving ranks will take); those in `last` (holding ranks' memory copies) only once no other is left.
+        The pool refills when there is room."""
         free = sum(r.get("CPU", 0.0) for r in room_per_node().values()) // self.config.cluster.cpus_per_worker
-        victims = [s for s in self.spares if s.name not in keep][:max(0, n - int(free))]
-        self.spares = [s for s in self.spares if s not in victims]
+        others = [s for s in self.spares if s.name not in keep][reserve:]
+        victims = sorted(others, key=lambda s: s.name in last)[:max(0, n - int(free))]
+        self.spares = [s for s in self.spares if all(s is not v for v in victims)]
         self._kill(victims)
         return len(victims)
 

@@ -292,8 +292,10 @@ class Controller:
                 self.runner.memory.retired(self.fleet.trainers, handoff.spares)
         if handoff.engines:
             with self.clock.part("teardown"):
+                moving = choice if choice is not None and handoff.ranks else None
                 self._make_room_for_engines(len(handoff.engines),
-                                            keep=frozenset(choice.adopters.values()) if choice else frozenset())
+                                            keep=frozenset(moving.adopters.values()) if moving else frozenset(),
+                                            reserve=len(moving.givers) if moving else 0)
                 replaced = fleet.engines.replace(handoff.engines)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
         if handoff.ranks:
@@ -649,12 +651,15 @@ class Controller:
             self.fleet.sync_engines(self.runner.weights_version, gate=True)  # a new engine starts in its sync
         self.clock.resumed()
 
-    def _make_room_for_engines(self, n: int, keep: frozenset[str] = frozenset()) -> None:
+    def _make_room_for_engines(self, n: int, keep: frozenset[str] = frozenset(), reserve: int = 0) -> None:
         """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room,
-        but for those in `keep` (a handoff's adopters, about to take the moving ranks' places)."""
-        engines = self.fleet.engines
+        but for a handoff's (`keep`: its adopters; `reserve`: as many free spares as its ranks without one will
+        take), and those holding ranks' memory copies last (a rank lost with the engine's node recovers from one)."""
+        engines, memory = self.fleet.engines, self.runner.memory
+        holders = frozenset(memory.buddies.values()) if memory is not None else frozenset()
         if self.spares is not None and self._best_effort(
-                "making room for the engines", lambda: self.spares.make_room(n - engines.live_spares(), keep)):
+                "making room for the engines",
+                lambda: self.spares.make_room(n - engines.live_spares(), keep, reserve, last=holders)):
             self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
 

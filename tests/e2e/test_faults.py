@@ -484,17 +484,18 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
 
 def test_drains_of_the_spares_node_then_of_a_node_with_the_ranks_and_an_engine_cost_the_run_nothing(
         cluster, reference, trial, tmp_path):
-    """Five engines and two ranks fill the cluster (so the ranks' node carries an engine too), with two warm
-    spares wanted and no room for them. A third worker node is added: the spares start there and hold the ranks'
-    memory-tier copies. Paused as step 4 begins, the spares' node gets a preemption notice (`ray drain-node`,
-    30 s): the spares are retired at the boundary, refilled after the next step on a fourth node, and the drained
-    node is killed once the job says so. Paused as step 8 begins, the ranks' node (with its engine) gets one: each
-    rank hands its place to the spare holding its copy of step 8, the engine is replaced on the spares' node, and
-    that node is killed too. Nothing fails, no retry is spent, nothing is trained again, bit-identical."""
+    """Five engines and two ranks fill the cluster (so the ranks' node carries an engine too, or each rank's node
+    two if Ray splits them), with three warm spares wanted and no room for them. A third worker node is added: the
+    spares fill it and hold the ranks' memory-tier copies. Paused as step 4 begins, the spares' node gets a
+    preemption notice (`ray drain-node`, 30 s): the spares are retired at the boundary, refilled after the next
+    step on a fourth node, and the drained node is killed once the job says so. Paused as step 8 begins, the
+    ranks' node (with its engines) gets one: each rank there hands its place to the spare holding its copy of
+    step 8, spares not taking a rank's place are released to make room, the engines are replaced in it, and that
+    node is killed too. Nothing fails, no retry is spent, nothing is trained again, bit-identical."""
     env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=4,"
                                      "step.begin:wait_spares:step=6,step.begin:pause:step=8",
                    "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    proc = start_relaunch("run", str(CONFIG), *SHORT, "cluster.n_rollout_workers=5", "recover.spare_workers=2",
+    proc = start_relaunch("run", str(CONFIG), *SHORT, "cluster.n_rollout_workers=5", "recover.spare_workers=3",
                           MEMORY_TIER, *trial.overrides, "--address", cluster.address, env=env,
                           log=tmp_path / "job.log")
     workers = {n.node_id for n in cluster.workers}
@@ -525,16 +526,19 @@ def test_drains_of_the_spares_node_then_of_a_node_with_the_ranks_and_an_engine_c
     spares_drain, ranks_drain = trial.events("preemption")
     assert (spares_drain["node"], spares_drain["ranks"], spares_drain["engines"], spares_drain["fallback"]) == \
         (spares_node, [], [], None)
-    assert len(spares_drain["spares"]) == 2, spares_drain
+    assert len(spares_drain["spares"]) == 3, spares_drain
     refills = [e for e in trial.events("spares") if e["action"] == "refilled" and e["time"] > spares_drain["time"]]
     assert refills and all(set(e["nodes"]) == {refill_node} for e in refills), refills  # after the step, elsewhere
 
     ranks = [r for r, n in enumerate(rank_nodes) if n == ranks_node]
     assert (ranks_drain["node"], ranks_drain["global_step"], ranks_drain["ranks"], ranks_drain["fallback"]) == \
         (ranks_node, 8, ranks, None)
-    assert len(ranks_drain["engines"]) == 1 and set(ranks_drain["to"]) == {refill_node}, ranks_drain
-    replaced, = trial.events("engines_restarted")  # by a new engine, on the only node with room
+    # the node was full: its ranks and engines filled its 3 CPUs; their replacements fill the spares' node
+    assert len(ranks_drain["engines"]) == 3 - len(ranks) and set(ranks_drain["to"]) == {refill_node}, ranks_drain
+    replaced, = trial.events("engines_restarted")  # by new engines, where spares that took no rank's place were
     assert replaced["replaced"] == ranks_drain["engines"]
+    released = [e for e in trial.events("spares") if e["action"] == "released"]
+    assert len(released) == 1 and released[0]["pool"] == len(ranks), released  # the adopters were kept
     assert not trial.events("failure") and not trial.events("restart")
     recovery = trial.events("recovery")[-1]
     assert (recovery["cause"], recovery["source"], recovery["replayed_steps"], recovery["global_step"]) == \

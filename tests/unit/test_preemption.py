@@ -86,17 +86,33 @@ def test_a_notice_not_known_this_time_is_no_cancelled_drain():
         assert watch.new({"b"}) == {}
 
 
-def test_room_made_for_a_handoffs_engines_never_costs_the_spares_adopting_its_ranks(monkeypatch):
-    """The cluster has room for none of the engines replaced: spares go to make it, but not the ones named to take
-    the moving ranks' places (killing one would turn the handoff into a fault)."""
+def pool_of(monkeypatch, names, killed):
     from supervisor.cluster import spares as spares_module
     from supervisor.cluster.spares import Spare, SparePool
     from supervisor.config import load_config
 
-    pool = SparePool(load_config("configs/tiny_grpo.yaml", []), 3)
-    pool.spares = [Spare(None, name, None, None) for name in ("spare-a", "spare-b", "spare-c")]
-    killed = []
+    pool = SparePool(load_config("configs/tiny_grpo.yaml", []), len(names))
+    pool.spares = [Spare(None, name, None, None) for name in names]
     monkeypatch.setattr(pool, "_kill", lambda spares: killed.extend(s.name for s in spares))
-    monkeypatch.setattr(spares_module, "room_per_node", lambda: {"head": {"CPU": 0.0}, "b": {"CPU": 0.0}})
-    assert pool.make_room(2, keep=frozenset({"spare-a"})) == 2
-    assert killed == ["spare-b", "spare-c"] and [s.name for s in pool.spares] == ["spare-a"]
+    monkeypatch.setattr(spares_module, "room_per_node", lambda: {"head": {"CPU": 0.0}, "b": {"CPU": 1.0}})
+    return pool
+
+
+def test_room_made_for_a_handoffs_engines_never_costs_the_spares_its_moving_ranks_take(monkeypatch):
+    """The cluster has room for one of three engines replaced: spares go to make it, but not the one named to take
+    a moving rank's place, nor a free one that a moving rank without a named spare will take (killing either
+    would turn the handoff into a fault)."""
+    killed = []
+    pool = pool_of(monkeypatch, ["spare-a", "spare-b", "spare-c", "spare-d"], killed)
+    assert pool.make_room(3, keep=frozenset({"spare-b"}), reserve=1) == 2
+    assert killed == ["spare-c", "spare-d"] and [s.name for s in pool.spares] == ["spare-a", "spare-b"]
+
+
+def test_room_made_for_engines_costs_the_spares_holding_ranks_copies_last(monkeypatch):
+    """An engine lost with a node: the spare holding a rank's copy (the rank may have gone with the node too) is
+    released only once no other spare is left."""
+    killed = []
+    pool = pool_of(monkeypatch, ["spare-a", "spare-b", "spare-c"], killed)
+    assert pool.make_room(2, last=frozenset({"spare-a"})) == 1 and killed == ["spare-b"]
+    assert pool.make_room(3, last=frozenset({"spare-a"})) == 2 and killed == ["spare-b", "spare-c", "spare-a"]
+    assert pool.spares == []

@@ -155,6 +155,8 @@ def checking_rank(rank: int, init: str, out: str) -> None:
     answers["stale"] = check([0, 1, 2], part_of=lambda i: part(i, stale=i == 0))  # rank 1 trained on, unwritten
     answers["misplaced"] = check([0, 1, 2], part_of=lambda i: part(i, shift=-1 if i == 2 else 0))
     answers["sum64"] = mismatched(part, corrupt if rank == 0 else None, numels, torch.float32, [1], "sum64")
+    answers["chunked"] = [mismatched(part, f if rank == 0 else None, numels, torch.float32, [0, 1, 2], chunk=7)
+                          for f in (written, corrupt)]  # hashed 7 elements at a time: the same answers
     Path(f"{out}.{rank}").write_text(json.dumps(answers))
     dist.destroy_process_group()
 
@@ -172,8 +174,56 @@ def test_a_parameter_written_stale_or_misplaced_differs_from_the_ranks_own_parts
         mp.start_processes(checking_rank, args=(f"file://{tmp}/init", f"{tmp}/answers"), nprocs=2,
                            start_method="spawn")
         rank0, rank1 = (json.loads(Path(f"{tmp}/answers.{r}").read_text()) for r in range(2))
-    assert rank0 == {"whole": [], "corrupt": [1], "not_its_turn": [], "stale": [0], "misplaced": [2], "sum64": [1]}
-    assert set(map(tuple, rank1.values())) == {()}  # only rank 0 answers
+    assert rank0 == {"whole": [], "corrupt": [1], "not_its_turn": [], "stale": [0], "misplaced": [2], "sum64": [1],
+                     "chunked": [[], [1]]}
+    assert rank1 == {key: [[], []] if key == "chunked" else [] for key in rank0}  # only rank 0 answers
+
+
+def fsdp_rank(rank: int, init: str, out: str) -> None:
+    """One of three FSDP2 ranks: every parameter's placed_part (the engine's own method) laid where it says, on
+    rank 0, against the parameter whole; parameters of 1, 2, 5 and 7 rows, so some ranks hold none of one."""
+    import datetime
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from workers.engines.fsdp import FSDPEngine
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(rows, 3)) for rows in (1, 2, 5, 7)])
+    fully_shard(model, mesh=init_device_mesh("cpu", (3,)))
+    engine = SimpleNamespace(params=list(model.parameters()), rank=rank, world_size=3)
+    answers = []
+    for i, param in enumerate(engine.params):
+        start, part = FSDPEngine.placed_part(engine, i)
+        parts = [None] * 3
+        dist.all_gather_object(parts, (start, part.tolist()))
+        whole = param.full_tensor().reshape(-1)
+        laid = torch.full_like(whole, float("nan"))
+        for first, values in parts:
+            values = torch.tensor(values).reshape(-1)
+            laid[first:first + values.numel()] = values
+        answers.append([bool(torch.equal(laid, whole)), sum(1 for _, v in parts if len(v))])
+    Path(f"{out}.{rank}").write_text(json.dumps(answers))
+    dist.destroy_process_group()
+
+
+def test_the_fsdp_engines_parts_placed_by_dtensor_lay_each_parameter_out_exactly():
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(fsdp_rank, args=(f"file://{tmp}/init", f"{tmp}/answers"), nprocs=3, start_method="spawn")
+        answers = json.loads(Path(f"{tmp}/answers.0").read_text())
+    assert answers == [[True, 1], [True, 2], [True, 3], [True, 3]]  # laid whole; ranks holding a part of each
 
 
 def test_an_engines_shared_weights_hash_in_place_as_the_stream_hashes_them():

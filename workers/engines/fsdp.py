@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from supervisor.checkpoint import safe_load
@@ -168,6 +167,8 @@ class FSDPEngine(EngineBase):
     def placed_part(self, index: int) -> tuple[int, torch.Tensor]:
         """A dim-0 shard where DTensor's own placement puts it (not weight_shard's arithmetic): nothing is
         gathered. A parameter sharded otherwise, or not at all, is vouched for whole by rank 0."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # DCP's own, private
+
         p = self.params[index]
         if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),):
             _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
