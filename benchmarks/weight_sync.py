@@ -11,8 +11,9 @@ benchmarks/engines.py times the sync into vLLM), of the shipped config of `--siz
 one-node cluster whose object store is sized for that model (as benchmarks/step.py's; or `--address`). Each
 sync is timed from the Supervisor's side, calls included; the median of `--repeats` is reported. The digest's
 cost is a sync's time with the hash against the same sync with the hash replaced by a constant. A shared sync
-checks what it wrote against the trainer's own parts (hashed where they are): every parameter at a group's first syncs, one at the
-others (here always the first, the embedding: the largest); both are reported, and the mean of a rotation. At the end the engine checks, bitwise, that it holds the trainer's full weights
+checks what it wrote against the trainer's own parts (hashed where they are): every parameter at a group's first
+syncs, one at the others (here always the first, the embedding: the largest); both are reported, and the mean of a
+rotation. At the end the engine checks, bitwise, that it holds the trainer's full weights
 after each kind of sync. `--quick` is --size tiny with 2 repeats.
 """
 from __future__ import annotations

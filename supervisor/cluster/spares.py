@@ -181,7 +181,8 @@ class SparePool:
         free = sum(r.get("CPU", 0.0) for r in room_per_node().values()) // self.config.cluster.cpus_per_worker
         others = [s for s in self.spares if s.name not in keep][reserve:]
         victims = sorted(others, key=lambda s: s.name in last)[:max(0, n - int(free))]
-        self.spares = [s for s in self.spares if all(s is not v for v in victims)]
+        gone = {s.name for s in victims}
+        self.spares = [s for s in self.spares if s.name not in gone]
         self._kill(victims)
         return len(victims)
 

@@ -292,10 +292,10 @@ class Controller:
                 self.runner.memory.retired(self.fleet.trainers, handoff.spares)
         if handoff.engines:
             with self.clock.part("teardown"):
-                moving = choice if choice is not None and handoff.ranks else None
-                self._make_room_for_engines(len(handoff.engines),
-                                            keep=frozenset(moving.adopters.values()) if moving else frozenset(),
-                                            reserve=len(moving.givers) if moving else 0)
+                # the spares the moving ranks take stay (ranks move only where the memory tier chose where to)
+                keep, reserve = (frozenset(choice.adopters.values()), len(choice.givers)) if handoff.ranks else \
+                    (frozenset(), 0)
+                self._make_room_for_engines(len(handoff.engines), keep, reserve)
                 replaced = fleet.engines.replace(handoff.engines)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
         if handoff.ranks:
@@ -550,8 +550,8 @@ class Controller:
             proven = held is not None and trainers.shard_digests() == held
         if held is not None:
             self.log.info("the moved ranks hold what they held: every rank's digest of its part matches; engines "
-                          "already holding these weights keep them" if proven else "a moved rank's part of the weights differs from "
-                          "before it moved: the weights are checked whole at the resync",
+                          "already holding these weights keep them" if proven else "a moved rank's part of the "
+                          "weights differs from before it moved: the weights are checked whole at the resync",
                           extra={"step": choice.step, "phase": self.phase})
         if not proven:
             self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
