@@ -64,9 +64,12 @@ def test_micro_batches_and_recomputed_activations_reach_the_update_of_one_pass(b
     plain, plain_metrics, plain_grads = fresh(backend)
     _, micro_metrics, micro_grads = fresh(backend, "actor.micro_batch_size=3", steps=1)  # 16 rows: 3 x 5 and 1
     a, (b,) = plain_metrics[0], micro_metrics
-    assert (b["loss"], b["kl"], b["grad_norm"]) == pytest.approx((a["loss"], a["kl"], a["grad_norm"]), rel=1e-5)
-    for name, g in plain_grads.items():  # apart by rounding only: a millionth of the gradient's size
-        assert float((g - micro_grads[name]).norm() / g.norm()) < 1e-5, name
+    assert (b["loss"], b["kl"], b["grad_norm"]) == pytest.approx((a["loss"], a["kl"], a["grad_norm"]), rel=1e-4)
+    # apart by rounding only. Where a gradient is a near-cancelling sum, how far rounding moves it depends on the
+    # CPU's kernels: 2e-7 of its size on this project's machines, 8e-5 once in CI. A micro-batch weighted by its own
+    # token mean instead of its share of the shard's moves every gradient by 12-37% of its size.
+    for name, g in plain_grads.items():
+        assert float((g - micro_grads[name]).norm() / g.norm()) < 1e-3, name
     # recomputed activations: the same arithmetic, bit for bit, over three steps
     checkpointed, metrics, _ = fresh(backend, "actor.gradient_checkpointing=true")
     assert all(torch.equal(plain[k], checkpointed[k]) for k in plain) and metrics == plain_metrics
