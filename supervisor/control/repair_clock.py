@@ -35,6 +35,7 @@ class _Repair:
     loaded: int | None = None  # the step the new TrainGroup loaded (-1: a fresh start); None: no rollback
     source: Source = Source.NONE  # where the state came from: memory, disk, or none (an engine repair)
     reason: str | None = None  # why it came from disk, where the memory tier was asked
+    disk_reason: str | None = None  # why the load under way goes to disk (the reason once it is the deepest)
     resumed: float | None = None  # wall clock when training went on (after the resync)
     replayed_until: float | None = None  # wall clock when the last replayed step completed since `resumed`
     replayed: float = 0.0     # the replay's seconds before a later fault in the same repair stopped it
@@ -66,13 +67,18 @@ class RepairClock:
             self.add(name, time.monotonic() - t)
 
     def loaded(self, global_step: int, source: Source) -> None:
-        if self._repair is not None:
-            self._repair.loaded, self._repair.source = global_step, source
+        """A load of the repair in progress. A repair that later faults extend reports its deepest rollback: the
+        steps trained again count from the oldest step loaded, and its source and reason are that load's (a
+        restarted Supervisor's replay from disk, cut short by a rank repaired from memory, is still from disk)."""
+        rep = self._repair
+        if rep is not None and (rep.loaded is None or global_step <= rep.loaded):
+            rep.loaded, rep.source = global_step, source
+            rep.reason = rep.disk_reason if source == Source.DISK else None
 
     def disk_because(self, reason: str) -> None:
-        """Why the repair in progress goes to disk (the memory tier could not serve it): the event says so."""
+        """Why the load under way goes to disk (the memory tier could not serve it): the event says so."""
         if self._repair is not None:
-            self._repair.reason = reason
+            self._repair.disk_reason = reason
 
     def resumed(self) -> None:
         """Training goes on. A repair resumed before (a second fault struck while it replayed steps) keeps the

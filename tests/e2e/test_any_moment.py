@@ -77,7 +77,7 @@ def phase_points(actions: list[str]) -> list[str]:
 
 def run_job(cluster, trial: Trial, tmp_path, faults: list[str], *extra: str):
     env = job_env({"RELAUNCH_FAULT": ",".join(faults), "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    return relaunch("run", str(CONFIG), *JOB, f"recover.retries={len(faults)}", *extra, *trial.overrides,
+    return relaunch("run", str(CONFIG), *JOB, f"recover.retries={len(faults)}", *extra, *(["recover.memory=auto"] if os.environ.get("EXP_MEM") else []), *trial.overrides,
                     "--address", cluster.address, env=env, timeout=1100)
 
 
@@ -118,6 +118,7 @@ HANGS = {"methods": worker_points("hang", parity=0, keep=lambda cls, method: not
 def test_sigkill_of_a_rank_or_an_engine_at_every_fault_point(points, cluster, reference, trial, tmp_path):
     faults = SIGKILLS[points]
     r = run_job(cluster, trial, tmp_path, faults)
+    import json; open(f"/tmp/ev_sigkill_{points}.json", "w").write(json.dumps(trial.events())); open(f"/tmp/out_sigkill_{points}.txt", "w").write(r.stdout + r.stderr)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)
     assert_exact(trial, reference, len(faults))
@@ -159,6 +160,7 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(points, cluster, 
     # the weights streamed, as to engines on another host (the SIGKILL and chaos jobs write them in place)
     r = run_job(cluster, trial, tmp_path, faults, "recover.start_timeout_secs=40",
                 "rollout.shared_memory_weights=false")
+    import json; open(f"/tmp/ev_hang_{points}.json", "w").write(json.dumps(trial.events())); open(f"/tmp/out_hang_{points}.txt", "w").write(r.stdout + r.stderr)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert fired(tmp_path) == len(faults)
     assert_exact(trial, reference, len(faults))

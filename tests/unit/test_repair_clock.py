@@ -60,6 +60,39 @@ def test_a_fault_while_steps_are_replayed_keeps_the_replay_done_and_no_part_is_n
     assert rec["total"] == 37.0 + 10.0
 
 
+def test_a_repair_extended_by_later_faults_reports_its_deepest_rollback(now):
+    """Seen in a SIGKILL job with the memory tier: a restarted Supervisor replayed from disk, a rank died during the
+    replay and was repaired from memory; the event said "memory, 0 steps trained again" for four trained again."""
+    clock = RepairClock()
+    clock.start("supervisor_died", "restart_train_group", detection=1.0, in_flight=19)
+    clock.disk_because("the Supervisor restarted: the state it kept in memory is gone")
+    clock.loaded(14, "disk")
+    clock.resumed()
+    assert clock.completed(17, []) is None
+    clock.start("worker_died", "restart_train_group", detection=0.1, in_flight=18)  # the same repair
+    clock.loaded(17, "memory")
+    clock.resumed()
+    rec = clock.completed(19, [1.0])
+    assert (rec["cause"], rec["source"], rec["loaded_step"], rec["replayed_steps"]) == \
+        ("supervisor_died", "disk", 14, 4)
+    assert rec["reason"] == "the Supervisor restarted: the state it kept in memory is gone"
+    # the other way round: a repair from memory that a later fault sends further back, to disk
+    clock.start("worker_died", "restart_train_group", detection=0.1, in_flight=30)
+    clock.loaded(29, "memory")
+    clock.disk_because("rank 1 had no buddy holding its state")
+    clock.loaded(24, "disk")
+    rec = clock.completed(30, [1.0])
+    assert (rec["source"], rec["loaded_step"], rec["replayed_steps"]) == ("disk", 24, 5)
+    assert rec["reason"] == "rank 1 had no buddy holding its state"
+    # and a later load from disk that rolls back less keeps the first one's reason
+    clock.start("hang", "restart_train_group", detection=0.1, in_flight=40)
+    clock.disk_because("recover.memory is off")
+    clock.loaded(34, "disk")
+    clock.disk_because("every rank answered: nothing to take the place of")
+    clock.loaded(39, "disk")
+    assert clock.completed(40, [1.0])["reason"] == "recover.memory is off"
+
+
 def test_an_engine_repair_rolls_nothing_back_and_a_first_step_has_no_steady_step(now):
     clock = RepairClock()
     clock.start("worker_died", "restart_engines", detection=None, in_flight=0)
