@@ -32,6 +32,7 @@ def token_rewards(outcome: torch.Tensor, response_mask: torch.Tensor, kl: torch.
     return rewards if kl is None else rewards - beta * kl * mask
 
 
+@torch.no_grad()  # the returns are the value loss's targets: no gradient flows into them (verl's, too)
 def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) backwards over each row's generated tokens, the
@@ -40,7 +41,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
     loss's targets."""
     mask = response_mask[:, 1:].float()
     values = values.float() * mask
-    next_value, running = torch.zeros(len(mask)), torch.zeros(len(mask))
+    next_value = running = torch.zeros_like(mask[:, 0])
     advantages = torch.zeros_like(mask)
     for t in reversed(range(mask.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -53,10 +54,13 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked elements (the unbiased variance, as verl's masked_whiten)."""
+    """(x - mean) / std over the masked elements (the unbiased variance, as verl's masked_whiten, which also
+    refuses fewer than two)."""
     n = mask.sum()
+    if n < 2:
+        raise ValueError(f"whitening needs at least two generated tokens in the batch, not {int(n)}")
     mean = (x * mask).sum() / n
-    var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1)
+    var = (((x - mean) ** 2) * mask).sum() / (n - 1)
     return (x - mean) * torch.rsqrt(var + eps)
 
 
@@ -74,8 +78,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 @dataclass(frozen=True)
 class KLCoefficient:
     """The KL penalty's coefficient, part of the run's state (verl #2653: not saved, a resume starts it over).
-    With a `target`, adaptive (Ziegler et al. 2019, verl's AdaptiveKLController): after each step it moves by at
-    most 20% of the error, scaled by the step's samples over `horizon`; without one, fixed."""
+    With a `target`, adaptive (Ziegler et al. 2019, verl's AdaptiveKLController): after each step it is multiplied
+    by 1 + e * samples / horizon, e the step's KL relative to the target, less 1, clipped to +-0.2; without a
+    target, fixed."""
     value: float
     target: float | None = None
     horizon: int = 10000

@@ -24,6 +24,14 @@ PARTS = ("detection", "backoff", "teardown", "validate", "scheduling", "process_
          "resync", "replay", "redo")
 
 
+@dataclass(frozen=True)
+class _Load:
+    """A load of a repair: the step it rolled back to (-1: a fresh start), where from, and why not from memory."""
+    step: int
+    source: Source
+    reason: str | None
+
+
 @dataclass
 class _Repair:
     cause: str
@@ -32,10 +40,9 @@ class _Repair:
     seen: float               # wall clock when the fault was seen
     detection: float          # seconds from the fault to its being seen (a hang's timeout, a death's report)
     parts: dict[str, float] = field(default_factory=dict)
-    loaded: int | None = None  # the step the new TrainGroup loaded (-1: a fresh start); None: no rollback
-    source: Source = Source.NONE  # where the state came from: memory, disk, or none (an engine repair)
-    reason: str | None = None  # why it came from disk, where the memory tier was asked
-    disk_reason: str | None = None  # why the load under way goes to disk (the reason once it is the deepest)
+    load: _Load | None = None   # the latest load of the TrainGroup; None: no rollback (an engine repair)
+    floor: _Load | None = None  # the deepest load that training went on from, before a later fault
+    disk_reason: str | None = None  # why the load under way goes to disk, where the memory tier was asked
     resumed: float | None = None  # wall clock when training went on (after the resync)
     replayed_until: float | None = None  # wall clock when the last replayed step completed since `resumed`
     replayed: float = 0.0     # the replay's seconds before a later fault in the same repair stopped it
@@ -67,13 +74,11 @@ class RepairClock:
             self.add(name, time.monotonic() - t)
 
     def loaded(self, global_step: int, source: Source) -> None:
-        """A load of the repair in progress. A repair that later faults extend reports its deepest rollback: the
-        steps trained again count from the oldest step loaded, and its source and reason are that load's (a
-        restarted Supervisor's replay from disk, cut short by a rank repaired from memory, is still from disk)."""
+        """A load of the repair in progress; it replaces one that training never went on from (a repair from
+        memory whose resync failed, so that it loaded from disk instead)."""
         rep = self._repair
-        if rep is not None and (rep.loaded is None or global_step <= rep.loaded):
-            rep.loaded, rep.source = global_step, source
-            rep.reason = rep.disk_reason if source == Source.DISK else None
+        if rep is not None:
+            rep.load = _Load(global_step, source, rep.disk_reason if source == Source.DISK else None)
 
     def disk_because(self, reason: str) -> None:
         """Why the load under way goes to disk (the memory tier could not serve it): the event says so."""
@@ -89,6 +94,8 @@ class RepairClock:
                 rep.replayed += rep.replayed_until - (rep.resumed or rep.seen)
                 rep.replayed_until = None
             rep.resumed = time.time()
+            if rep.load is not None and (rep.floor is None or rep.load.step < rep.floor.step):
+                rep.floor = rep.load
 
     def completed(self, global_step: int, steady_steps: list[float]) -> dict | None:
         """After a completed step: the `recovery` event's fields when it was the step in flight at the fault (or
@@ -109,10 +116,14 @@ class RepairClock:
         fields = {"detection": rep.detection, **rep.parts, "replay": replay,
                   "redo": now - (rep.replayed_until or resumed), "total": total,
                   "steady_step": steady, "lost": None if steady is None else total - steady}
-        return {"cause": rep.cause, "what": rep.what, "global_step": rep.in_flight, "source": rep.source,
-                "reason": rep.reason if rep.source == Source.DISK else None,
-                "loaded_step": rep.loaded,
-                "replayed_steps": 0 if rep.loaded is None else max(rep.in_flight - rep.loaded - 1, 0),
+        # a repair that later faults extended reports its deepest rollback, the one the steps trained again count
+        # from (a restarted Supervisor's replay from disk, cut short by a rank repaired from memory, is from disk)
+        load = min((x for x in (rep.floor, rep.load) if x is not None), key=lambda x: x.step, default=None)
+        return {"cause": rep.cause, "what": rep.what, "global_step": rep.in_flight,
+                "source": Source.NONE if load is None else load.source,
+                "reason": None if load is None else load.reason,
+                "loaded_step": None if load is None else load.step,
+                "replayed_steps": 0 if load is None else max(rep.in_flight - load.step - 1, 0),
                 **{k: None if v is None else round(v, 3) for k, v in fields.items()}}
 
 

@@ -44,15 +44,34 @@ def test_the_outcome_lands_on_each_rows_last_generated_token_and_the_kl_on_every
     assert torch.equal(token_rewards(torch.tensor([4.0]), torch.zeros(1, 7)), torch.zeros(1, 6))  # nothing generated
 
 
+# as RESPONSE, and a fourth row whose completion has gaps (tokens that are not the policy's, as a tool's output
+# in a multi-turn rollout): GAE steps over them to the next generated token
+GAPPED = torch.cat([RESPONSE, torch.tensor([[0, 1, 1, 0, 1, 0, 1]])])
+
+
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.95), (0.99, 0.9), (0.9, 0.0)])
 def test_gae_is_verls_on_every_generated_token(gamma, lam):
     g = torch.Generator().manual_seed(0)
-    rewards = token_rewards(torch.randn(3, generator=g), RESPONSE, torch.randn(3, 6, generator=g).abs(), 0.1)
-    values = torch.randn(3, 6, generator=g)
-    advantages, returns = gae(rewards, values, RESPONSE, gamma, lam)
-    want_adv, want_ret = verl_gae(rewards, values, MASK, gamma, lam)
-    assert torch.allclose(advantages, want_adv * MASK, atol=1e-6) and torch.allclose(returns, want_ret * MASK)
-    assert torch.equal(advantages * (1 - MASK), torch.zeros(3, 6))  # the prompt and the padding carry nothing
+    mask = GAPPED[:, 1:].float()
+    rewards = token_rewards(torch.randn(4, generator=g), GAPPED, torch.randn(4, 6, generator=g).abs(), 0.1)
+    values = torch.randn(4, 6, generator=g, requires_grad=True)  # the critic's, where the gaps have values too
+    advantages, returns = gae(rewards, values, GAPPED, gamma, lam)
+    want_adv, want_ret = verl_gae(rewards, values.detach(), mask, gamma, lam)
+    assert torch.allclose(advantages, want_adv * mask, atol=1e-6) and torch.allclose(returns, want_ret * mask)
+    assert torch.equal(advantages * (1 - mask), torch.zeros(4, 6))  # the prompt and the padding carry nothing
+    assert not returns.requires_grad  # targets: no gradient flows into them
+
+
+def test_gae_steps_over_a_gap_to_the_next_generated_token():
+    response = torch.tensor([[0, 1, 0, 1]])  # generated: columns 0 and 2, a gap at column 1
+    rewards, values = torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.25]])
+    _, returns = gae(rewards, values, response, 1.0, 0.0)
+    assert torch.equal(returns, torch.tensor([[0.25, 0.0, 1.0]]))  # column 0 bootstraps from column 2's value
+
+
+def test_whitening_fewer_than_two_generated_tokens_is_refused():
+    with pytest.raises(ValueError, match="at least two generated tokens"):
+        gae(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([[0, 0, 0, 1]]), 1.0, 1.0)
 
 
 def test_with_lambda_one_the_returns_are_the_rewards_to_go_and_with_lambda_zero_the_td_errors():

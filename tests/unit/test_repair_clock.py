@@ -76,21 +76,31 @@ def test_a_repair_extended_by_later_faults_reports_its_deepest_rollback(now):
     assert (rec["cause"], rec["source"], rec["loaded_step"], rec["replayed_steps"]) == \
         ("supervisor_died", "disk", 14, 4)
     assert rec["reason"] == "the Supervisor restarted: the state it kept in memory is gone"
-    # the other way round: a repair from memory that a later fault sends further back, to disk
+    # the other way round: training went on from memory, and a later fault sent it further back, to disk
     clock.start("worker_died", "restart_train_group", detection=0.1, in_flight=30)
     clock.loaded(29, "memory")
+    clock.resumed()
+    clock.start("hang", "restart_train_group", detection=0.1, in_flight=30)
     clock.disk_because("rank 1 had no buddy holding its state")
     clock.loaded(24, "disk")
+    clock.resumed()
     rec = clock.completed(30, [1.0])
     assert (rec["source"], rec["loaded_step"], rec["replayed_steps"]) == ("disk", 24, 5)
     assert rec["reason"] == "rank 1 had no buddy holding its state"
-    # and a later load from disk that rolls back less keeps the first one's reason
-    clock.start("hang", "restart_train_group", detection=0.1, in_flight=40)
-    clock.disk_because("recover.memory is off")
-    clock.loaded(34, "disk")
-    clock.disk_because("every rank answered: nothing to take the place of")
-    clock.loaded(39, "disk")
-    assert clock.completed(40, [1.0])["reason"] == "recover.memory is off"
+
+
+def test_a_load_that_training_never_went_on_from_is_replaced_by_the_next(now):
+    """A repair from memory whose resync failed loads from disk instead, possibly a newer step than the copy: the
+    event is the disk load's (the `loaded` events say so too)."""
+    clock = RepairClock()
+    clock.start("worker_died", "restart_train_group", detection=0.1, in_flight=8)
+    clock.loaded(6, "memory")
+    clock.disk_because("recovery from memory failed: RestoredWeightsDiffer: ...")
+    clock.loaded(7, "disk")
+    clock.resumed()
+    rec = clock.completed(8, [1.0])
+    assert (rec["source"], rec["loaded_step"], rec["replayed_steps"]) == ("disk", 7, 0)
+    assert rec["reason"] == "recovery from memory failed: RestoredWeightsDiffer: ..."
 
 
 def test_an_engine_repair_rolls_nothing_back_and_a_first_step_has_no_steady_step(now):
