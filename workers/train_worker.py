@@ -495,11 +495,18 @@ class TrainWorker:
         """Hold `rank`'s copies, as `holder` (the name the Supervisor planned it under): two slots of `slots` (the
         rank's `memory_slots()`), allocated in a segment the rank maps if it runs on this host, once this node
         has the room (NoRoom otherwise); returns the segment's handle (`memory_attach`). Holding a rank again
-        replaces its old holding. Allocated outside the lock, so that `holding` answers meanwhile; refused
-        under a name this process no longer holds as (`holder_as`)."""
+        (it is linked again after a repair) keeps the slots it holds when they fit and nothing receives into them
+        any more: what they hold stays held until the new link's copies land (a second fault before then rolls
+        back to it), and nothing is allocated again; otherwise the old holding is replaced. Allocated outside
+        the lock, so that `holding` answers meanwhile; refused under a name this process no longer holds as
+        (`holder_as`)."""
         with self.holdings_lock:
             self._holds_as(holder)
             old = self.holdings.pop(rank, None)
+            if old is not None and (old.slots.numel, DTYPES.index(old.slots.dtype)) == \
+                    (slots["numel"], slots["dtype"]) and old.ended(0):
+                self.holdings[rank] = Holding(old.slots)
+                return old.slots.handle
         if old is not None:
             old.close()
         with self.allocation_lock:  # one at a time: each checks the node's room after the one before took its own

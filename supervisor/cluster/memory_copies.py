@@ -14,7 +14,9 @@ peer's holder methods run beside its steps the same way, and a dead rank's new p
 Linking never falls on a step: after a repair, or when the pool refilled, a holder allocates its slots for a rank
 (seconds at ~100M) and starts a side link's store on the Supervisor's linker thread while the job trains on, and
 the rank's own part (mapping those slots, or joining the side link: one short call) runs just before its next
-copy, which already goes to the holder. The steps between are covered by what the ranks hold themselves only.
+copy, which already goes to the holder. The steps between are covered by what the ranks hold themselves and,
+after a repair from memory, by what the holders still hold from before it (`unlinked`): a second fault there rolls
+back to the step the first one did.
 """
 from __future__ import annotations
 
@@ -94,7 +96,11 @@ class MemoryCopies:
     def __init__(self, spares: SparePool | None, warn: Callable[[str], None], linked: Callable[[dict[int, str]], None]):
         self.spares, self.warn, self.linked = spares, warn, linked  # the job's events: a warning, the new links
         self.buddies: dict[int, str] = {}  # rank -> the holder of its copies (linked): a spare's or peer's name
+        # rank -> the holder that still holds its copies from before the last repair from memory, until the rank
+        # is linked again: a second fault in between recovers from them, not from disk
+        self.unlinked: dict[int, str] = {}
         self.staged: list[int] = []        # the steps every rank holds in its own two slots
+        self.own: dict[int, list[int]] = {}  # rank -> the steps its own two slots hold (a survivor rolls back to one)
         self.slots: dict[int, dict] = {}   # rank -> what one of its slots holds, once it has its two
         self.off: str | None = None        # why the tier was turned off for the run (a node without room)
         self.orphans: list[ray.ObjectRef] = []
@@ -127,6 +133,8 @@ class MemoryCopies:
         if all(staged):
             self.staged.append(global_step)
         for rank, ok in enumerate(staged):
+            # the slot of two steps back was overwritten
+            self.own[rank] = [s for s in self.own.get(rank, []) if s == global_step - 1] + [global_step] if ok else []
             if not ok:  # no slots yet (a rank started cold, or an adopter whose held slots were still written)
                 self.slots.pop(rank, None)
         self._allocate(trainers)
@@ -294,6 +302,7 @@ class MemoryCopies:
                                             self.linker.submit(self._listen, rank, prepared, holder.handle))
                 continue
             self.buddies[rank] = prepared.holder
+            self.unlinked.pop(rank, None)
             old, self.held_by[rank] = self.held_by.get(rank), prepared.holder
             if old not in (None, prepared.holder):
                 self._unhold(rank, old, holders)
@@ -320,6 +329,7 @@ class MemoryCopies:
         (a bounded wait) at the next step."""
         self.spares.drop(list(failed))
         self.buddies = {rank: name for rank, name in self.buddies.items() if name not in failed}
+        self.unlinked = {rank: name for rank, name in self.unlinked.items() if name not in failed}
         for name, cause in failed.items():
             self.warn(f"the memory-tier buddy {name.rsplit('/', 1)[-1]} failed while linking "
                       f"({type(cause).__name__}: {first_line(cause)}); dropped from the spare pool, its ranks "
@@ -328,6 +338,7 @@ class MemoryCopies:
     def retired(self, trainers: TrainGroup, names: tuple[str, ...]) -> None:
         """Holders taken out of the pool while alive (their node drains): their ranks are uncovered until they are
         linked to another holder, from the next step on."""
+        self.unlinked = {rank: name for rank, name in self.unlinked.items() if name not in names}
         kept = {rank: name for rank, name in self.buddies.items() if name not in names}
         if kept != self.buddies:
             self.buddies = kept
@@ -351,7 +362,7 @@ class MemoryCopies:
         refs = [m.handle.drop_memory.remote() for m in trainers.members] + \
                [s.handle.release.remote() for s in holders.values()]
         ray.wait(refs, num_returns=len(refs), timeout=LINK_SECS)
-        self.buddies, self.staged, self.slots = {}, [], {}
+        self.buddies, self.staged, self.slots, self.own, self.unlinked = {}, [], {}, {}, {}
         self._abandon()
         self._forget_allocating()
         self.linked({})
@@ -380,9 +391,20 @@ class MemoryCopies:
                       f"ranks are linked again at the next step")
             self._unlink()
 
+    def covering(self) -> dict[int, str]:
+        """rank -> the holder a repair asks for its copies: its buddy, or while it is not linked again after a
+        repair from memory, the holder that still holds its copies from before (what each holds, `holding` says)."""
+        return {**self.unlinked, **self.buddies}
+
+    def staged_by(self, ranks: set[int]) -> list[int]:
+        """The steps every one of `ranks` holds in its own slots (the survivors of a fault roll back to one)."""
+        steps = [set(self.own.get(rank, [])) for rank in ranks]
+        return sorted(set.intersection(*steps)) if steps else []
+
     def holding(self, trainers: TrainGroup) -> dict[str, dict[int, list[int]]]:
-        """What each buddy holds whole, rank -> steps; a buddy that is dead or silent is absent."""
-        names = set(self.buddies.values())
+        """What each holder a repair would ask (`covering`) holds whole, rank -> steps; one that is dead or silent
+        is absent."""
+        names = set(self.covering().values())
         refs = {name: c.handle.holding.remote() for name, c in self.candidates(trainers).items() if name in names}
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=HOLDING_SECS) if refs else ([], [])
         self.orphans = drain(self.orphans, 0)[0] + pending
@@ -395,18 +417,27 @@ class MemoryCopies:
                     pass
         return held
 
-    def adopted(self) -> None:
-        """After a repair from memory: the buddies that took dead ranks' places are ranks now, and the survivors
-        left their links; every rank is linked again, its holder prepared beside the next steps. Every rank
-        keeps its slots (an adopter's are those it held for its rank). Until its copy, no rank's own slots hold
-        a step that every rank holds."""
+    def adopted(self, global_step: int, lost: list[int], adopters: dict[int, str], givers: dict[int, str],
+                gone: set[str]) -> None:
+        """After a repair from memory to `global_step`: the buddies that took dead ranks' places (`adopters`) are
+        ranks now, and the survivors left their links; every rank is linked again, its holder prepared beside the
+        next steps. Every rank keeps its slots (an adopter's are those it held for its rank). Until its copy, no
+        rank's own slots hold a step that every rank holds; the survivors' hold `global_step`, to which they rolled
+        back. Until then the holders that are still holders keep what they held: the survivors' holders, and the
+        peers that gave the dead ranks their copies (`givers`), so that a second fault before the ranks are linked
+        again rolls back to `global_step` from memory too. `gone`: the holders that were the lost ranks."""
+        ended = set(adopters.values()) | gone
+        self.unlinked = {**{rank: name for rank, name in self.covering().items()
+                            if rank not in lost and name not in ended}, **givers}
+        self.own = {rank: [global_step] if rank not in lost and global_step in steps else []
+                    for rank, steps in self.own.items()}
         self._unlink()
         self.staged = []
 
     def reset(self) -> None:
         """A new TrainGroup: no link, no staged step and no slots survive it; its ranks get their slots again."""
         self._unlink()
-        self.staged, self.slots, self.resting = [], {}, {}
+        self.staged, self.slots, self.resting, self.own, self.unlinked = [], {}, {}, {}, {}
         self._abandon()
         self._forget_allocating()
 

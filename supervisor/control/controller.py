@@ -497,7 +497,8 @@ class Controller:
         bundled = {rank for rank in lost if bundles and rank in trainers.bundles and trainers.nodes[rank] not in gone}
         spares = [s for s in self.spares.spares if s.node not in gone] if self.spares is not None else []
         return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size, lost=lost,
-                               buddies=r.memory.buddies, holding=r.memory.holding(trainers), staged=r.memory.staged,
+                               buddies=r.memory.covering(), holding=r.memory.holding(trainers),
+                               staged=r.memory.staged_by(set(range(trainers.world_size)) - lost),
                                snapshots=set(r.snapshots), peers=peers, bundled=bundled, free_spares=len(spares),
                                free_bundles=len(trainers.free) if bundles else 0)
 
@@ -538,7 +539,8 @@ class Controller:
         holders = r.memory.candidates(trainers)
         trainers.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
                         choice.step, self.spares, choice.bundled)
-        r.memory.adopted()
+        r.memory.adopted(choice.step, lost, choice.adopters, choice.givers,
+                         gone={name for name, c in holders.items() if c.holder.rank in lost})
         for part, part_secs in trainers.timings.items():
             self.clock.add(part, part_secs)
         if self.spares is not None:
@@ -656,7 +658,7 @@ class Controller:
         but for a handoff's (`keep`: its adopters; `reserve`: as many free spares as its ranks without one will
         take), and those holding ranks' memory copies last (a rank lost with the engine's node recovers from one)."""
         engines, memory = self.fleet.engines, self.runner.memory
-        holders = frozenset(memory.buddies.values()) if memory is not None else frozenset()
+        holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
         if self.spares is not None and self._best_effort(
                 "making room for the engines",
                 lambda: self.spares.make_room(n - engines.live_spares(), keep, reserve, last=holders)):

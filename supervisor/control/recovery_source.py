@@ -42,7 +42,7 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     """`enabled`: None when the tier serves this job, else why not (the engine, the config). `lost`: the ranks
     that did not answer a probe (dead, or stuck); `buddies`: rank -> holder of its copies; `holding`: what
     each live holder reported holding, rank -> steps landed (a dead one is absent); `staged`: the steps every
-    rank staged in its own slots; `snapshots`: the steps whose Supervisor state is kept. `peers`: the holders
+    surviving rank holds in its own slots; `snapshots`: the steps whose Supervisor state is kept. `peers`: the holders
     that are ranks, name -> rank (a peer gives the copy to a new process; any other holder is a warm spare,
     which takes the place of the rank it holds); `bundled`: the lost ranks whose bundle can start a new
     process now (its node alive, not draining); `free_spares`: the pool's live spares (the adopters among

@@ -220,3 +220,34 @@ def test_what_rules_out_keeping_any_rank_before_they_are_asked(change, reason):
 ])
 def test_every_repair_from_disk_that_starts_every_rank_again_says_why(change, reason):
     assert reason in keep_survivors(**KEEP | change)
+
+
+def test_after_a_repair_from_memory_a_second_fault_before_the_ranks_link_again_is_served_from_memory():
+    """Seen in the phase hang job with the tier: a rank hung in the step after its repair from memory, before the
+    ranks were linked again, and went to disk (5 steps trained again). The holders still hold what they held: the
+    peer that gave the dead rank its copy, the survivor's own slots the step both rolled back to."""
+    from supervisor.cluster.memory_copies import MemoryCopies
+
+    copies = MemoryCopies(None, warn=lambda _: None, linked=lambda _: None)
+    try:
+        copies.buddies, copies.own, copies.staged = {0: "p1", 1: "p0"}, {0: [17, 18], 1: [17, 18]}, [17, 18]
+        # rank 1's new process loaded p0's copy of 18; p1, the dead rank 1, held rank 0's copies
+        copies.adopted(18, lost=[1], adopters={}, givers={1: "p0"}, gone={"p1"})
+        assert copies.buddies == {} and copies.staged == []  # nobody is linked: no new copy goes anywhere
+        # rank 1 lost again: its giver still holds its copy of 18, and rank 0's own slots hold 18
+        assert copies.covering() == {1: "p0"} and copies.staged_by({0}) == [18]
+        choice = recovery_source(enabled=None, kind=FaultKind.HANG, world_size=2, lost={1},
+                                 buddies=copies.covering(), holding={"p0": {1: [17, 18]}},
+                                 staged=copies.staged_by({0}), snapshots={17, 18}, peers={"p0": 0}, bundled={1})
+        assert (choice.source, choice.step, choice.givers) == (Source.MEMORY, 18, {1: "p0"})
+        # rank 0 lost instead: the new rank 1 holds nothing of it yet
+        assert 0 not in copies.covering() and copies.staged_by({1}) == []
+        # the survivor's next copy, staged but sent nowhere: its own slots hold 18 and 19
+        copies.own[0], copies.own[1] = [18, 19], []
+        assert copies.staged_by({0}) == [18, 19]
+        # a spare that took a dead rank's place is a rank now: it covers nobody, and the survivor's spare still does
+        copies.buddies, copies.own = {0: "s0", 1: "s1"}, {0: [5], 1: [5]}
+        copies.adopted(5, lost=[1], adopters={1: "s1"}, givers={}, gone=set())
+        assert copies.covering() == {0: "s0"} and copies.own == {0: [5], 1: []}
+    finally:
+        copies.linker.shutdown()
