@@ -152,6 +152,12 @@ class Slots:
     def landed(self) -> list[int]:
         return sorted(s.step for s in self.slots if s.step is not None)
 
+    def keep_only(self, global_step: int) -> None:
+        """Forget every step but `global_step` (a slot holds no whole step until it is written again)."""
+        for slot in self.slots:
+            if slot.step != global_step:
+                slot.meta = None
+
 
 class SharedSlot:
     """A slot in a segment two processes map: its flat buffer, and its step and meta in the segment's header,

@@ -491,20 +491,22 @@ class TrainWorker:
 
     @ray.method(concurrency_group=HOLDER)
     @fault_points
-    def hold(self, rank: int, slots: dict, holder: str) -> dict:
+    def hold(self, rank: int, slots: dict, holder: str, keep: int | None = None) -> dict:
         """Hold `rank`'s copies, as `holder` (the name the Supervisor planned it under): two slots of `slots` (the
         rank's `memory_slots()`), allocated in a segment the rank maps if it runs on this host, once this node
         has the room (NoRoom otherwise); returns the segment's handle (`memory_attach`). Holding a rank again
-        (it is linked again after a repair) keeps the slots it holds when they fit and nothing receives into them
-        any more: what they hold stays held until the new link's copies land (a second fault before then rolls
-        back to it), and nothing is allocated again; otherwise the old holding is replaced. Allocated outside
-        the lock, so that `holding` answers meanwhile; refused under a name this process no longer holds as
-        (`holder_as`)."""
+        replaces its old holding, but for `keep` (the rank is linked again after a repair from memory that
+        rolled back to step `keep`): then, where the slots fit and nothing receives into them any more, they are
+        kept with that step alone (a second fault before the new link's copies land rolls back to it) and
+        nothing is allocated again. Allocated outside the lock, so that `holding` answers meanwhile; refused
+        under a name this process no longer holds as (`holder_as`)."""
         with self.holdings_lock:
             self._holds_as(holder)
             old = self.holdings.pop(rank, None)
-            if old is not None and (old.slots.numel, DTYPES.index(old.slots.dtype)) == \
-                    (slots["numel"], slots["dtype"]) and old.ended(0):
+            if keep is not None and old is not None and old.ended(0) and \
+                    (old.slots.numel, DTYPES.index(old.slots.dtype)) == (slots["numel"], slots["dtype"]):
+                old.closed = True  # a late thread of the old link lands nothing more
+                old.slots.keep_only(keep)
                 self.holdings[rank] = Holding(old.slots)
                 return old.slots.handle
         if old is not None:

@@ -15,8 +15,8 @@ Linking never falls on a step: after a repair, or when the pool refilled, a hold
 (seconds at ~100M) and starts a side link's store on the Supervisor's linker thread while the job trains on, and
 the rank's own part (mapping those slots, or joining the side link: one short call) runs just before its next
 copy, which already goes to the holder. The steps between are covered by what the ranks hold themselves and,
-after a repair from memory, by what the holders still hold from before it (`unlinked`): a second fault there rolls
-back to the step the first one did.
+after a repair from memory, by what the holders still hold of the step it restored (`unlinked`): a second fault
+there can roll back to that step again.
 """
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ class MemoryCopies:
         self.unlinked: dict[int, str] = {}
         self.staged: list[int] = []        # the steps every rank holds in its own two slots
         self.own: dict[int, list[int]] = {}  # rank -> the steps its own two slots hold (a survivor rolls back to one)
+        self.restored: int | None = None   # the step the last repair from memory rolled back to (`unlinked` hold it)
         self.slots: dict[int, dict] = {}   # rank -> what one of its slots holds, once it has its two
         self.off: str | None = None        # why the tier was turned off for the run (a node without room)
         self.orphans: list[ray.ObjectRef] = []
@@ -124,6 +125,8 @@ class MemoryCopies:
         if self.off is not None:
             return
         self.staged = [s for s in self.staged if s == global_step - 1]
+        # the slot of two steps back is overwritten now
+        self.own = {rank: [s for s in steps if s == global_step - 1] for rank, steps in self.own.items()}
         try:
             staged = trainers.call_all("begin_memory_copy", global_step)
         except GroupError:
@@ -133,8 +136,7 @@ class MemoryCopies:
         if all(staged):
             self.staged.append(global_step)
         for rank, ok in enumerate(staged):
-            # the slot of two steps back was overwritten
-            self.own[rank] = [s for s in self.own.get(rank, []) if s == global_step - 1] + [global_step] if ok else []
+            self.own[rank] = self.own.get(rank, []) + [global_step] if ok else []
             if not ok:  # no slots yet (a rank started cold, or an adopter whose held slots were still written)
                 self.slots.pop(rank, None)
         self._allocate(trainers)
@@ -203,8 +205,9 @@ class MemoryCopies:
             self._unhold(rank, ready[rank].holder, holders)
         for rank in prepare:
             name = plan[rank]
+            keep = self.restored if self.unlinked.get(rank) == name else None  # it holds that step: kept
             self.preparing[rank] = (name, self.linker.submit(self._prepare, rank, self.slots[rank], name,
-                                                             holders[name].handle, trainers.nodes[rank]))
+                                                             holders[name].handle, trainers.nodes[rank], keep))
         return {rank: (ready[rank], ready[rank].rank_call(trainers.members[rank].handle)) for rank in now}
 
     def _note_slots(self) -> None:
@@ -270,11 +273,11 @@ class MemoryCopies:
         self.preparing = {}
 
     def _prepare(self, rank: int, slots: dict, name: str, holder: ray.actor.ActorHandle,
-                 node: str | None) -> Prepared:
+                 node: str | None, keep: int | None) -> Prepared:
         """On the linker's thread: the holder allocates `rank`'s two slots (`hold`: seconds at ~100M, beside the
-        steps) and, where the rank runs on another host, starts its side link's store. HolderFailed when the
-        holder died or stalled (no answer within LINK_SECS)."""
-        held = ask_holder(holder.hold.remote(rank, slots, name))
+        steps; or keeps those holding step `keep`) and, where the rank runs on another host, starts its side
+        link's store. HolderFailed when the holder died or stalled (no answer within LINK_SECS)."""
+        held = ask_holder(holder.hold.remote(rank, slots, name, keep))
         where = ask_holder(holder.located.remote())
         if where["ip"] == node_ip(node):  # its host: the rank maps the holder's slots (memory_attach)
             return Prepared(name, held)
@@ -362,7 +365,7 @@ class MemoryCopies:
         refs = [m.handle.drop_memory.remote() for m in trainers.members] + \
                [s.handle.release.remote() for s in holders.values()]
         ray.wait(refs, num_returns=len(refs), timeout=LINK_SECS)
-        self.buddies, self.staged, self.slots, self.own, self.unlinked = {}, [], {}, {}, {}
+        self.buddies, self.staged, self.slots, self.own, self.unlinked, self.restored = {}, [], {}, {}, {}, None
         self._abandon()
         self._forget_allocating()
         self.linked({})
@@ -415,6 +418,9 @@ class MemoryCopies:
                     held[name] = {int(rank): steps for rank, steps in ray.get(ref).items()}
                 except Exception:  # noqa: BLE001 - a dead buddy holds nothing
                     pass
+        for rank, name in self.unlinked.items():  # a step past the one restored is of a timeline rolled back
+            if rank in held.get(name, {}):
+                held[name][rank] = [s for s in held[name][rank] if s == self.restored]
         return held
 
     def adopted(self, global_step: int, lost: list[int], adopters: dict[int, str], givers: dict[int, str],
@@ -423,12 +429,15 @@ class MemoryCopies:
         ranks now, and the survivors left their links; every rank is linked again, its holder prepared beside the
         next steps. Every rank keeps its slots (an adopter's are those it held for its rank). Until its copy, no
         rank's own slots hold a step that every rank holds; the survivors' hold `global_step`, to which they rolled
-        back. Until then the holders that are still holders keep what they held: the survivors' holders, and the
-        peers that gave the dead ranks their copies (`givers`), so that a second fault before the ranks are linked
-        again rolls back to `global_step` from memory too. `gone`: the holders that were the lost ranks."""
+        back. Until then the holders that are still holders keep what they held of `global_step`: the survivors'
+        holders, and the peers that gave the dead ranks their copies (`givers`), so that a second fault before
+        the ranks are linked again can roll back to `global_step` from memory too, where what it needs is still
+        held (the lost ranks' copies by their holders, the step by the others' own slots: a new process has none
+        yet). `gone`: the holders that are no more (the lost ranks' processes, the spares taken)."""
         ended = set(adopters.values()) | gone
         self.unlinked = {**{rank: name for rank, name in self.covering().items()
                             if rank not in lost and name not in ended}, **givers}
+        self.restored = global_step
         self.own = {rank: [global_step] if rank not in lost and global_step in steps else []
                     for rank, steps in self.own.items()}
         self._unlink()
@@ -437,7 +446,7 @@ class MemoryCopies:
     def reset(self) -> None:
         """A new TrainGroup: no link, no staged step and no slots survive it; its ranks get their slots again."""
         self._unlink()
-        self.staged, self.slots, self.resting, self.own, self.unlinked = [], {}, {}, {}, {}
+        self.staged, self.slots, self.resting, self.own, self.unlinked, self.restored = [], {}, {}, {}, {}, None
         self._abandon()
         self._forget_allocating()
 

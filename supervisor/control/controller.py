@@ -540,7 +540,7 @@ class Controller:
         trainers.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
                         choice.step, self.spares, choice.bundled)
         r.memory.adopted(choice.step, lost, choice.adopters, choice.givers,
-                         gone={name for name, c in holders.items() if c.holder.rank in lost})
+                         gone=set(holders) - set(r.memory.candidates(trainers)))  # lost ranks, spares taken
         for part, part_secs in trainers.timings.items():
             self.clock.add(part, part_secs)
         if self.spares is not None:

@@ -42,6 +42,22 @@ def test_a_segment_that_is_not_the_holders_is_not_mapped():
     assert SharedSlots.attach(held.handle).landed() == []
 
 
+def test_slots_kept_for_a_rank_linked_again_hold_the_restored_step_alone():
+    """A holder linked again to a rank after a repair from memory keeps its slots (nothing allocated again) with
+    the step the repair restored: a later step it held is of the timeline rolled back, and the mapping sees that."""
+    from workers.memory_tier import SharedSlots
+
+    held = SharedSlots(4, torch.float32)
+    for step in (8, 9):
+        held.for_step(step).flat.fill_(step)
+        held.for_step(step).meta = {"global_step": step}
+    held.keep_only(8)
+    assert held.landed() == [8] and SharedSlots.attach(held.handle).landed() == [8]
+    assert torch.equal(held.holding(8).flat, torch.full((4,), 8.0))
+    held.keep_only(7)  # a step it does not hold: nothing is left
+    assert held.landed() == []
+
+
 def test_slots_are_allocated_zeroed_and_separate():
     slots = Slots(1000, torch.bfloat16)
     a, b = (s.flat for s in slots.slots)

@@ -234,6 +234,7 @@ def test_after_a_repair_from_memory_a_second_fault_before_the_ranks_link_again_i
         # rank 1's new process loaded p0's copy of 18; p1, the dead rank 1, held rank 0's copies
         copies.adopted(18, lost=[1], adopters={}, givers={1: "p0"}, gone={"p1"})
         assert copies.buddies == {} and copies.staged == []  # nobody is linked: no new copy goes anywhere
+        assert copies.restored == 18  # what the holders still hold of it is what counts (holding: no later step)
         # rank 1 lost again: its giver still holds its copy of 18, and rank 0's own slots hold 18
         assert copies.covering() == {1: "p0"} and copies.staged_by({0}) == [18]
         choice = recovery_source(enabled=None, kind=FaultKind.HANG, world_size=2, lost={1},
