@@ -586,10 +586,11 @@ class TrainWorker:
         return {rank: h.landed() for rank, h in holdings.items()}
 
     @fault_points
-    def adopt(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int) -> None:
+    def adopt(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int) -> bool:
         """A holder taking dead `rank`'s place: join the group as a spare does, then load the copy of
         `global_step` it holds for `rank`, which becomes this rank's own; what it held for other ranks and its
-        links are dropped (it is a rank now)."""
+        links are dropped (it is a rank now). True where its own slots now hold `global_step` (the slots it held,
+        once nothing writes them): a second fault before its next copy can roll it back to that step in place."""
         held = self.holdings.get(rank)
         if held is None:
             raise RuntimeError(f"no memory copy of rank {rank} is held here (held: {sorted(self.holdings)})")
@@ -599,6 +600,7 @@ class TrainWorker:
         self.engine.load_memory(slot.flat, slot.meta)
         # its own copies now, once nothing writes them (the dead rank's link has ended, or is about to)
         self.memory = held.slots if held.ended(ABANDON_SECS) else None
+        return self.memory is not None
 
     @fault_points
     def adopt_copy(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int,

@@ -271,14 +271,15 @@ class TrainGroup(_Members):
         self._kill([self.members[r] for r in sorted(ranks)])
 
     def rejoin(self, adopters: dict[int, str], givers: dict[int, ray.actor.ActorHandle], global_step: int,
-               spares=None, bundled: frozenset[int] = frozenset()) -> None:
+               spares=None, bundled: frozenset[int] = frozenset()) -> set[int]:
         """Restart only the dead: the ranks a warm spare held take that spare (`adopters`: rank -> its name in
         `spares`), the ranks a peer held (`givers`: rank -> that peer) a free spare from `spares`, a new process
         in their own bundle (`bundled`: their node is alive) or in a free one, which loads the peer's copy; every
         rank joins a new process group at a new rendezvous, the survivors rolling back in place to
         `global_step`, the others loading it. The actors of the survivors stay: no new placement group, no
         process but the lost ones' started, no model built again. RuntimeError before anything is killed or
-        started (the spares given back to the pool) when a rank finds no place."""
+        started (the spares given back to the pool) when a rank finds no place. Returns the ranks whose own
+        slots hold `global_step` now."""
         started = time.monotonic()
         claimed = spares.claim(list(adopters.values())) if adopters else {}
         taken = [handle for handle, _ in spares.take(len(givers))] if spares is not None and givers else []
@@ -322,10 +323,13 @@ class TrainGroup(_Members):
                 return m.handle.adopt_copy.remote(ip, port, r, self.world_size, global_step, *copies[r])
             return m.handle.rejoin.remote(ip, port, r, self.world_size, global_step)
 
-        self.gather([join(r, m) for r, m in enumerate(self.members)], bound)
+        kept = self.gather([join(r, m) for r, m in enumerate(self.members)], bound)
+        # the ranks whose own slots hold `global_step` now: the survivors (rolled back from them) and the
+        # adopters that kept the slots they held (a new process has none until its first copy)
         self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
         # as a new group's: its weight stream checks them whole
         self.from_spares, self.steps = len(adopters) + len(taken), 0
+        return {r for r in range(self.world_size) if r not in lost or (r in adopters and kept[r])}
 
     def shard_digests(self) -> list[str]:
         """Every rank's digest of its part of the weights (TrainWorker.shard_digest), in rank order."""

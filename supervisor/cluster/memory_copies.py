@@ -424,22 +424,22 @@ class MemoryCopies:
         return held
 
     def adopted(self, global_step: int, lost: list[int], adopters: dict[int, str], givers: dict[int, str],
-                gone: set[str]) -> None:
+                own: set[int], gone: set[str]) -> None:
         """After a repair from memory to `global_step`: the buddies that took dead ranks' places (`adopters`) are
         ranks now, and the survivors left their links; every rank is linked again, its holder prepared beside the
         next steps. Every rank keeps its slots (an adopter's are those it held for its rank). Until its copy, no
-        rank's own slots hold a step that every rank holds; the survivors' hold `global_step`, to which they rolled
-        back. Until then the holders that are still holders keep what they held of `global_step`: the survivors'
-        holders, and the peers that gave the dead ranks their copies (`givers`), so that a second fault before
-        the ranks are linked again can roll back to `global_step` from memory too, where what it needs is still
-        held (the lost ranks' copies by their holders, the step by the others' own slots: a new process has none
-        yet). `gone`: the holders that are no more (the lost ranks' processes, the spares taken)."""
+        step is held by every rank's own slots; `own`'s ranks hold `global_step` there (the survivors, rolled back
+        from them, and the adopters that kept their slots: a new process has none yet). Until then the holders
+        that are still holders keep what they held of `global_step`: the survivors' holders, and the peers that
+        gave the dead ranks their copies (`givers`), so that a second fault before the ranks are linked again can
+        roll back to `global_step` from memory too, where what it needs is still held (a lost rank's copy by its
+        holder, the step by the others' own slots). `gone`: the holders that are no more (the lost ranks'
+        processes, the spares taken)."""
         ended = set(adopters.values()) | gone
         self.unlinked = {**{rank: name for rank, name in self.covering().items()
                             if rank not in lost and name not in ended}, **givers}
         self.restored = global_step
-        self.own = {rank: [global_step] if rank not in lost and global_step in steps else []
-                    for rank, steps in self.own.items()}
+        self.own = {rank: [global_step] if rank in own else [] for rank in self.own.keys() | own}
         self._unlink()
         self.staged = []
 

@@ -537,9 +537,9 @@ class Controller:
             self.fleet.close_stream()
             self.checkpoints.drop_in_flight(keep_export=0 not in lost)
         holders = r.memory.candidates(trainers)
-        trainers.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
-                        choice.step, self.spares, choice.bundled)
-        r.memory.adopted(choice.step, lost, choice.adopters, choice.givers,
+        own = trainers.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
+                              choice.step, self.spares, choice.bundled)
+        r.memory.adopted(choice.step, lost, choice.adopters, choice.givers, own,
                          gone=set(holders) - set(r.memory.candidates(trainers)))  # lost ranks, spares taken
         for part, part_secs in trainers.timings.items():
             self.clock.add(part, part_secs)

@@ -75,7 +75,7 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     if len(set(adopters.values())) < len(adopters):
         return disk(f"ranks {sorted(adopters)} share one buddy: it can take only one place")
     homeless = sorted(r for r in givers if r not in bundled)
-    if len(homeless) > free_spares - len(adopters) + free_bundles:
+    if homeless and len(homeless) > free_spares - len(adopters) + free_bundles:
         return disk(f"rank {homeless[0]}'s state is held by a peer, but it has no bundle to start again in and no "
                     f"warm spare is free")
     common = set(snapshots) if len(lost) == world_size else set(staged) & snapshots  # staged: the survivors'

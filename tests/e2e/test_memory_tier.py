@@ -188,10 +188,14 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         with pytest.raises(ray.exceptions.RayTaskError):
             ray.get(waiting, timeout=60)
         where = ray.get(ranks[0].where.remote())
-        ray.get([ranks[0].rejoin.remote(where["ip"], where["port"], 0, 2, 2),
-                 spare.adopt.remote(where["ip"], where["port"], 1, 2, 2)], timeout=120)
+        kept = ray.get([ranks[0].rejoin.remote(where["ip"], where["port"], 0, 2, 2),
+                        spare.adopt.remote(where["ip"], where["port"], 1, 2, 2)], timeout=120)[1]
         ranks = [ranks[0], spare]
+        assert kept is True  # the slots it held for rank 1 are its own now, holding step 2
         assert ray.get(spare.progress.remote())["phase"] == "idle"
+        # a second fault before any copy: both roll back to step 2 again in place, the adopter from those slots
+        where = ray.get(ranks[0].where.remote())
+        ray.get([r.rejoin.remote(where["ip"], where["port"], i, 2, 2) for i, r in enumerate(ranks)], timeout=120)
 
         # kill 2: rank 0, after step 4's optimizer step on both ranks, before its memory copy of step 4
         spare = start(spare_node, "spare-2")

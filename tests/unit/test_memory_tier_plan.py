@@ -232,7 +232,7 @@ def test_after_a_repair_from_memory_a_second_fault_before_the_ranks_link_again_i
     try:
         copies.buddies, copies.own, copies.staged = {0: "p1", 1: "p0"}, {0: [17, 18], 1: [17, 18]}, [17, 18]
         # rank 1's new process loaded p0's copy of 18; p1, the dead rank 1, held rank 0's copies
-        copies.adopted(18, lost=[1], adopters={}, givers={1: "p0"}, gone={"p1"})
+        copies.adopted(18, lost=[1], adopters={}, givers={1: "p0"}, own={0}, gone={"p1"})
         assert copies.buddies == {} and copies.staged == []  # nobody is linked: no new copy goes anywhere
         assert copies.restored == 18  # what the holders still hold of it is what counts (holding: no later step)
         # rank 1 lost again: its giver still holds its copy of 18, and rank 0's own slots hold 18
@@ -248,7 +248,30 @@ def test_after_a_repair_from_memory_a_second_fault_before_the_ranks_link_again_i
         assert copies.staged_by({0}) == [18, 19]
         # a spare that took a dead rank's place is a rank now: it covers nobody, and the survivor's spare still does
         copies.buddies, copies.own = {0: "s0", 1: "s1"}, {0: [5], 1: [5]}
-        copies.adopted(5, lost=[1], adopters={1: "s1"}, givers={}, gone=set())
+        copies.adopted(5, lost=[1], adopters={1: "s1"}, givers={}, own={0}, gone=set())
         assert copies.covering() == {0: "s0"} and copies.own == {0: [5], 1: []}
+    finally:
+        copies.linker.shutdown()
+
+
+def test_a_second_fault_that_loses_a_survivor_of_the_first_rolls_the_adopter_back_in_the_slots_it_kept():
+    """The spare that took rank 1's place kept the slots it held for it, which hold the step restored: when rank 0,
+    the first repair's survivor, is lost before the ranks are linked again, its spare adopts and the adopter rolls
+    back in place. Before, the adopter's slots were not counted and the repair went to disk."""
+    from supervisor.cluster.memory_copies import MemoryCopies
+
+    copies = MemoryCopies(None, warn=lambda _: None, linked=lambda _: None)
+    try:
+        copies.buddies, copies.own, copies.staged = {0: "s0", 1: "s1"}, {0: [4, 5], 1: [4, 5]}, [4, 5]
+        copies.adopted(5, lost=[1], adopters={1: "s1"}, givers={}, own={0, 1}, gone=set())
+        assert copies.covering() == {0: "s0"} and copies.own == {0: [5], 1: [5]}
+        choice = recovery_source(enabled=None, kind=FaultKind.WORKER_DIED, world_size=2, lost={0},
+                                 buddies=copies.covering(), holding={"s0": {0: [4, 5]}},
+                                 staged=copies.staged_by({1}), snapshots={4, 5}, peers={}, free_spares=1)
+        assert (choice.source, choice.step, choice.adopters) == (Source.MEMORY, 5, {0: "s0"})
+        # an adopter whose slots were still being written gave them up: nothing of rank 1 is held, disk
+        copies.buddies, copies.own = {0: "s0", 1: "s1"}, {0: [5], 1: [5]}
+        copies.adopted(5, lost=[1], adopters={1: "s1"}, givers={}, own={0}, gone=set())
+        assert copies.staged_by({1}) == []
     finally:
         copies.linker.shutdown()

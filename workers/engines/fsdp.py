@@ -347,7 +347,11 @@ class FSDPEngine(EngineBase):
         self._settle()
         dist.destroy_process_group()  # every group, the writer's too
         init_process_group(self.config, rank, world_size, master_addr, master_port)
-        self.model.reset_iter_state()  # what a step cut short left: unsharded parameters, hooks' trackers
+        # what a step cut short left: unsharded parameters, hooks' trackers; a model that has not run a forward
+        # since it was built (a rank that took a dead one's place, then a second fault) has none, and FSDP's
+        # reset fails on it (its lazy init has not run: the root's `_is_root` is still None)
+        if self.model._get_fsdp_state()._is_root:
+            self.model.reset_iter_state()
         world = dist.group.WORLD
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
