@@ -150,7 +150,9 @@ class ModelConfig(_Strict):
     num_kv_heads: int = Field(2, gt=0, description="the built model's key/value heads (grouped-query attention)")
 
 
-class ActorConfig(_Strict):
+class TrainConfig(_Strict):
+    """What every trained group sets for its engine, optimizer and updates: the actor's, and the critic's."""
+
     backend: Backend = Field(Backend.FSDP, description="training engine")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -167,13 +169,18 @@ class ActorConfig(_Strict):
                                 "float rounding: the sums are taken in another order); null: one pass")
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
                                                             "instead of keeping them (less memory, one more forward)")
-    ppo_epochs: int = Field(1, gt=0, description="passes over the step's samples, each in actor.mini_batches "
-                                                 "optimizer updates; any update after a step's first is off-policy, "
-                                                 "so the loss becomes PPO's clipped surrogate (fsdp only)")
+    ppo_epochs: int = Field(1, gt=0, description="passes over the step's samples, each in mini_batches optimizer "
+                                                 "updates; any update after a step's first is off-policy, so the "
+                                                 "policy's loss becomes PPO's clipped surrogate (fsdp only)")
     mini_batches: int = Field(1, gt=0, description="optimizer updates per pass, each over a part of every rank's "
                                                    "share of the samples (sizes apart by one row at most), in an "
                                                    "order drawn from (seed, step, pass): a resume needs no saved "
                                                    "random state")
+
+
+class ActorConfig(TrainConfig):
+    """The policy's group: its TrainConfig, and the policy loss's clip and KL term."""
+
     clip_ratio: float = Field(0.2, gt=0, description="PPO's clip: a token's probability ratio to the step's first "
                                                      "policy is held within 1 +- clip_ratio (with several updates)")
     kl_coef: float = Field(0.0, ge=0, description="weight of GRPO's KL(policy || reference) term; 0 keeps no "
@@ -181,6 +188,17 @@ class ActorConfig(_Strict):
     ref_update_steps: Optional[int] = Field(
         None, gt=0, description="refresh the reference from the policy every N steps; null keeps the initial "
                                 "policy as the reference")
+
+
+class CriticConfig(TrainConfig):
+    """A value model's group (PPO with GAE; issue 40): its TrainConfig, the value loss's clip and GAE's discounts.
+    Its engine side is built (workers/engines, role critic); no config key holds it yet: the pipeline does not
+    train it."""
+
+    value_clip: float = Field(0.2, gt=0, description="PPO's value clip: a token's new value is held within this of "
+                                                     "its value at the step's start (verl's cliprange_value)")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount of later rewards")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda: 1 gives the rewards-to-go, 0 the TD errors")
 
 
 class DataConfig(_Strict):

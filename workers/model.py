@@ -34,31 +34,50 @@ def build_tokenizer(model_cfg):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def model_config(model_cfg, tokenizer):
+# a value model's head: one output per token, and no dropout before it (transformers' default is 0.1, which makes
+# the values a critic computes for GAE differ from those its update trains; verl sets 0 too)
+VALUE_HEAD = {"num_labels": 1, "classifier_dropout": 0.0}
+
+
+def model_config(model_cfg, tokenizer, value: bool = False):
+    """The model's transformers config: the directory's, or a Qwen2's of the config's sizes; `value`: with a value
+    model's head."""
     from transformers import AutoConfig, Qwen2Config
 
+    head = VALUE_HEAD if value else {}
     if model_cfg.path is not None:
-        return AutoConfig.from_pretrained(model_cfg.path)
+        return AutoConfig.from_pretrained(model_cfg.path, **head)
     return Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size, num_hidden_layers=model_cfg.num_layers,
         num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
         max_position_embeddings=BUILT_MODEL_CONTEXT, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id, **head,
     )
 
 
-def build_model(model_cfg, tokenizer, seed: int) -> torch.nn.Module:
-    """Identical on every rank: loaded weights, or a random init seeded by `seed`."""
-    from transformers import AutoModelForCausalLM
+def model_class(value: bool = False):
+    """transformers' auto class of the language model, or of a value model (`value`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification if value else AutoModelForCausalLM
+
+
+def build_model(model_cfg, tokenizer, seed: int, value: bool = False) -> torch.nn.Module:
+    """Identical on every rank: loaded weights, or a random init seeded by `seed`. `value`: the value model of a
+    critic instead of the language model, the same body with one output per token (a token-classification model
+    of one label, as verl's critic; over loaded weights, its head alone is a new init seeded by `seed`)."""
     from transformers.utils import logging as hf_logging
 
     if model_cfg.path is not None:
         hf_logging.disable_progress_bar()  # one bar per worker would interleave with the job's own progress bar
-        return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32)
+        if value:
+            torch.manual_seed(seed)
+        return model_class(value).from_pretrained(model_cfg.path, config=model_config(model_cfg, tokenizer, value),
+                                                  dtype=torch.float32)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(model_config(model_cfg, tokenizer), dtype=torch.float32)
+    return model_class(value).from_config(model_config(model_cfg, tokenizer, value), dtype=torch.float32)
 
 
 def save_model_dir(model, tokenizer, model_cfg, directory, max_shard_size: str | int = "2GB") -> None:

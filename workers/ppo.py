@@ -72,7 +72,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     plain, held = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(plain, held), response_mask, tokens)
-    return loss, masked_mean((held > plain).float(), response_mask, tokens).detach()
+    # a value within the clip is held by a rounding of itself: not counted (verl counts it when it rounds up)
+    decided = (held > plain) & ((values - old_values).abs() > clip)
+    return loss, masked_mean(decided.float(), response_mask, tokens).detach()
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,11 @@ def test_a_pass_makes_exactly_mini_batches_updates_whatever_the_rows():
     from types import SimpleNamespace
 
     from workers.engines.base import EngineBase
+    from workers.roles import actor
 
     for rows, mini in ((6, 4), (5, 4), (32, 3), (8, 8)):
         config = load_config(DEFAULT_CONFIG, [f"actor.mini_batches={mini}", "actor.ppo_epochs=2"])
-        engine = SimpleNamespace(config=config,
+        engine = SimpleNamespace(config=config, role=actor(config), section=config.actor,
                                  device=torch.device("cpu"), micro_batches=lambda b: ([b], None))
         logits = torch.zeros(rows, 4, 8)
         model = lambda input_ids, attention_mask, **_: SimpleNamespace(logits=logits)  # noqa: E731

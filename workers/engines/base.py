@@ -1,7 +1,7 @@
-"""The one interface the TrainWorker drives, whatever the engine (`actor.backend`: fsdp | deepspeed).
+"""The one interface the TrainWorker drives, whatever the engine (a role's `backend`: fsdp | deepspeed).
 
-An engine owns one rank's share of the policy, its optimizer, LR scheduler, RNGs and (with `actor.kl_coef`)
-the reference policy. The file names it writes into a recover step directory are its own business: `save`
+An engine owns one rank's share of its role's model (workers/roles.py: the policy, or a critic's value model), its
+optimizer, LR scheduler, RNGs and (the policy's, with `actor.kl_coef`) the reference policy. The file names it writes into a recover step directory are its own business: `save`
 returns them, so the worker can report their sizes and digests without knowing the format.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from supervisor.config import Backend, Config
 from workers.memory_tier import Slot, StateLayout
+from workers.roles import Role, actor
 
 ENGINES = {Backend.FSDP: "workers.engines.fsdp:FSDPEngine",
            Backend.DEEPSPEED: "workers.engines.deepspeed:DeepSpeedEngine"}
@@ -29,6 +30,11 @@ class TrainEngine(Protocol):
 
     def train_step(self, batch: dict, global_step: int) -> dict:
         """One optimizer step on this rank's shard of the batch; returns loss, grad_norm, lr (and kl)."""
+
+    def values(self, batch: dict) -> torch.Tensor:
+        """Collective, a value model's engine only: its value of the state before every token of this rank's shard
+        ([rows, sequence - 1], as workers/ppo.py lays them), computed in the shard's micro-batches before the
+        step's updates: what GAE estimates the step's advantages with, and the value loss's `old_values`."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full weights on CPU on rank 0 (every rank calls it; the others may get nothing)."""
@@ -97,58 +103,79 @@ def even_part(flat: torch.Tensor, rank: int, world_size: int) -> tuple[int, torc
 
 
 class EngineBase:
-    """What every engine shares: its place in the group, the tokenizer, the KL reference policy, the GRPO
-    loss on this rank's shard, the loss averaged over the ranks, and the HuggingFace export. Each engine
+    """What every engine shares: its place in the group, its role, the tokenizer, the KL reference policy, the
+    role's loss on this rank's shard, the loss averaged over the ranks, and the HuggingFace export. Each engine
     adds its own sharding, optimizer step, checkpoint format and parameter gathering."""
 
-    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer):
+    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer, role: Role):
         from workers.engines.reference import ReferencePolicy
 
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        self.tokenizer = tokenizer
-        self.reference = ReferencePolicy(config, tokenizer, device) if config.actor.kl_coef else None
+        self.tokenizer, self.role, self.section = tokenizer, role, role.section
+        self.reference = ReferencePolicy(config, tokenizer, device) \
+            if not role.value and config.actor.kl_coef else None
 
     def _loss(self, model: torch.nn.Module, batch: dict,
               tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """GRPO's loss (and its KL term) of `model` on this rank's shard of the batch, or on a micro-batch of it
-        as its share of the shard's token mean (`tokens`: the shard's generated tokens)."""
+        """The role's loss of `model` on this rank's shard of the batch, or on a micro-batch of it as its share of
+        the shard's token mean (`tokens`: the shard's generated tokens): the policy's GRPO loss (and its KL term),
+        or a value model's clipped value loss against the batch's `returns`, its values held within
+        `value_clip` of `old_values` (the values the step's advantages were estimated with: workers/ppo.py)."""
         from workers.engines.reference import grpo_loss
         from workers.model import forward_logits
+        from workers.ppo import token_values, value_loss
 
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens,
-                         self.config.actor.clip_ratio)
+        if not self.role.value:
+            return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens,
+                             self.section.clip_ratio)
+        loss, clipped = value_loss(token_values(forward_logits(model, ids, mask)), batch["old_values"].to(self.device),
+                                   batch["returns"].to(self.device), batch["response_mask"].to(self.device),
+                                   self.section.value_clip, tokens)
+        return loss, {"vf_clip_frac": float(clipped)}
+
+    @torch.no_grad()
+    def _values(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """`values` of `model` (the engine's module)."""
+        from workers.model import forward_logits
+        from workers.ppo import token_values
+
+        parts, _ = self.micro_batches(batch)
+        return torch.cat([token_values(forward_logits(model, p["input_ids"].to(self.device),
+                                                      p["attention_mask"].to(self.device))) for p in parts])
 
     def updates(self, model: torch.nn.Module, batch: dict, global_step: int) -> list[dict]:
         """The step's optimizer updates: the whole shard, once (GRPO on-policy, the same arithmetic as ever); or, with
-        actor.ppo_epochs / actor.mini_batches, each pass's rows in an order drawn from (seed, step, pass), cut into
-        mini-batches that carry the log-probabilities of the policy that drew them (before any update)."""
+        the role's ppo_epochs / mini_batches, each pass's rows in an order drawn from (seed, step, pass), cut into
+        mini-batches; the policy's carry the log-probabilities of the policy that drew them (before any update), a
+        value model's the values they came with (`old_values`)."""
         from workers.grpo import token_logprobs
         from workers.model import forward_logits
 
-        actor = self.config.actor
-        if actor.ppo_epochs * actor.mini_batches == 1:
+        train = self.section
+        if train.ppo_epochs * train.mini_batches == 1:
             return [batch]
-        with torch.no_grad():
-            parts, _ = self.micro_batches(batch)
-            old = torch.cat([token_logprobs(forward_logits(model, p["input_ids"].to(self.device),
-                                                           p["attention_mask"].to(self.device)),
-                                            p["input_ids"].to(self.device)) for p in parts])
-        batch = dict(batch, old_logp=old)
+        if not self.role.value:
+            with torch.no_grad():
+                parts, _ = self.micro_batches(batch)
+                old = torch.cat([token_logprobs(forward_logits(model, p["input_ids"].to(self.device),
+                                                               p["attention_mask"].to(self.device)),
+                                                p["input_ids"].to(self.device)) for p in parts])
+            batch = dict(batch, old_logp=old)
         rows, out = len(batch["input_ids"]), []
-        for epoch in range(actor.ppo_epochs):
+        for epoch in range(train.ppo_epochs):
             order = update_order(self.config.seed, global_step, epoch, rows)
             out += [{k: v[part.to(v.device)] for k, v in batch.items()}
-                    for part in order.tensor_split(actor.mini_batches)]  # exactly that many, sizes apart by 1 at most
+                    for part in order.tensor_split(train.mini_batches)]  # exactly that many, sizes apart by 1 at most
         return out
 
     def micro_batches(self, batch: dict) -> tuple[list[dict], torch.Tensor | None]:
-        """This rank's shard in `actor.micro_batch_size` rows at a time, and the shard's generated tokens each
+        """This rank's shard in the role's `micro_batch_size` rows at a time, and the shard's generated tokens each
         one's loss divides by (so that the gradients add up to the shard's token mean); the whole shard and
         None without micro-batches (the plain token mean, the same arithmetic as ever)."""
         from workers.grpo import response_tokens
 
-        size, rows = self.config.actor.micro_batch_size, len(batch["input_ids"])
+        size, rows = self.section.micro_batch_size, len(batch["input_ids"])
         if size is None or size >= rows:
             return [batch], None
         parts = [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
@@ -169,7 +196,8 @@ class EngineBase:
         """Rank 0 only: a HuggingFace directory (safetensors, config.json, tokenizer files)."""
         from workers.engines.export import write_hf
 
-        write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size)
+        write_hf(self.config.model, self.tokenizer, full_state, directory, self.config.saver.max_shard_size,
+                 self.role.value)
 
 
 def update_order(seed: int, global_step: int, epoch: int, rows: int) -> torch.Tensor:
@@ -205,29 +233,31 @@ def lr_scheduler(optimizer, warmup: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
 
-def build_parts(config: Config) -> tuple:
+def build_parts(config: Config, role: Role | None = None) -> tuple:
     """What an engine needs that no process group does: the engine's module imported (its seconds of import
-    time), the tokenizer and the unsharded model, built exactly as the engine would build them itself
-    (seeded by `seed`), so a warm spare's model is the one a cold rank builds."""
+    time), the tokenizer and the role's unsharded model (the actor's by default), built exactly as the engine would
+    build them itself (seeded by `seed`), so a warm spare's model is the one a cold rank builds."""
     from workers.model import build_model, build_tokenizer
 
-    engine_class(config.actor.backend)
+    role = role or actor(config)
+    engine_class(role.section.backend)
     tokenizer = build_tokenizer(config.model)
-    return tokenizer, build_model(config.model, tokenizer, config.seed)
+    return tokenizer, build_model(config.model, tokenizer, config.seed, role.value)
 
 
 def make_engine(config: Config, rank: int, world_size: int, master_addr: str, master_port: int,
-                parts: tuple | None = None) -> TrainEngine:
-    """Join the process group and build the engine `actor.backend` names (imported only when chosen), from
-    `parts` (build_parts) when given."""
+                parts: tuple | None = None, role: Role | None = None) -> TrainEngine:
+    """Join the process group and build the engine the role's `backend` names (imported only when chosen) for the
+    role (the actor's by default), from `parts` (build_parts) when given."""
+    role = role or actor(config)
     device = init_process_group(config, rank, world_size, master_addr, master_port)
-    tokenizer, model = parts if parts is not None else build_parts(config)
-    if config.actor.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
+    tokenizer, model = parts if parts is not None else build_parts(config, role)
+    if role.section.gradient_checkpointing:  # activations recomputed in the backward, layer by layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return engine_class(config.actor.backend)(config, rank, world_size, device, tokenizer, model)
+    return engine_class(role.section.backend)(config, rank, world_size, device, tokenizer, model, role)
 
 
 def engine_class(backend: Backend) -> type:
-    """The engine class `actor.backend` names, its module imported only now."""
+    """The engine class a role's `backend` names, its module imported only now."""
     module, cls = ENGINES[backend].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -22,20 +22,22 @@ import torch.distributed as dist
 
 from supervisor.checkpoint import safe_load
 from supervisor.checkpoint.layout import DEEPSPEED_RANK_FILE, deepspeed_tag
-from supervisor.config import Config, TrainDtype
+from supervisor.config import Config, TrainConfig, TrainDtype
 from workers.engines.base import EngineBase, even_part, lr_scheduler
 from workers.engines.rng import load_rng, save_rng
+from workers.roles import Role
 
 
-def ds_config(config: Config, world_size: int) -> dict:
-    actor, rows = config.actor, config.data.batch_size * config.data.group_size // world_size
-    micro = min(actor.micro_batch_size or rows, rows)
+def ds_config(config: Config, train: TrainConfig, world_size: int) -> dict:
+    """DeepSpeed's config for a role's section of the config (`train`)."""
+    rows = config.data.batch_size * config.data.group_size // world_size
+    micro = min(train.micro_batch_size or rows, rows)
     return {  # as many accumulation steps as micro-batches (EngineBase.micro_batches: the last may be short)
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": -(-rows // micro),
-        "gradient_clipping": actor.grad_clip or 0.0, "zero_optimization": {"stage": actor.zero_stage},
+        "gradient_clipping": train.grad_clip or 0.0, "zero_optimization": {"stage": train.zero_stage},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31, "wall_clock_breakdown": False,
-        "bf16": {"enabled": actor.dtype is TrainDtype.BF16},
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if actor.dtype is TrainDtype.BF16 else {}),  # as FSDP2's
+        "bf16": {"enabled": train.dtype is TrainDtype.BF16},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if train.dtype is TrainDtype.BF16 else {}),  # as FSDP2's
     }
 
 
@@ -43,16 +45,16 @@ class DeepSpeedEngine(EngineBase):
     MEMORY_TIER = False  # deepspeed.comm keeps global group state it cannot re-form in place: recovery is from disk
 
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
-                 model: torch.nn.Module):
+                 model: torch.nn.Module, role: Role):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
-        super().__init__(config, rank, world_size, device, tokenizer)
+        super().__init__(config, rank, world_size, device, tokenizer, role)
         deepspeed.utils.logger.setLevel(logging.WARNING)
         model = model.to(device)
-        actor = config.actor
-        optimizer = torch.optim.AdamW(model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
+        train = role.section
+        optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, actor.warmup_steps),
-            config=ds_config(config, world_size), dist_init_required=False)
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, train.warmup_steps),
+            config=ds_config(config, train, world_size), dist_init_required=False)
         self.params = list(self.engine.module.parameters())  # in named_parameters' order: what the stream sends
 
     def train_step(self, batch: dict, global_step: int) -> dict:
@@ -75,10 +77,13 @@ class DeepSpeedEngine(EngineBase):
         return {"loss": self._mean_over_ranks(loss), "lr": lr, **metrics,
                 "grad_norm": float(norm) if norm is not None else float("nan")}
 
+    def values(self, batch: dict) -> torch.Tensor:
+        return self._values(self.engine, batch)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the full weights on CPU (ZeRO-3 gathers its partitions first)."""
         params = list(self.engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.config.actor.zero_stage == 3):
+        with deepspeed.zero.GatheredParameters(params, enabled=self.section.zero_stage == 3):
             return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
 
     def weight_params(self) -> list[tuple[str, torch.Size]]:
@@ -89,7 +94,7 @@ class DeepSpeedEngine(EngineBase):
         """ZeRO-1/2 parameters are whole on every rank; ZeRO-3 gathers this one (every rank) and rank 0 copies
         it out before it is partitioned again."""
         p = self.params[index]
-        if self.config.actor.zero_stage != 3:
+        if self.section.zero_stage != 3:
             return p.detach()
         with deepspeed.zero.GatheredParameters([p]):
             return p.detach().clone() if self.rank == 0 else None
@@ -103,7 +108,7 @@ class DeepSpeedEngine(EngineBase):
         """ZeRO-1/2 parameters are whole on every rank: an even share each. ZeRO-3 keeps rank r's partition of
         the flattened parameter in `p.ds_tensor`, elements from r * its length, the last one padded."""
         p = self.params[index]
-        if self.config.actor.zero_stage != 3:
+        if self.section.zero_stage != 3:
             return even_part(p.detach().reshape(-1), self.rank, self.world_size)
         size = p.ds_tensor.ds_numel
         start = min(self.rank * size, p.ds_numel)

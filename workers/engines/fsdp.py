@@ -37,6 +37,7 @@ from workers.engines.base import EngineBase, collective_timeout, even_part, init
 from workers.engines.reference import reference_step
 from workers.engines.rng import load_rng, rng_state, save_rng, set_rng_state
 from workers.memory_tier import KINDS, Slot, StateLayout
+from workers.roles import Role
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -55,23 +56,23 @@ class FSDPEngine(EngineBase):
     MEMORY_TIER = True  # rejoin, stage_memory and load_memory: a rank rolls back and re-forms in place
 
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
-                 model: torch.nn.Module):
+                 model: torch.nn.Module, role: Role):
         """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
-        super().__init__(config, rank, world_size, device, tokenizer)
+        super().__init__(config, rank, world_size, device, tokenizer, role)
         model = model.to(device)
         mesh = init_device_mesh(device.type, (world_size,))
         # bf16: each layer's parameters gathered in bf16 for its forward and backward, its gradients reduced in
         # fp32 into the fp32 shards the optimizer steps and the checkpoints hold
         mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
-            if config.actor.dtype is TrainDtype.BF16 else {}
+            if role.section.dtype is TrainDtype.BF16 else {}
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, **mixed)
         self.model = fully_shard(model, mesh=mesh, **mixed)
-        actor = config.actor
+        train = role.section
         self.params = list(self.model.parameters())  # in named_parameters' order: what the stream sends
         self.gathered: torch.Tensor | None = None  # rank 0: where full_param gathers a parameter's shards
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay)
-        self.scheduler = lr_scheduler(self.optimizer, actor.warmup_steps)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+        self.scheduler = lr_scheduler(self.optimizer, train.warmup_steps)
         self.memory_layout = StateLayout.of([local(p) for p in self.params])
         self._make_writer_group()
         self.copies: torch.cuda.Stream | None = None  # the memory tier's copies off the GPU, once there is one
@@ -105,6 +106,9 @@ class FSDPEngine(EngineBase):
         mean = {k: sum(f[k] for f in figures) / len(figures) for k in figures[0]}
         return {"loss": mean.pop("loss"), "grad_norm": mean.pop("grad_norm"), "lr": lr, **mean}
 
+    def values(self, batch: dict) -> torch.Tensor:
+        return self._values(self.model, batch)
+
     def _update(self, batch: dict, first: bool) -> dict:
         """One optimizer update on `batch` (this rank's rows of it); `first`: the step's first, before which the
         memory tier's copy of the previous step must be done reading the state."""
@@ -118,8 +122,8 @@ class FSDPEngine(EngineBase):
             loss = part_loss.detach() if loss is None else loss + part_loss.detach()
             metrics = self._add_metrics(metrics, part_metrics)
         grad_norm = float("nan")
-        if self.config.actor.grad_clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.actor.grad_clip)
+        if self.section.grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.section.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if first:
             self._settle()
@@ -253,9 +257,14 @@ class FSDPEngine(EngineBase):
 
     def _settle(self) -> None:
         """Before anything overwrites this rank's state: the memory tier's copy still reading it off the GPU is
-        done, waited for on the device (the host goes on)."""
+        done, waited for on the device (the host goes on); and no parameter is left gathered by a forward that no
+        backward followed (the values or log-probabilities computed before a step's updates): FSDP keeps the root
+        module's gathered after its forward and would run the next forward on them, not on what was restored."""
         if self.copies is not None:
             torch.cuda.current_stream().wait_stream(self.copies)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _copy_stream(self) -> "torch.cuda.Stream | None":
         """The memory tier's stream for copies off the GPU (None on CPU, where a copy is done when it returns)."""

@@ -1,0 +1,106 @@
+"""The critic's engine (issue 40, before its group is wired): a value model trained by the same engines as the
+policy, in one process (a gloo group of one rank, real FSDP and DeepSpeed, a real transformers value model). What
+a PPO job will need of it: values for GAE, a clipped value loss that learns the returns, a recover checkpoint and a
+memory-tier copy that restore it exactly, and an HF export that transformers loads as a value model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_async_save import batch
+
+from supervisor.config import DEFAULT_CONFIG, CriticConfig, load_config
+from supervisor.testing.local_cluster import free_port
+from workers.memory_tier import Slot
+from workers.ppo import gae, token_rewards
+
+CONFIG = load_config(DEFAULT_CONFIG, ["recover.mode=on", "recover.write_mode=sync"])
+
+
+def critic_engine(backend: str = "fsdp", **section):
+    from workers.engines.base import make_engine
+    from workers.roles import critic
+
+    return make_engine(CONFIG, 0, 1, "127.0.0.1", free_port(), role=critic(CriticConfig(backend=backend, **section)))
+
+
+@pytest.fixture
+def leave_group():
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def with_targets(engine, step: int) -> dict:
+    """`batch(step)` with what the critic trains on: the values it starts the step with, and the returns of an
+    outcome reward of 1 for rows whose first token is even (GAE with gamma = lambda = 1: the reward itself)."""
+    b = batch(step)
+    values = engine.values(b)
+    rewards = token_rewards((b["input_ids"][:, 0] % 2 == 0).float(), b["response_mask"])
+    return b | {"old_values": values, "returns": gae(rewards, values, b["response_mask"], 1.0, 1.0)[1]}
+
+
+def generated(values: torch.Tensor, b: dict) -> torch.Tensor:
+    return values[b["response_mask"][:, 1:] > 0]
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_a_critic_learns_the_returns_with_the_policy_engines(backend, leave_group):
+    engine = critic_engine(backend, lr=1e-2)
+    fixed = with_targets(engine, 0)
+    first = engine.train_step(fixed, 0)
+    assert first["vf_clip_frac"] == 0.0  # the first update starts at the old values: nothing to clip
+    for step in range(1, 30):
+        last = engine.train_step(with_targets(engine, 0), step)
+    assert last["loss"] < 0.1 * first["loss"]
+    assert torch.allclose(generated(engine.values(fixed), fixed), generated(fixed["returns"], fixed), atol=0.1)
+
+
+def test_the_value_clip_decides_the_later_updates_of_a_step(leave_group):
+    """The clip's arithmetic is tests/unit/test_ppo.py's; here, that the engine applies the role's value_clip to the
+    values the step started with (the first update starts at them: nothing clipped)."""
+    tight = critic_engine(value_clip=1e-4, ppo_epochs=4)
+    b = with_targets(tight, 0)
+    assert tight.train_step(b, 0)["vf_clip_frac"] > 0.5
+    dist.destroy_process_group()
+    wide = critic_engine(value_clip=100.0, ppo_epochs=4)
+    assert wide.train_step(b, 0)["vf_clip_frac"] == 0.0
+
+
+def test_a_critic_restores_exactly_from_its_recover_checkpoint_and_its_memory_copy(tmp_path, leave_group):
+    engine = critic_engine()
+    engine.train_step(with_targets(engine, 0), 0)
+    files = engine.save(tmp_path, 0)
+    slot = Slot(torch.zeros(engine.memory_layout.numel))
+    engine.stage_memory(slot, 0)
+    at_save = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    probe = batch(5)
+    values = engine.values(probe)
+    engine.train_step(with_targets(engine, 1), 1)
+    assert not torch.equal(engine.values(probe), values)
+    engine.load_memory(slot.flat, slot.meta)
+    assert torch.equal(engine.values(probe), values)
+    dist.destroy_process_group()
+    fresh = critic_engine()  # a new rank: the same init, then the checkpoint
+    assert ".metadata" in files and fresh.load(tmp_path, 0, same_world_size=True) == []
+    assert all(torch.equal(v, at_save[k]) for k, v in fresh.full_state_dict().items())
+    assert torch.equal(fresh.values(probe), values)
+
+
+def test_a_critics_export_loads_as_a_value_model_with_its_values(tmp_path, leave_group):
+    from transformers import AutoModelForTokenClassification
+
+    from workers.model import forward_logits
+    from workers.ppo import token_values
+
+    engine = critic_engine()
+    engine.train_step(with_targets(engine, 0), 0)
+    engine.export_hf(tmp_path, engine.full_state_dict())
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path).eval()
+    assert model.config.num_labels == 1
+    probe = batch(5)
+    with torch.no_grad():
+        loaded = token_values(forward_logits(model, probe["input_ids"], probe["attention_mask"]))
+    assert torch.allclose(loaded, engine.values(probe), atol=1e-6)
