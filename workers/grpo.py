@@ -1,5 +1,5 @@
 """GRPO's formulas: group-normalised advantages, the policy-gradient loss (PPO's clipped surrogate when a step makes
-several updates) and the KL penalty."""
+several updates) and the KL penalty. The losses take a row's advantage (GRPO's) or a token's (PPO's GAE)."""
 from __future__ import annotations
 
 import torch
@@ -31,10 +31,16 @@ def response_tokens(response_mask: torch.Tensor) -> torch.Tensor:
     return response_mask[:, 1:].float().sum().clamp(min=1)
 
 
+def per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages laid out as token_logprobs: GRPO's one per row (broadcast over its tokens), or PPO's per token
+    (GAE: [rows, sequence - 1]) as they are."""
+    return advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+
+
 def policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
                 advantages: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """On-policy GRPO (one update per batch, so the PPO ratio is 1): -A * log p(token), token mean."""
-    return masked_mean(-advantages.unsqueeze(1) * token_logprobs(logits, input_ids), response_mask, tokens)
+    return masked_mean(-per_token(advantages) * token_logprobs(logits, input_ids), response_mask, tokens)
 
 
 def clipped_policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
@@ -45,7 +51,7 @@ def clipped_policy_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_
     samples (`old_logp`, its token log-probabilities). Returns the loss and the share of tokens whose clipped term
     is the loss (their gradient is 0)."""
     ratio = torch.exp(token_logprobs(logits, input_ids) - old_logp)
-    adv = advantages.unsqueeze(1)
+    adv = per_token(advantages)
     unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)
     used = (clipped > unclipped).float()  # the clipped term is the loss: no gradient through the token (verl's)
     return masked_mean(torch.maximum(unclipped, clipped), response_mask, tokens), \

@@ -73,13 +73,11 @@ def test_a_pass_makes_exactly_mini_batches_updates_whatever_the_rows():
 
     for rows, mini in ((6, 4), (5, 4), (32, 3), (8, 8)):
         config = load_config(DEFAULT_CONFIG, [f"actor.mini_batches={mini}", "actor.ppo_epochs=2"])
-        engine = SimpleNamespace(config=config, role=actor(config), section=config.actor,
-                                 device=torch.device("cpu"), micro_batches=lambda b: ([b], None))
-        logits = torch.zeros(rows, 4, 8)
-        model = lambda input_ids, attention_mask, **_: SimpleNamespace(logits=logits)  # noqa: E731
+        engine = SimpleNamespace(config=config, role=actor(config), section=config.actor)
         batch = {"input_ids": torch.zeros(rows, 4, dtype=torch.long), "attention_mask": torch.ones(rows, 4),
-                 "response_mask": torch.ones(rows, 4), "advantages": torch.zeros(rows)}
-        updates = EngineBase.updates(engine, model, batch, 3)
+                 "response_mask": torch.ones(rows, 4), "advantages": torch.zeros(rows),
+                 "old_logp": torch.zeros(rows, 3)}  # the policy's, asked before the step (logprobs)
+        updates = EngineBase.updates(engine, None, batch, 3)
         sizes = [len(u["input_ids"]) for u in updates]
         assert len(updates) == 2 * mini and max(sizes) - min(sizes) <= 1 and sum(sizes) == 2 * rows
 

@@ -36,6 +36,12 @@ class TrainEngine(Protocol):
         ([rows, sequence - 1], as workers/ppo.py lays them), computed in the shard's micro-batches before the
         step's updates: what GAE estimates the step's advantages with, and the value loss's `old_values`."""
 
+    def logprobs(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Collective, the policy's engine only: the log-probability of every token of this rank's shard after the
+        first ([rows, sequence - 1]), under the policy before the step's updates (`logp`: given back to
+        train_step as `old_logp`, it is not computed again) and under the reference policy where there is one
+        (`ref_logp`): PPO's KL penalty in the rewards (workers/ppo.py) is estimated from the two."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full weights on CPU on rank 0 (every rank calls it; the others may get nothing)."""
 
@@ -137,31 +143,42 @@ class EngineBase:
     @torch.no_grad()
     def _values(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         """`values` of `model` (the engine's module)."""
-        from workers.model import forward_logits
         from workers.ppo import token_values
 
-        parts, _ = self.micro_batches(batch)
-        return torch.cat([token_values(forward_logits(model, p["input_ids"].to(self.device),
-                                                      p["attention_mask"].to(self.device))) for p in parts])
+        return torch.cat([token_values(logits) for logits, _ in self._forward(model, batch)])
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """The policy `model`'s log-probability of every token of this rank's shard after the first."""
+        from workers.grpo import token_logprobs
+
+        return torch.cat([token_logprobs(logits, ids) for logits, ids in self._forward(model, batch)])
+
+    def _forward(self, model: torch.nn.Module, batch: dict):
+        """`model`'s logits on this rank's shard in its micro-batches, each with its input ids (on the device)."""
+        from workers.model import forward_logits
+
+        for part in self.micro_batches(batch)[0]:
+            ids = part["input_ids"].to(self.device)
+            yield forward_logits(model, ids, part["attention_mask"].to(self.device)), ids
+
+    def _token_logprobs(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        """`logprobs` of `model` (the engine's module)."""
+        out = {"logp": self._logprobs(model, batch)}
+        if self.reference is not None:
+            out["ref_logp"] = self._logprobs(self.reference.model, batch)
+        return out
 
     def updates(self, model: torch.nn.Module, batch: dict, global_step: int) -> list[dict]:
         """The step's optimizer updates: the whole shard, once (GRPO on-policy, the same arithmetic as ever); or, with
         the role's ppo_epochs / mini_batches, each pass's rows in an order drawn from (seed, step, pass), cut into
         mini-batches; the policy's carry the log-probabilities of the policy that drew them (before any update), a
         value model's the values they came with (`old_values`)."""
-        from workers.grpo import token_logprobs
-        from workers.model import forward_logits
-
         train = self.section
         if train.ppo_epochs * train.mini_batches == 1:
             return [batch]
-        if not self.role.value:
-            with torch.no_grad():
-                parts, _ = self.micro_batches(batch)
-                old = torch.cat([token_logprobs(forward_logits(model, p["input_ids"].to(self.device),
-                                                               p["attention_mask"].to(self.device)),
-                                                p["input_ids"].to(self.device)) for p in parts])
-            batch = dict(batch, old_logp=old)
+        if not self.role.value and "old_logp" not in batch:  # given where the step asked for them before (`logprobs`)
+            batch = dict(batch, old_logp=self._logprobs(model, batch))
         rows, out = len(batch["input_ids"]), []
         for epoch in range(train.ppo_epochs):
             order = update_order(self.config.seed, global_step, epoch, rows)

@@ -80,6 +80,9 @@ class DeepSpeedEngine(EngineBase):
     def values(self, batch: dict) -> torch.Tensor:
         return self._values(self.engine, batch)
 
+    def logprobs(self, batch: dict) -> dict[str, torch.Tensor]:
+        return self._token_logprobs(self.engine, batch)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the full weights on CPU (ZeRO-3 gathers its partitions first)."""
         params = list(self.engine.module.parameters())

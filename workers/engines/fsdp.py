@@ -109,6 +109,9 @@ class FSDPEngine(EngineBase):
     def values(self, batch: dict) -> torch.Tensor:
         return self._values(self.model, batch)
 
+    def logprobs(self, batch: dict) -> dict[str, torch.Tensor]:
+        return self._token_logprobs(self.model, batch)
+
     def _update(self, batch: dict, first: bool) -> dict:
         """One optimizer update on `batch` (this rank's rows of it); `first`: the step's first, before which the
         memory tier's copy of the previous step must be done reading the state."""

@@ -1,7 +1,9 @@
-"""The critic's engine (issue 40, before its group is wired): a value model trained by the same engines as the
-policy, in one process (a gloo group of one rank, real FSDP and DeepSpeed, a real transformers value model). What
-a PPO job will need of it: values for GAE, a clipped value loss that learns the returns, a recover checkpoint and a
-memory-tier copy that restore it exactly, and an HF export that transformers loads as a value model."""
+"""The engines' side of PPO with a critic (issue 40, before its groups are wired), in one process (a gloo group of
+one rank, real FSDP and DeepSpeed, real transformers models). The critic: a value model trained by the same engines
+as the policy, with values for GAE, a clipped value loss that learns the returns, a recover checkpoint and a
+memory-tier copy that restore it exactly, and an HF export that transformers loads as a value model. The policy:
+its log-probabilities (and the reference's) asked before a step, for the KL penalty in the rewards, and a token's
+advantage (GAE's) in its loss."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,13 @@ from workers.memory_tier import Slot
 from workers.ppo import gae, token_rewards
 
 CONFIG = load_config(DEFAULT_CONFIG, ["recover.mode=on", "recover.write_mode=sync"])
+
+
+def actor_engine(*overrides: str):
+    from workers.engines.base import make_engine
+
+    config = load_config(DEFAULT_CONFIG, ["recover.mode=on", "recover.write_mode=sync", *overrides])
+    return make_engine(config, 0, 1, "127.0.0.1", free_port())
 
 
 def critic_engine(backend: str = "fsdp", **section):
@@ -104,3 +113,35 @@ def test_a_critics_export_loads_as_a_value_model_with_its_values(tmp_path, leave
     with torch.no_grad():
         loaded = token_values(forward_logits(model, probe["input_ids"], probe["attention_mask"]))
     assert torch.allclose(loaded, engine.values(probe), atol=1e-6)
+
+
+def trained(engine, b: dict) -> tuple[dict, dict]:
+    figures = engine.train_step(b, 0)
+    weights = engine.full_state_dict()
+    dist.destroy_process_group()
+    return figures, weights
+
+
+def test_a_tokens_advantage_trains_the_policy_as_its_rows_does_where_they_are_the_same(leave_group):
+    """GAE gives each token its own advantage ([rows, sequence - 1]); where every token of a row has the row's,
+    the update is GRPO's, bit for bit."""
+    b = batch(0)
+    rows = trained(actor_engine(), b)
+    tokens = trained(actor_engine(), b | {"advantages": b["advantages"].unsqueeze(1).expand(-1, 5).contiguous()})
+    assert rows[0] == tokens[0]
+    assert all(torch.equal(rows[1][k], tokens[1][k]) for k in rows[1])
+
+
+def test_the_log_probabilities_asked_before_a_step_are_the_ones_its_updates_are_clipped_to(leave_group):
+    """A PPO step asks the policy for its log-probabilities (and the reference's) before its updates, for the KL
+    penalty in the rewards; given back to train_step, they are the step's old ones, not computed again."""
+    overrides = ("actor.ppo_epochs=2", "actor.mini_batches=2", "actor.kl_coef=0.1")
+    b = batch(0)
+    engine = actor_engine(*overrides)
+    asked = engine.logprobs(b)
+    assert asked["logp"].shape == asked["ref_logp"].shape == (8, 5)
+    assert torch.equal(asked["logp"], asked["ref_logp"])  # the reference is the initial policy
+    given = trained(engine, b | {"old_logp": asked["logp"]})
+    computed = trained(actor_engine(*overrides), b)
+    assert given[0] == computed[0] and "clip_frac" in given[0]
+    assert all(torch.equal(given[1][k], computed[1][k]) for k in given[1])
