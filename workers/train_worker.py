@@ -104,6 +104,9 @@ class TrainWorker:
         self.memory: Slots | None = None  # a rank's own two copies of its state, allocated when first needed
         self.link: Link | None = None  # a rank's side link to its holder
         self.memory_send: tuple[int, Future] | None = None  # the last send begun: (global step, its future)
+        # a new process that took a dead rank's place: (step, flat, meta) of the peer's copy it loaded (read-only in
+        # Ray's object store), its own copy of that step until its own slots hold the next two
+        self.loaded_copy: tuple[int, torch.Tensor, dict] | None = None
         self.holdings: dict[int, Holding] = {}  # a holder's: rank -> the copies it receives from that rank
         self.holdings_lock = threading.Lock()  # the holder's methods (HOLDER) change them beside setup and adopt
         # the name the Supervisor holds ranks' copies here under: a spare's actor name, then its peer name once it
@@ -377,7 +380,7 @@ class TrainWorker:
     def drop_memory(self) -> None:
         """The tier is off for the run: give its slots back."""
         self._drop_link()
-        self.memory = self.memory_send = None
+        self.memory = self.memory_send = self.loaded_copy = None
 
     @fault_points
     def begin_memory_copy(self, global_step: int) -> bool:
@@ -385,6 +388,8 @@ class TrainWorker:
         `global_step` (on this thread: the copy is the only part on the step's critical path), then send it to
         the holder on the link's thread, if linked. Unlinked, it still stages: a survivor rolls back from it.
         False (nothing staged) while the rank has no slots (`memory_slots`)."""
+        if self.loaded_copy is not None and global_step != self.loaded_copy[0] + 1:
+            self.loaded_copy = None  # its slots hold the two steps after it, or it is of a timeline rolled back
         if self.memory is None:
             return False
         if self.memory_send is not None and not self.memory_send[1].done():
@@ -416,12 +421,19 @@ class TrainWorker:
         """A survivor of a dead rank: leave its background writes behind (the send, an unfinished recover save,
         whose directory the Supervisor discards), join the new group as the same rank with the built model, and
         restore its own copy of `global_step` in place, always: RNGs and gradients may have moved mid-step. The
-        side link is dropped: the Supervisor links the rank again."""
+        side link is dropped: the Supervisor links the rank again. A new process that loaded a peer's copy of
+        `global_step` and has staged no step since restores that copy."""
+        flat, meta = self._own_copy(global_step)  # before the collective: fail fast
+        self._leave_group(master_addr, master_port, rank, world_size)
+        self.engine.load_memory(flat, meta)
+
+    def _own_copy(self, global_step: int) -> tuple[torch.Tensor, dict]:
+        if self.loaded_copy is not None and self.loaded_copy[0] == global_step:
+            return self.loaded_copy[1:]
         if self.memory is None:
             raise RuntimeError(f"no memory copy of step {global_step} is held here: this rank never staged one")
-        slot = self.memory.holding(global_step)  # before the collective: fail fast
-        self._leave_group(master_addr, master_port, rank, world_size)
-        self.engine.load_memory(slot.flat, slot.meta)
+        slot = self.memory.holding(global_step)
+        return slot.flat, slot.meta
 
     @fault_points
     def regroup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -436,6 +448,7 @@ class TrainWorker:
         if self._abandon_writes() or (export is not None and not wait([export], timeout=ABANDON_SECS).done):
             raise RuntimeError(f"rank {self.rank}: a background save or export was still being written after "
                                f"{ABANDON_SECS:g}s; this process is not kept")
+        self.loaded_copy = None  # the checkpoint's state replaces whatever it held
         self._leave_group(master_addr, master_port, rank, world_size)
 
     def _leave_group(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
@@ -604,11 +617,13 @@ class TrainWorker:
 
     @fault_points
     def adopt_copy(self, master_addr: str, master_port: int, rank: int, world_size: int, global_step: int,
-                   data: np.ndarray, meta: dict) -> None:
+                   data: np.ndarray, meta: dict) -> bool:
         """A new process (started cold, or a spare that held no copy of it) taking dead `rank`'s place, whose
         copy a peer rank held: join the group as a new rank does, then load `global_step` straight from the copy
         (the peer's `held_copy`, which Ray resolved before this call, read-only in its object store). Its own
-        slots are allocated beside the next step, as a rank started cold gets them (`memory_slots`)."""
+        slots are allocated beside the next step, as a rank started cold gets them (`memory_slots`); until they
+        hold the two steps after it, the copy it loaded is kept as its own copy of `global_step` (nothing copied:
+        it stays in the object store), so a second fault before then rolls it back in place. True: it holds it."""
         self._hold_as(peer_name(rank, os.getpid()))
         self._setup(master_addr, master_port, rank, world_size)
         layout = self.engine.memory_layout
@@ -616,6 +631,8 @@ class TrainWorker:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             flat = torch.from_numpy(data).view(layout.dtype)
         self.engine.load_memory(flat, meta)
+        self.loaded_copy = (global_step, flat, meta)
+        return True
 
     @ray.method(concurrency_group=PROBE)
     def progress(self) -> dict:

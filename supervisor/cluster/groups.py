@@ -278,8 +278,8 @@ class TrainGroup(_Members):
         rank joins a new process group at a new rendezvous, the survivors rolling back in place to
         `global_step`, the others loading it. The actors of the survivors stay: no new placement group, no
         process but the lost ones' started, no model built again. RuntimeError before anything is killed or
-        started (the spares given back to the pool) when a rank finds no place. Returns the ranks whose own
-        slots hold `global_step` now."""
+        started (the spares given back to the pool) when a rank finds no place. Returns the ranks that hold a
+        copy of `global_step` of their own now (TrainWorker.rejoin restores it after a second fault)."""
         started = time.monotonic()
         claimed = spares.claim(list(adopters.values())) if adopters else {}
         taken = [handle for handle, _ in spares.take(len(givers))] if spares is not None and givers else []
@@ -329,7 +329,7 @@ class TrainGroup(_Members):
         self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
         # as a new group's: its weight stream checks them whole
         self.from_spares, self.steps = len(adopters) + len(taken), 0
-        return {r for r in range(self.world_size) if r not in lost or (r in adopters and kept[r])}
+        return {r for r in range(self.world_size) if r not in lost or kept[r]}
 
     def shard_digests(self) -> list[str]:
         """Every rank's digest of its part of the weights (TrainWorker.shard_digest), in rank order."""

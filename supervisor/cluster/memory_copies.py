@@ -136,8 +136,10 @@ class MemoryCopies:
         if all(staged):
             self.staged.append(global_step)
         for rank, ok in enumerate(staged):
-            self.own[rank] = self.own.get(rank, []) + [global_step] if ok else []
-            if not ok:  # no slots yet (a rank started cold, or an adopter whose held slots were still written)
+            # a rank without slots yet (started cold, or an adopter whose held slots were still written) still
+            # holds what it held: a new process that took a dead rank's place, the peer's copy it loaded
+            self.own[rank] = self.own.get(rank, []) + ([global_step] if ok else [])
+            if not ok:
                 self.slots.pop(rank, None)
         self._allocate(trainers)
 
@@ -428,8 +430,9 @@ class MemoryCopies:
         """After a repair from memory to `global_step`: the buddies that took dead ranks' places (`adopters`) are
         ranks now, and the survivors left their links; every rank is linked again, its holder prepared beside the
         next steps. Every rank keeps its slots (an adopter's are those it held for its rank). Until its copy, no
-        step is held by every rank's own slots; `own`'s ranks hold `global_step` there (the survivors, rolled back
-        from them, and the adopters that kept their slots: a new process has none yet). Until then the holders
+        step is held by every rank's own slots; `own`'s ranks hold `global_step` as their own (the survivors in
+        their slots, rolled back from them, the adopters that kept theirs, and a new process the peer's copy it
+        loaded). Until then the holders
         that are still holders keep what they held of `global_step`: the survivors' holders, and the peers that
         gave the dead ranks their copies (`givers`), so that a second fault before the ranks are linked again can
         roll back to `global_step` from memory too, where what it needs is still held (a lost rank's copy by its

@@ -227,9 +227,13 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         os.kill(ray.get(ranks[0].where.remote())["pid"], signal.SIGKILL)
         new = start(ranks_node)
         where = ray.get(new.where.remote(0))
-        ray.get([new.adopt_copy.remote(where["ip"], where["port"], 0, 2, 4, *ranks[1].held_copy.remote(0, 4)),
-                 ranks[1].rejoin.remote(where["ip"], where["port"], 1, 2, 4)], timeout=120)
+        kept = ray.get([new.adopt_copy.remote(where["ip"], where["port"], 0, 2, 4, *ranks[1].held_copy.remote(0, 4)),
+                        ranks[1].rejoin.remote(where["ip"], where["port"], 1, 2, 4)], timeout=120)[0]
         ranks = [new, ranks[1]]
+        assert kept is True  # the peer's copy it loaded is its own copy of step 4 until it stages two steps
+        # a second fault before any copy: both roll back to step 4 again in place, the new process from that copy
+        where = ray.get(new.where.remote(0))
+        ray.get([r.rejoin.remote(where["ip"], where["port"], i, 2, 4) for i, r in enumerate(ranks)], timeout=120)
         train(ranks, 5)
 
         got = ray.get([r.__ray_call__.remote(snapshot) for r in ranks])

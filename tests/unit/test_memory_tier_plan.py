@@ -241,8 +241,8 @@ def test_after_a_repair_from_memory_a_second_fault_before_the_ranks_link_again_i
                                  buddies=copies.covering(), holding={"p0": {1: [17, 18]}},
                                  staged=copies.staged_by({0}), snapshots={17, 18}, peers={"p0": 0}, bundled={1})
         assert (choice.source, choice.step, choice.givers) == (Source.MEMORY, 18, {1: "p0"})
-        # rank 0 lost instead: the new rank 1 holds nothing of it yet
-        assert 0 not in copies.covering() and copies.staged_by({1}) == []
+        # rank 0 lost instead: nothing holds its state (its holder was the dead rank 1)
+        assert 0 not in copies.covering()
         # the survivor's next copy, staged but sent nowhere: its own slots hold 18 and 19
         copies.own[0], copies.own[1] = [18, 19], []
         assert copies.staged_by({0}) == [18, 19]
@@ -250,6 +250,37 @@ def test_after_a_repair_from_memory_a_second_fault_before_the_ranks_link_again_i
         copies.buddies, copies.own = {0: "s0", 1: "s1"}, {0: [5], 1: [5]}
         copies.adopted(5, lost=[1], adopters={1: "s1"}, givers={}, own={0}, gone=set())
         assert copies.covering() == {0: "s0"} and copies.own == {0: [5], 1: []}
+    finally:
+        copies.linker.shutdown()
+
+
+def test_a_new_process_that_loaded_a_peers_copy_holds_it_as_its_own_until_its_slots_hold_the_next_steps():
+    """Three ranks holding each other's copies (rank r's by rank r + 1's process). Rank 1 dies; rank 2 gives its
+    copy of 18 to a new process. Before the ranks are linked again, rank 2 dies too: rank 0 holds its copy of 18,
+    and the survivors roll back to 18, the new rank 1 from the copy it loaded (it has no slots of its own yet, and
+    staged nothing at step 19). Before, the new process counted as holding nothing: disk."""
+    from types import SimpleNamespace
+
+    from supervisor.cluster.memory_copies import MemoryCopies
+
+    copies = MemoryCopies(None, warn=lambda _: None, linked=lambda _: None)
+    try:
+        copies.buddies, copies.staged = {0: "p1", 1: "p2", 2: "p0"}, [17, 18]
+        copies.own = {r: [17, 18] for r in range(3)}
+        copies.slots = {r: {"numel": 8, "dtype": 0} for r in range(3)}
+        copies.adopted(18, lost=[1], adopters={}, givers={1: "p2"}, own={0, 1, 2}, gone={"p1"})
+        assert copies.own == {0: [18], 1: [18], 2: [18]} and copies.covering() == {1: "p2", 2: "p0"}
+        asked = SimpleNamespace(remote=lambda: None)
+        group = SimpleNamespace(members=[SimpleNamespace(pid=None, node_id=None,
+                                                         handle=SimpleNamespace(memory_slots=asked))] * 3,
+                                nodes=[None] * 3, world_size=3, call_all=lambda method, step: [True, False, True])
+        copies.begin(group, 19)  # the new rank 1 has no slots yet: it staged nothing
+        assert copies.own == {0: [18, 19], 1: [18], 2: [18, 19]} and 1 in copies.allocating
+        choice = recovery_source(enabled=None, kind=FaultKind.WORKER_DIED, world_size=3, lost={2},
+                                 buddies=copies.covering(), holding={"p0": {2: [18]}},
+                                 staged=copies.staged_by({0, 1}), snapshots={18, 19}, peers={"p0": 0, "p2": 2},
+                                 bundled={2})
+        assert (choice.source, choice.step, choice.givers) == (Source.MEMORY, 18, {2: "p0"})
     finally:
         copies.linker.shutdown()
 
