@@ -46,7 +46,10 @@ def model_config(model_cfg, tokenizer, value: bool = False):
 
     head = VALUE_HEAD if value else {}
     if model_cfg.path is not None:
-        return AutoConfig.from_pretrained(model_cfg.path, **head)
+        config = AutoConfig.from_pretrained(model_cfg.path)
+        for key, setting in head.items():  # set, not passed: from_pretrained drops a key its class does not name
+            setattr(config, key, setting)
+        return config
     return Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size, num_hidden_layers=model_cfg.num_layers,

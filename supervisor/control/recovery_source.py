@@ -38,15 +38,16 @@ class Choice:
 def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lost: set[int],
                     buddies: dict[int, str], holding: dict[str, dict[int, list[int]]], staged: list[int],
                     snapshots: set[int], peers: dict[str, int] | None = None, bundled: set[int] = frozenset(),
-                    free_spares: int = 0, free_bundles: int = 0) -> Choice:
+                    spares: frozenset[str] = frozenset(), free_bundles: int = 0) -> Choice:
     """`enabled`: None when the tier serves this job, else why not (the engine, the config). `lost`: the ranks
     that did not answer a probe (dead, or stuck); `buddies`: rank -> holder of its copies; `holding`: what
     each live holder reported holding, rank -> steps landed (a dead one is absent); `staged`: the steps every
     surviving rank holds in its own slots; `snapshots`: the steps whose Supervisor state is kept. `peers`: the holders
     that are ranks, name -> rank (a peer gives the copy to a new process; any other holder is a warm spare,
     which takes the place of the rank it holds); `bundled`: the lost ranks whose bundle can start a new
-    process now (its node alive, not draining); `free_spares`: the pool's live spares (the adopters among
-    them), `free_bundles`: the group's bundles no rank holds, either of which can take a peer-held rank's place."""
+    process now (its node alive, not draining); `spares`: the names of the pool's live spares on nodes that
+    stay (an adopter must be one), `free_bundles`: the group's bundles no rank holds; a spare that adopts no rank,
+    or a free bundle, can take a peer-held rank's place."""
     def disk(reason: str) -> Choice:
         return Choice(Source.DISK, reason)
 
@@ -74,8 +75,11 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
         return disk(f"rank {both[0]} and its buddy rank {peers[givers[both[0]]]} were lost together")
     if len(set(adopters.values())) < len(adopters):
         return disk(f"ranks {sorted(adopters)} share one buddy: it can take only one place")
+    leaving = sorted(r for r in adopters if adopters[r] not in spares)
+    if leaving:
+        return disk(f"rank {leaving[0]}'s buddy is on a node going away")
     homeless = sorted(r for r in givers if r not in bundled)
-    if homeless and len(homeless) > free_spares - len(adopters) + free_bundles:
+    if len(homeless) > len(spares - set(adopters.values())) + free_bundles:
         return disk(f"rank {homeless[0]}'s state is held by a peer, but it has no bundle to start again in and no "
                     f"warm spare is free")
     common = set(snapshots) if len(lost) == world_size else set(staged) & snapshots  # staged: the survivors'

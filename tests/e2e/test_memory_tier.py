@@ -193,7 +193,9 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
         ranks = [ranks[0], spare]
         assert kept is True  # the slots it held for rank 1 are its own now, holding step 2
         assert ray.get(spare.progress.remote())["phase"] == "idle"
-        # a second fault before any copy: both roll back to step 2 again in place, the adopter from those slots
+        # a second fault in the next step, before any copy: both roll back to step 2 again in place, the adopter
+        # from those slots
+        train(ranks, 3)
         where = ray.get(ranks[0].where.remote())
         ray.get([r.rejoin.remote(where["ip"], where["port"], i, 2, 2) for i, r in enumerate(ranks)], timeout=120)
 
@@ -231,7 +233,9 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_ends_bitwise(cluster,
                         ranks[1].rejoin.remote(where["ip"], where["port"], 1, 2, 4)], timeout=120)[0]
         ranks = [new, ranks[1]]
         assert kept is True  # the peer's copy it loaded is its own copy of step 4 until it stages two steps
-        # a second fault before any copy: both roll back to step 4 again in place, the new process from that copy
+        # a second fault in the next step, before any copy: both roll back to step 4 again in place, the new
+        # process from that copy
+        train(ranks, 5)
         where = ray.get(new.where.remote(0))
         ray.get([r.rejoin.remote(where["ip"], where["port"], i, 2, 4) for i, r in enumerate(ranks)], timeout=120)
         train(ranks, 5)

@@ -6,6 +6,8 @@ its log-probabilities (and the reference's) asked before a step, for the KL pena
 advantage (GAE's) in its loss."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +18,10 @@ from supervisor.testing.local_cluster import free_port
 from workers.memory_tier import Slot
 from workers.ppo import gae, token_rewards
 
+pytestmark = pytest.mark.e2e
+
 CONFIG = load_config(DEFAULT_CONFIG, ["recover.mode=on", "recover.write_mode=sync"])
+BACKENDS = ["fsdp"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
 
 
 def actor_engine(*overrides: str):
@@ -26,11 +31,11 @@ def actor_engine(*overrides: str):
     return make_engine(config, 0, 1, "127.0.0.1", free_port())
 
 
-def critic_engine(backend: str = "fsdp", **section):
+def critic_engine(backend: str = "fsdp", config=CONFIG, **section):
     from workers.engines.base import make_engine
     from workers.roles import critic
 
-    return make_engine(CONFIG, 0, 1, "127.0.0.1", free_port(), role=critic(CriticConfig(backend=backend, **section)))
+    return make_engine(config, 0, 1, "127.0.0.1", free_port(), role=critic(CriticConfig(backend=backend, **section)))
 
 
 @pytest.fixture
@@ -55,7 +60,7 @@ def generated(values: torch.Tensor, b: dict) -> torch.Tensor:
     return values[b["response_mask"][:, 1:] > 0]
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_critic_learns_the_returns_with_the_policy_engines(backend, leave_group):
     engine = critic_engine(backend, lr=1e-2)
     fixed = with_targets(engine, 0)
@@ -69,13 +74,27 @@ def test_a_critic_learns_the_returns_with_the_policy_engines(backend, leave_grou
 
 def test_the_value_clip_decides_the_later_updates_of_a_step(leave_group):
     """The clip's arithmetic is tests/unit/test_ppo.py's; here, that the engine applies the role's value_clip to the
-    values the step started with (the first update starts at them: nothing clipped)."""
-    tight = critic_engine(value_clip=1e-4, ppo_epochs=4)
-    b = with_targets(tight, 0)
-    assert tight.train_step(b, 0)["vf_clip_frac"] > 0.5
-    dist.destroy_process_group()
-    wide = critic_engine(value_clip=100.0, ppo_epochs=4)
-    assert wide.train_step(b, 0)["vf_clip_frac"] == 0.0
+    values the step started with: four updates of a tiny clip, each after the first clipped on most tokens (the
+    default clip, 0.2, clips none of them at this lr)."""
+    engine = critic_engine(value_clip=1e-4, ppo_epochs=4)
+    assert engine.train_step(with_targets(engine, 0), 0)["vf_clip_frac"] > 0.5
+
+
+def test_a_critic_of_the_users_model_keeps_its_body_and_has_no_dropout(tmp_path, leave_group):
+    """From an HF directory: the body is the model's, the value head new (seeded), and nothing is dropped, so the
+    values GAE is given are the ones the first update starts from (nothing to clip)."""
+    from workers.model import build_model, build_tokenizer, save_model_dir
+
+    tokenizer = build_tokenizer(CONFIG.model)
+    policy = build_model(CONFIG.model, tokenizer, CONFIG.seed)
+    save_model_dir(policy, tokenizer, CONFIG.model, tmp_path)
+    config = load_config(DEFAULT_CONFIG, ["recover.mode=on", "recover.write_mode=sync", f"model.path={tmp_path}"])
+    engine = critic_engine(config=config)
+    assert [m.p for m in engine.model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0]
+    assert torch.equal(engine.full_state_dict()["model.embed_tokens.weight"], policy.model.embed_tokens.weight)
+    b = with_targets(engine, 0)
+    assert torch.equal(engine.values(b), b["old_values"])
+    assert engine.train_step(b, 0)["vf_clip_frac"] == 0.0
 
 
 def test_a_critic_restores_exactly_from_its_recover_checkpoint_and_its_memory_copy(tmp_path, leave_group):
@@ -130,6 +149,16 @@ def test_a_tokens_advantage_trains_the_policy_as_its_rows_does_where_they_are_th
     tokens = trained(actor_engine(), b | {"advantages": b["advantages"].unsqueeze(1).expand(-1, 5).contiguous()})
     assert rows[0] == tokens[0]
     assert all(torch.equal(rows[1][k], tokens[1][k]) for k in rows[1])
+
+
+def test_the_log_probabilities_given_to_a_step_of_one_update_leave_it_on_policy(leave_group):
+    """With one update a step the loss is GRPO's on-policy one, whatever the step asked before it."""
+    b = batch(0)
+    engine = actor_engine()
+    given = trained(engine, b | {"old_logp": engine.logprobs(b)["logp"]})
+    plain = trained(actor_engine(), b)
+    assert given[0] == plain[0] and "clip_frac" not in given[0]
+    assert all(torch.equal(given[1][k], plain[1][k]) for k in given[1])
 
 
 def test_the_log_probabilities_asked_before_a_step_are_the_ones_its_updates_are_clipped_to(leave_group):

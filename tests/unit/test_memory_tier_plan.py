@@ -79,17 +79,18 @@ def test_a_holder_prepared_for_a_rank_the_plan_moved_is_not_used():
 
 def choose(**overrides):
     args = dict(enabled=None, kind=FaultKind.WORKER_DIED, world_size=2, lost={1}, buddies={0: "s1", 1: "s2"},
-                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5}, free_spares=2)
+                holding={"s1": {0: [4, 5]}, "s2": {1: [4, 5]}}, staged=[4, 5], snapshots={4, 5},
+                spares=frozenset({"s1", "s2"}))
     return recovery_source(**(args | overrides))
 
 
-PEERS = dict(buddies={0: "p1", 1: "p0"}, holding={"p0": {1: [4, 5]}}, peers={"p0": 0, "p1": 1}, free_spares=0)
+PEERS = dict(buddies={0: "p1", 1: "p0"}, holding={"p0": {1: [4, 5]}}, peers={"p0": 0, "p1": 1}, spares=frozenset())
 
 
 def test_a_rank_held_by_a_peer_is_given_its_copy_in_a_new_process():
     c = choose(**PEERS, bundled={1})
     assert (c.source, c.step, c.adopters, c.givers, c.lost, c.bundled) == (Source.MEMORY, 5, {}, {1: "p0"}, [1], {1})
-    for place in (dict(free_spares=1), dict(free_bundles=1)):  # its node is gone: a spare, or a free bundle
+    for place in (dict(spares=frozenset({"s9"})), dict(free_bundles=1)):  # its node is gone: a spare, or a free bundle
         c = choose(**PEERS | place)
         assert (c.source, c.givers, c.bundled) == (Source.MEMORY, {1: "p0"}, frozenset())
 
@@ -97,8 +98,20 @@ def test_a_rank_held_by_a_peer_is_given_its_copy_in_a_new_process():
 def test_a_spare_adopts_and_a_peer_gives_in_one_repair():
     c = choose(world_size=3, lost={1, 2}, buddies={0: "p1", 1: "s1", 2: "p0"},
                holding={"s1": {1: [5]}, "p0": {2: [5], 1: [5]}}, staged=[5], peers={"p0": 0, "p1": 1},
-               free_spares=1, bundled={2})
+               spares=frozenset({"s1"}), bundled={2})
     assert (c.source, c.adopters, c.givers) == (Source.MEMORY, {1: "s1"}, {2: "p0"})
+    # the adopter is not a place for the peer-held rank as well: with its bundle gone, rank 2 has none
+    c = choose(world_size=3, lost={1, 2}, buddies={0: "p1", 1: "s1", 2: "p0"},
+               holding={"s1": {1: [5]}, "p0": {2: [5], 1: [5]}}, staged=[5], peers={"p0": 0, "p1": 1},
+               spares=frozenset({"s1"}))
+    assert c.source is Source.DISK and "rank 2's state is held by a peer, but it has no bundle" in c.reason
+
+
+def test_a_buddy_spare_on_a_node_going_away_adopts_nothing():
+    """A spare that still answers from a node that drains or died is not counted live by the controller: it
+    cannot take a rank's place (before, an empty list was indexed: IndexError in the controller)."""
+    c = choose(spares=frozenset({"s1"}))  # rank 1's buddy s2 is on a node going away
+    assert c.source is Source.DISK and c.reason == "rank 1's buddy is on a node going away"
 
 
 def test_the_newest_step_every_lost_rank_buddy_holds():
@@ -298,7 +311,7 @@ def test_a_second_fault_that_loses_a_survivor_of_the_first_rolls_the_adopter_bac
         assert copies.covering() == {0: "s0"} and copies.own == {0: [5], 1: [5]}
         choice = recovery_source(enabled=None, kind=FaultKind.WORKER_DIED, world_size=2, lost={0},
                                  buddies=copies.covering(), holding={"s0": {0: [4, 5]}},
-                                 staged=copies.staged_by({1}), snapshots={4, 5}, peers={}, free_spares=1)
+                                 staged=copies.staged_by({1}), snapshots={4, 5}, peers={}, spares=frozenset({"s0"}))
         assert (choice.source, choice.step, choice.adopters) == (Source.MEMORY, 5, {0: "s0"})
         # an adopter whose slots were still being written gave them up: nothing of rank 1 is held, disk
         copies.buddies, copies.own = {0: "s0", 1: "s1"}, {0: [5], 1: [5]}

@@ -113,9 +113,12 @@ class EngineBase:
     role's loss on this rank's shard, the loss averaged over the ranks, and the HuggingFace export. Each engine
     adds its own sharding, optimizer step, checkpoint format and parameter gathering."""
 
-    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer, role: Role):
+    def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
+                 role: Role | None = None):
+        """`role`: the actor's by default."""
         from workers.engines.reference import ReferencePolicy
 
+        role = role or actor(config)
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.tokenizer, self.role, self.section = tokenizer, role, role.section
         self.reference = ReferencePolicy(config, tokenizer, device) \
@@ -132,9 +135,10 @@ class EngineBase:
         from workers.ppo import token_values, value_loss
 
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        if not self.role.value:
+        if not self.role.value:  # one update a step is on-policy, whatever the step asked before it (logprobs)
+            several = self.section.ppo_epochs * self.section.mini_batches > 1
             return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens,
-                             self.section.clip_ratio)
+                             self.section.clip_ratio if several else None)
         loss, clipped = value_loss(token_values(forward_logits(model, ids, mask)), batch["old_values"].to(self.device),
                                    batch["returns"].to(self.device), batch["response_mask"].to(self.device),
                                    self.section.value_clip, tokens)

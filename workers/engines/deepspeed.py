@@ -45,12 +45,12 @@ class DeepSpeedEngine(EngineBase):
     MEMORY_TIER = False  # deepspeed.comm keeps global group state it cannot re-form in place: recovery is from disk
 
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
-                 model: torch.nn.Module, role: Role):
-        """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
+                 model: torch.nn.Module, role: Role | None = None):
+        """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts; `role`: the actor's by default."""
         super().__init__(config, rank, world_size, device, tokenizer, role)
         deepspeed.utils.logger.setLevel(logging.WARNING)
         model = model.to(device)
-        train = role.section
+        train = self.section
         optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler(optimizer, train.warmup_steps),

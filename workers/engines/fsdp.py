@@ -56,19 +56,19 @@ class FSDPEngine(EngineBase):
     MEMORY_TIER = True  # rejoin, stage_memory and load_memory: a rank rolls back and re-forms in place
 
     def __init__(self, config: Config, rank: int, world_size: int, device: torch.device, tokenizer,
-                 model: torch.nn.Module, role: Role):
-        """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts."""
+                 model: torch.nn.Module, role: Role | None = None):
+        """`tokenizer` and `model` (unsharded, on CPU) come from base.build_parts; `role`: the actor's by default."""
         super().__init__(config, rank, world_size, device, tokenizer, role)
         model = model.to(device)
         mesh = init_device_mesh(device.type, (world_size,))
         # bf16: each layer's parameters gathered in bf16 for its forward and backward, its gradients reduced in
         # fp32 into the fp32 shards the optimizer steps and the checkpoints hold
         mixed = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
-            if role.section.dtype is TrainDtype.BF16 else {}
+            if self.section.dtype is TrainDtype.BF16 else {}
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, **mixed)
         self.model = fully_shard(model, mesh=mesh, **mixed)
-        train = role.section
+        train = self.section
         self.params = list(self.model.parameters())  # in named_parameters' order: what the stream sends
         self.gathered: torch.Tensor | None = None  # rank 0: where full_param gathers a parameter's shards
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay)

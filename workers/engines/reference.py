@@ -72,11 +72,11 @@ class ReferencePolicy:
 def grpo_loss(logits: torch.Tensor, batch: dict, device: torch.device, reference: "ReferencePolicy | None",
               tokens: torch.Tensor | None = None, clip: float | None = None) -> tuple[torch.Tensor, dict]:
     """GRPO's loss on this rank's shard of the batch (or, with `tokens`, a micro-batch's share of it), with the KL
-    term to the reference when there is one; PPO's clipped surrogate when the batch carries the log-probabilities
-    of the policy that drew it (`old_logp`: a step of several updates), clipped at `clip`."""
+    term to the reference when there is one; with a `clip` (a step of several updates), PPO's clipped surrogate
+    to the log-probabilities of the policy that drew the batch (`old_logp`), clipped at `clip`."""
     ids, mask, adv = batch["input_ids"].to(device), batch["response_mask"].to(device), batch["advantages"].to(device)
     metrics = {}
-    if "old_logp" in batch:
+    if clip is not None:
         loss, clipped = clipped_policy_loss(logits, ids, mask, adv, batch["old_logp"].to(device), clip, tokens)
         metrics["clip_frac"] = float(clipped)
     else:
