@@ -248,6 +248,7 @@ class FSDPEngine(EngineBase):
     def load(self, directory: Path, global_step: int, same_world_size: bool) -> list[str]:
         """Collective: load a DCP checkpoint (resharding if the world size changed); returns RNG gaps."""
         self._settle()
+        self._drop_gathered()
         state = self._state()
         safe_load.load(state, directory)  # a copied checkpoint cannot run code here
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -260,11 +261,14 @@ class FSDPEngine(EngineBase):
 
     def _settle(self) -> None:
         """Before anything overwrites this rank's state: the memory tier's copy still reading it off the GPU is
-        done, waited for on the device (the host goes on); and no parameter is left gathered by a forward that no
-        backward followed (the values or log-probabilities computed before a step's updates): FSDP keeps the root
-        module's gathered after its forward and would run the next forward on them, not on what was restored."""
+        done, waited for on the device (the host goes on)."""
         if self.copies is not None:
             torch.cuda.current_stream().wait_stream(self.copies)
+
+    def _drop_gathered(self) -> None:
+        """Before a restore writes the shards: no parameter is left gathered by a forward that no backward
+        followed (the values or log-probabilities computed before a step's updates). FSDP keeps the root module's
+        gathered after its forward and would run the next forward on them, not on what was restored."""
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -310,6 +314,7 @@ class FSDPEngine(EngineBase):
         """Restore a slot staged by this rank (rolling back in place) or by the rank this one replaces. The
         param groups are part of it: a scheduler's load_state_dict does not set their lr back."""
         self._settle()
+        self._drop_gathered()
         global_step = meta["global_step"]
         if self.reference is not None and reference_step(global_step, self.reference.every) is not None:
             raise RuntimeError(f"step {global_step}: the memory tier does not hold the KL reference policy "
