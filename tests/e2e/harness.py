@@ -192,8 +192,11 @@ class RayStartCluster:
                     f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
                     f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
                     "--object-store-memory=150000000",
-                    '--system-config={"health_check_period_ms":500,"health_check_failure_threshold":3,'
-                    '"health_check_timeout_ms":500}')
+                    # a killed node refuses the checks at once: seen in 2.5 s; a node starting on two loaded
+                    # cores gets 2 s an answer (at 0.5 s, three missed answers may have declared one dead as it
+                    # joined: a first `add_worker` once waited 180 s in CI for a node that never stayed)
+                    '--system-config={"health_check_period_ms":500,"health_check_failure_threshold":5,'
+                    '"health_check_timeout_ms":2000}')
         self.gcs_address = f"127.0.0.1:{self.port}"
         self.jobs_address = f"http://127.0.0.1:{self.dashboard_port}"
         self.wait_for_jobs_api()
@@ -212,13 +215,16 @@ class RayStartCluster:
         came) exits; what it left is killed, and a node of another name is started."""
         from supervisor.testing.local_cluster import free_port
 
-        deadline, proc, name = time.time() + timeout, None, ""
+        deadline, proc, name, tried = time.time() + timeout, None, "", []
         while proc is None or proc.poll() is not None or name not in self.alive_nodes():
-            assert time.time() < deadline, f"a worker node did not join within {timeout:g} s"
+            assert time.time() < deadline, f"a worker node did not join within {timeout:g} s (tried {tried}, " \
+                f"the last one's `ray start` {'running' if proc.poll() is None else 'gone'}; the head's nodes: " \
+                f"{self.nodes()})"
             if proc is None or proc.poll() is not None:  # not started yet, or its raylet gave up
                 if proc is not None:
                     kill_session(proc.pid)
                 name = f"worker-{len(self.procs)}"
+                tried.append(name)
                 proc = self._start(f"--address={self.gcs_address}", f"--node-name={name}", "--num-cpus=3",
                                    "--object-store-memory=150000000", f"--dashboard-agent-listen-port={free_port()}",
                                    f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}")
@@ -228,15 +234,20 @@ class RayStartCluster:
     def alive_nodes(self) -> list[str]:
         """The names of the cluster's nodes that are up, from the head's state API (none while it does not
         answer: it is asked again)."""
+        nodes = self.nodes()
+        return [name for name, state in nodes.items() if state == "ALIVE"] if isinstance(nodes, dict) else []
+
+    def nodes(self) -> dict[str, str] | str:
+        """Every node the head knows, name -> state; or why the state API did not answer."""
         import requests
 
         try:
             r = requests.get(f"{self.jobs_address}/api/v0/nodes", headers={"Authorization": f"Bearer {self.token}"},
                              timeout=10)
             r.raise_for_status()
-        except requests.RequestException:
-            return []
-        return [n["node_name"] for n in r.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
+        except requests.RequestException as e:
+            return f"no answer: {type(e).__name__}"
+        return {n["node_name"]: n["state"] for n in r.json()["data"]["result"]["result"]}
 
     def jobs_client(self):
         from ray.job_submission import JobSubmissionClient
