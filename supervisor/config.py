@@ -177,6 +177,10 @@ class TrainConfig(_Strict):
                                                    "order drawn from (seed, step, pass): a resume needs no saved "
                                                    "random state")
 
+    @property
+    def updates_per_step(self) -> int:
+        return self.ppo_epochs * self.mini_batches
+
 
 class ActorConfig(TrainConfig):
     """The policy's group: its TrainConfig, and the policy loss's clip and KL term."""
@@ -490,7 +494,7 @@ class Config(_Strict):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
-        if actor.ppo_epochs * actor.mini_batches > 1:
+        if actor.updates_per_step > 1:
             rows = self.data.batch_size * self.data.group_size // self.cluster.n_train_workers
             if actor.backend is not Backend.FSDP:
                 raise ValueError(f"actor.ppo_epochs and actor.mini_batches above 1 need actor.backend fsdp; "

@@ -323,13 +323,11 @@ class TrainGroup(_Members):
                 return m.handle.adopt_copy.remote(ip, port, r, self.world_size, global_step, *copies[r])
             return m.handle.rejoin.remote(ip, port, r, self.world_size, global_step)
 
-        kept = self.gather([join(r, m) for r, m in enumerate(self.members)], bound)
-        # the ranks whose own slots hold `global_step` now: the survivors (rolled back from them) and the
-        # adopters that kept the slots they held (a new process has none until its first copy)
+        kept = self.gather([join(r, m) for r, m in enumerate(self.members)], bound)  # adopt's and adopt_copy's answer
         self.timings["rendezvous"] = time.monotonic() - started - sum(self.timings.values())
         # as a new group's: its weight stream checks them whole
         self.from_spares, self.steps = len(adopters) + len(taken), 0
-        return {r for r in range(self.world_size) if r not in lost or kept[r]}
+        return {r for r in range(self.world_size) if r not in lost or kept[r]}  # the survivors rolled back from theirs
 
     def shard_digests(self) -> list[str]:
         """Every rank's digest of its part of the weights (TrainWorker.shard_digest), in rank order."""

@@ -432,12 +432,11 @@ class MemoryCopies:
         next steps. Every rank keeps its slots (an adopter's are those it held for its rank). Until its copy, no
         step is held by every rank's own slots; `own`'s ranks hold `global_step` as their own (the survivors in
         their slots, rolled back from them, the adopters that kept theirs, and a new process the peer's copy it
-        loaded). Until then the holders
-        that are still holders keep what they held of `global_step`: the survivors' holders, and the peers that
-        gave the dead ranks their copies (`givers`), so that a second fault before the ranks are linked again can
-        roll back to `global_step` from memory too, where what it needs is still held (a lost rank's copy by its
-        holder, the step by the others' own slots). `gone`: the holders that are no more (the lost ranks'
-        processes, the spares taken)."""
+        loaded). Until then the holders that are still holders keep what they held of `global_step`: the
+        survivors' holders, and the peers that gave the dead ranks their copies (`givers`), so that a second fault
+        before the ranks are linked again can roll back to `global_step` from memory too, where what it needs is
+        still held (a lost rank's copy by its holder, the step by the others' own). `gone`: the holders that are
+        no more (the lost ranks' processes, the spares taken)."""
         ended = set(adopters.values()) | gone
         self.unlinked = {**{rank: name for rank, name in self.covering().items()
                             if rank not in lost and name not in ended}, **givers}

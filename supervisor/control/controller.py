@@ -499,7 +499,8 @@ class Controller:
         return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size, lost=lost,
                                buddies=r.memory.covering(), holding=r.memory.holding(trainers),
                                staged=r.memory.staged_by(set(range(trainers.world_size)) - lost),
-                               snapshots=set(r.snapshots), peers=peers, bundled=bundled, spares=frozenset(s.name for s in spares),
+                               snapshots=set(r.snapshots), peers=peers, bundled=bundled,
+                               spares=frozenset(s.name for s in spares),
                                free_bundles=len(trainers.free) if bundles else 0)
 
     def _kept(self, fault: Fault, alive: set[int] | None) -> tuple[list[int], str | None]:

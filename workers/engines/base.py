@@ -1,8 +1,9 @@
 """The one interface the TrainWorker drives, whatever the engine (a role's `backend`: fsdp | deepspeed).
 
 An engine owns one rank's share of its role's model (workers/roles.py: the policy, or a critic's value model), its
-optimizer, LR scheduler, RNGs and (the policy's, with `actor.kl_coef`) the reference policy. The file names it writes into a recover step directory are its own business: `save`
-returns them, so the worker can report their sizes and digests without knowing the format.
+optimizer, LR scheduler, RNGs and (the policy's, with `actor.kl_coef`) the reference policy. The file names it
+writes into a recover step directory are its own business: `save` returns them, so the worker can report their
+sizes and digests without knowing the format.
 """
 from __future__ import annotations
 
@@ -136,12 +137,12 @@ class EngineBase:
 
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
         if not self.role.value:  # one update a step is on-policy, whatever the step asked before it (logprobs)
-            several = self.section.ppo_epochs * self.section.mini_batches > 1
+            several = self.section.updates_per_step > 1
             return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens,
                              self.section.clip_ratio if several else None)
-        loss, clipped = value_loss(token_values(forward_logits(model, ids, mask)), batch["old_values"].to(self.device),
-                                   batch["returns"].to(self.device), batch["response_mask"].to(self.device),
-                                   self.section.value_clip, tokens)
+        loss, clipped = value_loss(token_values(forward_logits(model, ids, mask)),
+                                   batch["old_values"].to(self.device), batch["returns"].to(self.device),
+                                   batch["response_mask"].to(self.device), self.section.value_clip, tokens)
         return loss, {"vf_clip_frac": float(clipped)}
 
     @torch.no_grad()
@@ -179,9 +180,9 @@ class EngineBase:
         mini-batches; the policy's carry the log-probabilities of the policy that drew them (before any update), a
         value model's the values they came with (`old_values`)."""
         train = self.section
-        if train.ppo_epochs * train.mini_batches == 1:
+        if train.updates_per_step == 1:
             return [batch]
-        if not self.role.value and "old_logp" not in batch:  # given where the step asked for them before (`logprobs`)
+        if not self.role.value and "old_logp" not in batch:  # else the step asked for them before (`logprobs`)
             batch = dict(batch, old_logp=self._logprobs(model, batch))
         rows, out = len(batch["input_ids"]), []
         for epoch in range(train.ppo_epochs):
