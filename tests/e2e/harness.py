@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -85,6 +86,16 @@ def job_env(extra: dict | None = None) -> dict:
 def relaunch(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=REPO, env=env or job_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+PROGRESS_BAR = re.compile(r"^\s*relaunch:\s+\d+%\|[^\]]*\]")
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a job's log for a failed assertion, without the progress bar's redraws (a hang's minutes of
+    them would fill it): what the job and its Supervisor said, the faults and repairs, up to its last line."""
+    lines = [PROGRESS_BAR.sub("", x) for x in re.split(r"[\r\n]", path.read_text())]
+    return "\n".join(x for x in lines if x.strip())[-chars:]
 
 
 def start_relaunch(*args: str, env: dict, log: Path) -> subprocess.Popen:

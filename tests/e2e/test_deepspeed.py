@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from harness import CONFIG, MEMORY_TIER, Trial, job_env, kill_session, relaunch, start_relaunch, status_json
+from harness import CONFIG, MEMORY_TIER, Trial, job_env, kill_session, log_tail, relaunch, start_relaunch, status_json
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e
@@ -60,7 +60,7 @@ def interrupted(cluster, stage, tmp_path_factory) -> Trial:
         t.wait_for_step(JOB_KILL_STEP - 1, proc)  # the step before the hang: step 24's commit is behind it
         deadline = time.time() + 120
         while not list(tmp.glob("fired-1-*")):  # and the rank hangs (else the rerun would hang there)
-            assert proc.poll() is None and time.time() < deadline, (tmp / "run0.log").read_text()[-3000:]
+            assert proc.poll() is None and time.time() < deadline, log_tail(tmp / "run0.log")
             time.sleep(0.1)
     finally:
         kill_session(proc.pid)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from harness import (AS_SHIPPED_SPARES, CONFIG, MEMORY_TIER, SHORT, Trial, curve, data_as, job_env, kill_session, metrics,
-                     relaunch, start_relaunch, status_json)
+                     log_tail, relaunch, start_relaunch, status_json)
 
 from supervisor.cluster.drains import POLL_SECS
 
@@ -105,7 +105,7 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
         train_node = trial.events("loaded")[-1]["nodes"][0]
         killed = time.time()
         cluster.kill_node(cluster.node_of(train_node))
-        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=300) == 0, log_tail(tmp_path / "job.log")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -142,7 +142,7 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
     try:
         deadline = time.time() + 300
         while not (trial.events("spares")[1:] and trial.events("loaded")) and time.time() < deadline:
-            assert proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            assert proc.poll() is None, log_tail(tmp_path / "job.log")
             time.sleep(0.2)
         refilled = trial.events("spares")[1]  # as the group starts: the memory tier links to it from step 0
         spare_node, train_nodes = refilled["nodes"][0], trial.events("loaded")[0]["nodes"]
@@ -151,7 +151,7 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
         cluster.kill_node(cluster.node_of(spare_node))
         cluster.add_node()
         added = True
-        assert proc.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=400) == 0, log_tail(tmp_path / "job.log")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -236,7 +236,7 @@ def run_until_done(trial: Trial, tmp_path, faults: list[str], job: list[str], ki
         codes.append(code)
         if code == 0:
             break
-    assert codes == [-9] * kills + [0], log.read_text()[-3000:]
+    assert codes == [-9] * kills + [0], log_tail(log)
     return codes
 
 
@@ -402,7 +402,7 @@ def wait_paused(tmp_path: Path, proc, index: int) -> None:
     tmp_path; touching `go` lets it go)."""
     deadline = time.time() + 300
     while not (tmp_path / f"fired-{index}-step.begin").exists():
-        assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+        assert time.time() < deadline and proc.poll() is None, log_tail(tmp_path / "job.log")
         time.sleep(0.1)
 
 
@@ -416,7 +416,7 @@ def drain_while_paused(cluster, trial: Trial, tmp_path: Path, proc, index: int, 
     (tmp_path / "go").touch()
     deadline = time.time() + 60
     while len(trial.events("preemption")) == before:
-        assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+        assert time.time() < deadline and proc.poll() is None, log_tail(tmp_path / "job.log")
         time.sleep(0.2)
 
 
@@ -443,11 +443,11 @@ def test_a_drained_node_costs_nothing_and_a_sigterm_stops_the_run_saved_for_the_
         proc.send_signal(signal.SIGTERM)
         termed = time.monotonic()
         while "[relaunch] SIGTERM: stopping" not in (tmp_path / "job.log").read_text():  # the driver has it
-            assert time.monotonic() < termed + 30 and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            assert time.monotonic() < termed + 30 and proc.poll() is None, log_tail(tmp_path / "job.log")
             time.sleep(0.1)
         time.sleep(1.0)  # and the Supervisor: told by the driver's thread as the signal was noted
         (tmp_path / "go").touch()
-        assert proc.wait(timeout=60) == 143, (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=60) == 143, log_tail(tmp_path / "job.log")
         stopped_in = time.monotonic() - termed
         cluster.add_node()
         added = True
@@ -503,7 +503,7 @@ def test_drains_of_the_spares_node_then_of_a_node_with_the_ranks_and_an_engine_c
     try:
         deadline = time.time() + 300
         while not trial.events("loaded"):
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            assert time.time() < deadline and proc.poll() is None, log_tail(tmp_path / "job.log")
             time.sleep(0.2)
         spares_node = cluster.add_node().node_id  # the only room for the spares (wait_spares, as step 2 begins)
         wait_paused(tmp_path, proc, 1)  # as step 4 begins
@@ -518,7 +518,7 @@ def test_drains_of_the_spares_node_then_of_a_node_with_the_ranks_and_an_engine_c
         drained.append(ranks_node)
         drain_while_paused(cluster, trial, tmp_path, proc, 3, ranks_node)
         cluster.kill_node(cluster.node_of(ranks_node))
-        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=300) == 0, log_tail(tmp_path / "job.log")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -575,13 +575,13 @@ def test_a_node_with_a_rank_and_an_engine_is_one_incident_and_one_retry(cluster,
     try:
         deadline = time.time() + 300
         while len(list(tmp_path.glob("fired-*"))) < len(hangs):  # every engine is in step 6's rollout
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            assert proc.poll() is None and time.time() < deadline, log_tail(tmp_path / "job.log")
             time.sleep(0.2)
         train_node = trial.events("loaded")[0]["nodes"][0]
         cluster.kill_node(cluster.node_of(train_node))
         cluster.add_node()  # room for the replacements: the cluster had none to spare
         added = True
-        assert proc.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=400) == 0, log_tail(tmp_path / "job.log")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -676,7 +676,7 @@ def test_the_default_job_on_an_s3_bucket_survives_an_outage_a_lost_node_and_a_ki
         train_node = trial.events("loaded")[-1]["nodes"][0]
         lost = time.time()
         cluster.kill_node(cluster.node_of(train_node))
-        assert proc.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=300) == 0, log_tail(tmp_path / "job.log")
     finally:
         s3_server.up()
         if proc is not None and proc.poll() is None:

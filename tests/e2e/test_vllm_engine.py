@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from harness import CONFIG, REPO, Trial, job_env, relaunch, start_relaunch, status_json
+from harness import CONFIG, REPO, Trial, job_env, log_tail, relaunch, start_relaunch, status_json
 from test_any_moment import assert_exact, end, signal_monkey
 
 from supervisor.config import load_config
@@ -239,7 +239,7 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
         # a tiny step takes ~0.3 s: a pause of 0.2-1.5 s lands in any phase of one, or of a repair. vLLM's engine
         # core runs in the engine's process: the one process to break in an engine.
         done = signal_monkey(progress, proc, random.Random(seed), 2, serving_workers, (0.2, 1.5), stopped)
-        assert proc.wait(timeout=600) == 0, f"seed {seed}, {done}: " + (tmp_path / "job.log").read_text()[-3000:]
+        assert proc.wait(timeout=600) == 0, f"seed {seed}, {done}: " + log_tail(tmp_path / "job.log")
     finally:
         ray.shutdown()
         end(proc, stopped)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import CONFIG, DEFAULT_JOB, REPO, RayStartCluster, Trial, job_env, kill_session, relaunch, status_json
+from harness import (CONFIG, DEFAULT_JOB, REPO, RayStartCluster, Trial, job_env, kill_session, log_tail, relaunch,
+                     status_json)
 
 from supervisor.testing.local_cluster import free_port, short_tmp
 from supervisor.testing.processes import command_line, kill_all
@@ -166,7 +167,7 @@ def test_the_documented_cluster_recipe_runs_as_written(tmp_path):
         return [pid for pid in psutil.pids() if f":{gcs}" in " ".join(command_line(pid))]
 
     try:
-        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=900) == 0, log_tail(log)
         out = log.read_text()
         assert "SUCCEEDED" in out and "state      done" in out, out[-3000:]
         assert (home / ".ray" / "auth_token").is_file()
