@@ -42,6 +42,18 @@ class Backend(str, enum.Enum):
     DEEPSPEED = "deepspeed"
 
 
+class RoleName(str, enum.Enum):
+    """A trained group: the policy (always), or PPO's critic (a `critic` section)."""
+    ACTOR = "actor"
+    CRITIC = "critic"
+
+    def __str__(self) -> str:  # as its key's prefix in a message, a rank's name: "critic"
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 class TrainDtype(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"  # mixed precision: bf16 forward and backward, fp32 parameters, reductions, optimizer, checkpoints
@@ -195,9 +207,9 @@ class ActorConfig(TrainConfig):
 
 
 class CriticConfig(TrainConfig):
-    """A value model's group (PPO with GAE; issue 40): its TrainConfig, the value loss's clip and GAE's discounts.
-    Its engine side is built (workers/engines, role critic); no config key holds it yet: the pipeline does not
-    train it."""
+    """A value model's group (PPO with GAE): its ranks, its TrainConfig, the value loss's clip and GAE's discounts."""
+
+    n_workers: Optional[int] = Field(None, gt=0, description="the critic's ranks; null: cluster.n_train_workers")
 
     value_clip: float = Field(0.2, gt=0, description="PPO's value clip: a token's new value is held within this of "
                                                      "its value at the step's start (verl's cliprange_value)")
@@ -423,6 +435,8 @@ class Config(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="where the workers run")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model and its tokenizer")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="the training engine and optimizer")
+    critic: Optional[CriticConfig] = Field(None, description="a value model trained beside the policy: PPO with "
+                                                             "GAE (absent: GRPO)")
     data: DataConfig = Field(default_factory=DataConfig, description="prompts, batch and group size")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="how the engines sample")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="the reward function")
@@ -432,14 +446,32 @@ class Config(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="where the stats go besides "
                                                                              "stats.jsonl")
 
+    @property
+    def trained(self) -> dict[RoleName, TrainConfig]:
+        """Every trained group's section by its role's name: the actor's, and the critic's where there is one."""
+        return {RoleName.ACTOR: self.actor, **({RoleName.CRITIC: self.critic} if self.critic is not None else {})}
+
+    def workers_of(self, role: RoleName) -> int:
+        """The ranks a role's group wants: cluster.n_train_workers, or critic.n_workers where set."""
+        wanted = getattr(self.trained[role], "n_workers", None)
+        return self.cluster.n_train_workers if wanted is None else wanted
+
+    @property
+    def train_ranks(self) -> int:
+        """Every trained group's ranks together: what the cluster must hold beside the engines (and spares)."""
+        return sum(self.workers_of(role) for role in self.trained)
+
+    def workers_key(self, role: RoleName) -> str:
+        """The key that sets a role's ranks, for messages."""
+        return "critic.n_workers" if role is RoleName.CRITIC and self.critic.n_workers else "cluster.n_train_workers"
+
     @model_validator(mode="after")
     def _cross_field(self) -> "Config":
         samples = self.data.batch_size * self.data.group_size
-        if samples % self.cluster.n_train_workers:
-            raise ValueError(
-                f"data.batch_size x data.group_size = {samples} must divide evenly among "
-                f"cluster.n_train_workers = {self.cluster.n_train_workers}"
-            )
+        for role in self.trained:
+            if samples % self.workers_of(role):
+                raise ValueError(f"data.batch_size x data.group_size = {samples} must divide evenly among "
+                                 f"{self.workers_key(role)} = {self.workers_of(role)}")
         if (self.recover.min_train_workers or 0) > self.cluster.n_train_workers:
             raise ValueError(f"recover.min_train_workers = {self.recover.min_train_workers} exceeds "
                              f"cluster.n_train_workers = {self.cluster.n_train_workers}")
@@ -453,10 +485,13 @@ class Config(_Strict):
         """Why the memory tier cannot serve this job (`spares`: the pool's size, once known), or None."""
         if self.recover.memory is MemoryTier.OFF:
             return "recover.memory is off"
-        if self.actor.backend not in MEMORY_TIER_BACKENDS:
-            return (f"the memory tier needs actor.backend fsdp (DeepSpeed keeps its process groups in global comm "
-                    f"state that cannot be re-formed in place); actor.backend {self.actor.backend.value} recovers "
-                    f"from disk")
+        for role, section in self.trained.items():
+            if section.backend not in MEMORY_TIER_BACKENDS:
+                return (f"the memory tier needs {role}.backend fsdp (DeepSpeed keeps its process groups in global "
+                        f"comm state that cannot be re-formed in place); {role}.backend {section.backend.value} "
+                        f"recovers from disk")
+        if self.critic is not None:
+            return "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"
         if self.actor.kl_coef and self.actor.ref_update_steps:
             return ("the memory tier does not hold a refreshed KL reference policy yet (actor.ref_update_steps); "
                     "the initial policy as the reference (null) a new rank rebuilds from the config")
@@ -481,27 +516,18 @@ class Config(_Strict):
     def async_recover(self) -> bool:
         """Recover saves are written in the background (recover.write_mode async, or auto on an engine that can)."""
         mode = self.recover.write_mode
-        return self.recover.mode.enabled and (
+        return self.recover.mode.enabled and self.critic is None and (
             mode is SaveMode.ASYNC or (mode is SaveMode.AUTO and self.actor.backend in ASYNC_SAVE_BACKENDS))
 
     def _check_engine(self) -> None:
         actor, recover = self.actor, self.recover
-        if recover.write_mode is SaveMode.ASYNC and actor.backend not in ASYNC_SAVE_BACKENDS:
-            raise ValueError(f"recover.write_mode = async needs actor.backend fsdp (DCP's async_save); "
-                             f"actor.backend {actor.backend.value} saves synchronously: use auto or sync")
+        for role, section in self.trained.items():
+            self._check_section(role, section)
         if (actor.backend is Backend.DEEPSPEED and recover.min_train_workers is not None
                 and recover.min_train_workers < self.cluster.n_train_workers):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
-        if actor.updates_per_step > 1:
-            rows = self.data.batch_size * self.data.group_size // self.cluster.n_train_workers
-            if actor.backend is not Backend.FSDP:
-                raise ValueError(f"actor.ppo_epochs and actor.mini_batches above 1 need actor.backend fsdp; "
-                                 f"actor.backend {actor.backend.value} makes one update a step")
-            if actor.mini_batches > rows:
-                raise ValueError(f"actor.mini_batches = {actor.mini_batches} is more than a rank's {rows} samples a "
-                                 f"step (data.batch_size x data.group_size / cluster.n_train_workers)")
         if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
             raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must
@@ -511,6 +537,23 @@ class Config(_Strict):
             raise ValueError(f"actor.ref_update_steps = {actor.ref_update_steps} must be a multiple of "
                              f"recover.freq_steps = {recover.freq_steps}, so that every reference refresh is "
                              f"checkpointed and a resume restores the reference exactly")
+
+    def _check_section(self, role: RoleName, section: TrainConfig) -> None:
+        """A trained group's own rules: its save mode, and several updates a step on fsdp within its rows."""
+        if self.recover.write_mode is SaveMode.ASYNC and role is RoleName.CRITIC:
+            raise ValueError("recover.write_mode = async: a job with a critic writes its recover saves in the "
+                             "step (both groups' parts under one commit); use auto or sync")
+        if self.recover.write_mode is SaveMode.ASYNC and section.backend not in ASYNC_SAVE_BACKENDS:
+            raise ValueError(f"recover.write_mode = async needs {role}.backend fsdp (DCP's async_save); "
+                             f"{role}.backend {section.backend.value} saves synchronously: use auto or sync")
+        if section.updates_per_step > 1:
+            rows = self.data.batch_size * self.data.group_size // self.workers_of(role)
+            if section.backend is not Backend.FSDP:
+                raise ValueError(f"{role}.ppo_epochs and {role}.mini_batches above 1 need {role}.backend fsdp; "
+                                 f"{role}.backend {section.backend.value} makes one update a step")
+            if section.mini_batches > rows:
+                raise ValueError(f"{role}.mini_batches = {section.mini_batches} is more than a rank's {rows} samples "
+                                 f"a step (data.batch_size x data.group_size / {self.workers_key(role)})")
 
     def _check_rollout_engine(self) -> None:
         model = self.model
@@ -527,7 +570,7 @@ class Config(_Strict):
         """Hash of what must not change across a resume (model, data, optimisation, sampling, reward, seed). Keys
         at their defaults are left out, so that a key added later (at its default) changes no trial's hash, and so
         are those that only change how the job runs (NOT_IN_RESUME_HASH)."""
-        keep = self.model_dump(mode="json", include={"seed", "model", "actor", "data", "rollout", "reward"},
+        keep = self.model_dump(mode="json", include={"seed", "model", "actor", "critic", "data", "rollout", "reward"},
                                exclude=NOT_IN_RESUME_HASH, exclude_defaults=True)
         if self.engine_dtype != "float32":  # what the engines compute in, however it was said (auto or not)
             keep.setdefault("rollout", {})["engine_dtype"] = self.engine_dtype
@@ -537,7 +580,8 @@ class Config(_Strict):
 
 # keys of those sections that change how the job runs, not what it computes: a resume may change them
 NOT_IN_RESUME_HASH = {"rollout": {"dtype", "spare_engines", "weight_bucket_mb", "shared_memory_weights"},
-                      "reward": {"retry_user_errors", "concurrency", "timeout_secs"}}  # rollout.dtype: resolved
+                      "reward": {"retry_user_errors", "concurrency", "timeout_secs"},  # rollout.dtype: resolved
+                      "critic": {"n_workers"}}  # as cluster.n_train_workers: a resume may change the world size
 
 
 def resolve_path(path: Path) -> Path:
@@ -615,9 +659,10 @@ def load_config(path: Path | str | None = None, overrides: list[str] = (), model
             raise ConfigError(f"model.path: {config.model.path} has no config.json")
     if config.rollout.engine is RolloutEngine.VLLM:
         _check_vllm(config)
-    if config.actor.backend is Backend.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("actor.backend: deepspeed is not installed; ./dev.sh installs it "
-                          "(pip install --no-build-isolation deepspeed, after torch)")
+    for role, section in config.trained.items():
+        if section.backend is Backend.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"{role}.backend: deepspeed is not installed; ./dev.sh installs it "
+                              f"(pip install --no-build-isolation deepspeed, after torch)")
     return config
 
 

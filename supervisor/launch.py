@@ -115,7 +115,7 @@ def connect(config: Config, address: str | None) -> None:
             raise ClusterUnreachable(f"--address {address}: {str(e).strip().splitlines()[0]}") from e
         return
     cluster = config.cluster
-    needed = (cluster.n_train_workers + cluster.n_rollout_workers) * cluster.cpus_per_worker
+    needed = (config.train_ranks + cluster.n_rollout_workers) * cluster.cpus_per_worker
     # "local": a Ray of the job's own, even where another cluster on this machine left its address file
     # (a plain ray.init() would join that cluster, and refuse num_cpus there)
     _init(address="local", num_cpus=max(int(needed + 0.999), os.cpu_count() or 1), namespace=NAMESPACE,

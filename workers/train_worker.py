@@ -32,8 +32,9 @@ from supervisor.checkpoint.durable import file_digest
 from supervisor.checkpoint.layout import as_path, step_of
 from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.transfer import RankDir
-from supervisor.config import Config
+from supervisor.config import Config, RoleName
 from supervisor.testing.fault_points import fault_point, fault_points
+from workers import roles
 from workers.cuda_weights import open_handle
 from workers.gpu import deterministic_cuda, device_uuid
 from workers.memory import peak_memory
@@ -85,11 +86,12 @@ class TrainWorker:
     memory tier (workers/memory_tier.py): a rank stages its state after every step and sends it to its holder;
     a warm spare holds the copies of ranks and takes a dead one's place from them (`adopt`)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, role: RoleName = RoleName.ACTOR):
         torch.set_num_threads(1)  # deterministic CPU kernels, and no oversubscription of the node's cores
         if config.cluster.gpus_per_worker > 0:
             deterministic_cuda()  # before any CUDA kernel: exact recovery on GPU (workers/gpu.py)
         self.config = config
+        self.role = roles.of(config, role)  # what it trains: the policy, or a critic's value model
         self.rank: int | None = None
         self.world_size: int | None = None
         self.engine = None
@@ -127,7 +129,7 @@ class TrainWorker:
         if self.parts is None and self.engine is None:
             from workers.engines.base import build_parts
 
-            self.parts = build_parts(self.config)
+            self.parts = build_parts(self.config, self.role)
 
     @fault_points
     def where(self, rank: int | None = None) -> dict:
@@ -163,12 +165,23 @@ class TrainWorker:
         self._warm()
         self.rank, self.world_size = rank, world_size
         parts, self.parts = self.parts, None
-        self.engine = make_engine(self.config, rank, world_size, master_addr, master_port, parts)
+        self.engine = make_engine(self.config, rank, world_size, master_addr, master_port, parts, self.role)
 
     @fault_points
     def train(self, shard: dict, global_step: int) -> dict:
         """The engine's metrics, and this process's peak memory (`memory`) for the step's stats row."""
         return self.engine.train_step(shard, global_step) | {"memory": peak_memory()}
+
+    @fault_points
+    def values(self, shard: dict, global_step: int) -> torch.Tensor:
+        """A critic's rank: its values of this shard's states before the step's updates (EngineBase.values)."""
+        return self.engine.values(shard)
+
+    @fault_points
+    def logprobs(self, shard: dict, global_step: int) -> dict[str, torch.Tensor]:
+        """The policy's rank: this shard's token log-probabilities before the step's updates, and the reference's
+        (EngineBase.logprobs)."""
+        return self.engine.logprobs(shard)
 
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
@@ -228,7 +241,7 @@ class TrainWorker:
         uploaded)."""
         with self._rank_dir(staging) as target:
             mine = self.engine.save(target.local, global_step)
-            fault_point("after_shards", step=global_step, rank=self.rank)
+            fault_point("after_shards", step=global_step, rank=self.rank, role=self.role.name)
             digests = _digests(target.local, mine)
             self._fence(staging)  # after the collective: a rank that raises here leaves no peer waiting in it
             target.upload(mine, global_step, self.rank)
@@ -280,7 +293,8 @@ class TrainWorker:
         def finish() -> None:
             try:
                 try:
-                    fault_point("background_write", step=global_step, rank=self.rank)  # tests: killed mid-write
+                    # tests: killed mid-write
+                    fault_point("background_write", step=global_step, rank=self.rank, role=self.role.name)
                 finally:
                     written = shards.result()  # the write is over before the tracked future is, whatever happened
                 digests = _digests(save.target.local, save.files + written)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Union
 
-from supervisor.config import Config
+from supervisor.config import Config, RoleName
 
 # recover_info/ (and each step directory's meta/ mirror of it)
 STEP_INFO = "step_info.json"
@@ -36,6 +36,12 @@ DCP_METADATA = ".metadata"      # DCP's index, written by rank 0 last: a DCP ste
 DEEPSPEED_RANK_FILE = "zero_pp_rank_{}_"  # DeepSpeed's per-rank shard files carry this in their names
 REFERENCE_DIR = "reference"     # recover_checkpoint/reference/: the KL reference's weights, shared by steps
 REFERENCE_PREFIX = f"../{REFERENCE_DIR}/"  # a step manifest's entry for the reference file it needs
+
+# each trained role's directory under the trial's root, holding its recover_checkpoint/ (one more role: one more entry)
+ACTOR = RoleName.ACTOR
+ROLE_DIRS = {RoleName.ACTOR: "default", RoleName.CRITIC: "critic"}
+RECOVER_CHECKPOINT = "recover_checkpoint"
+ROLE_PREFIX = "@"  # the actor's manifest names another role's file `@{role}/{file}`: one manifest per step
 
 # a step directory moved out of the way of training on, never deleted on the pointer's word (invariant 2)
 DAMAGED = "damaged"          # passed over by loading: kept for inspection
@@ -134,11 +140,15 @@ class TrialLayout:
 
     @property
     def export_root(self) -> Path:
-        return self.checkpoint_root / "default"
+        return self.checkpoint_root / ROLE_DIRS[ACTOR]
 
     @property
     def recover_checkpoint(self) -> Path:
-        return self.export_root / "recover_checkpoint"
+        return self.recover_checkpoint_of(ACTOR)
+
+    def recover_checkpoint_of(self, role: str) -> StoragePath:
+        """Where `role`'s parts of the recover steps live; the actor's is `recover_checkpoint`."""
+        return self.checkpoint_root / ROLE_DIRS[role] / RECOVER_CHECKPOINT
 
     @property
     def recover_info(self) -> Path:
@@ -166,15 +176,23 @@ class TrialLayout:
         root = self.head_root if elsewhere else self.fileroot
         return self._inside(root, "checkpoints", self.user, self.experiment_name, self.trial_name, "run.lock")
 
-    def step_dir(self, global_step: int) -> Path:
-        return self.recover_checkpoint / f"globalstep{global_step}"
+    def step_dir(self, global_step: int, role: str = ACTOR) -> Path:
+        return self.recover_checkpoint_of(role) / f"globalstep{global_step}"
 
     def export_dir(self, epoch: int, epoch_step: int, global_step: int) -> Path:
         return self.export_root / f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
 
     def recover_state_paths(self) -> list[Path]:
-        """What clean-restart removes: recover_info/ and recover_checkpoint/ of this trial, nothing else."""
-        return [self.recover_info, self.recover_checkpoint]
+        """What clean-restart removes: recover_info/ and each role's recover_checkpoint/ of this trial, nothing more."""
+        return [self.recover_info, *(self.recover_checkpoint_of(role) for role in ROLE_DIRS)]
+
+
+def role_step_dir(step_dir: StoragePath, role: str) -> StoragePath:
+    """`role`'s part of the step whose actor directory is `step_dir`: the same name under the role's root, so that
+    the parts of a step set aside stay together. ValueError for a name that is no role (a manifest names it)."""
+    if role not in ROLE_DIRS:
+        raise ValueError(f"{role!r} is not a role ({', '.join(ROLE_DIRS)})")
+    return step_dir.parent.parent.parent / ROLE_DIRS[role] / RECOVER_CHECKPOINT / step_dir.name
 
 
 def step_of(path: Path) -> int | None:

@@ -6,6 +6,12 @@ and `manifest.json` (written last) with the size and sha256 of every file. A ste
 a temporary name and renamed when complete. The commit point is the atomic replace of
 `recover_info/checkpoint_info.json`, which lists the published steps; recover_info/ mirrors the newest.
 
+Another trained role (PPO's critic) writes its part of a step into its own step directory of the same name under
+its root (layout.ROLE_DIRS). It is published before the actor's manifest is written, which names its files
+(`@critic/...`): the actor's step directory publishes the whole step, one commit for every role. A role's step
+directory that no published actor step goes with was never part of a step (a save cut short before the actor's
+publish, or a prune after the actor's delete): a temporary.
+
 On an object store (checkpoint/storage.py), which has no rename, the ranks write straight into the step
 directory and it counts as published only once its manifest, written last, is there; the partial directory of an
 interrupted upload is a temporary, cleaned up like the others and never loaded.
@@ -30,6 +36,7 @@ from pathlib import Path
 
 from supervisor.checkpoint.durable import load_plain_pickle, tmp_name
 from supervisor.checkpoint.layout import (
+    ACTOR,
     CHECKPOINT_INFO,
     DAMAGED,
     DCP_METADATA,
@@ -37,12 +44,15 @@ from supervisor.checkpoint.layout import (
     META,
     RECOVER_INFO_FILES,
     REFERENCE_PREFIX,
+    ROLE_DIRS,
+    ROLE_PREFIX,
     TMP_PREFIX,
     UNCOMMITTED,
     StoragePath,
     TrialLayout,
     aside_dir,
     inside,
+    role_step_dir,
     step_of,
     step_of_reference,
     step_set_aside,
@@ -53,6 +63,7 @@ from supervisor.config import Backend
 from supervisor.testing.fault_points import fault_point
 
 SCHEMA_VERSION = 1
+ROLES = tuple(role for role in ROLE_DIRS if role != ACTOR)  # the roles whose parts the actor's manifest names
 
 
 class CheckpointError(RuntimeError):
@@ -72,18 +83,45 @@ class Checkpoint:
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
 
+    def role_path(self, role: str = ACTOR) -> StoragePath:
+        """Where `role`'s part of this step lies (the actor's: the step directory itself)."""
+        return self.path if role == ACTOR else role_step_dir(self.path, role)
 
-def compatibility_error(manifest: dict, backend: str, n_train_workers: int) -> str | None:
-    """Why this run cannot load a checkpoint at all (another engine's format, a DeepSpeed world size it
-    cannot reshard), or None. Checkpoints older than the `engine` field were written by fsdp."""
-    engine = manifest.get("engine", "fsdp")
+    def role_world_size(self, role: str = ACTOR) -> int | None:
+        """How many ranks saved `role`'s part; None when the step has none (a GRPO step read by a PPO run)."""
+        if role == ACTOR:
+            return self.world_size
+        part = self.manifest.get("roles", {}).get(role)
+        return None if part is None else int(part["world_size"])
+
+
+@dataclass(frozen=True)
+class RolePart:
+    """Another role's part of a recover save (the critic's), as its ranks wrote it."""
+
+    staging: StoragePath     # RecoverStore.staging_dir(step, role)
+    files: dict[str, dict]   # each file its ranks wrote -> its {size, sha256}
+    world_size: int
+    engine: str = "fsdp"
+
+
+def compatibility_error(manifest: dict, backend: str, n_train_workers: int, role: str = ACTOR,
+                        workers_key: str = "cluster.n_train_workers") -> str | None:
+    """Why this run cannot load `role`'s part of a checkpoint at all (none there, another engine's format, a
+    DeepSpeed world size it cannot reshard), or None. Checkpoints older than the `engine` field were written by
+    fsdp. `workers_key`: the key that sets the role's ranks, for the message."""
+    part = manifest if role == ACTOR else manifest.get("roles", {}).get(role)
+    if part is None:
+        return (f"has no {role}'s part (written by a job without a `{role}` section); remove the section to resume "
+                f"it, or `relaunch clean-restart CONFIG` to start fresh")
+    engine = part.get("engine", "fsdp")
     if engine != backend:
-        return (f"written by actor.backend {engine}, but this run has actor.backend {backend}; "
-                f"set actor.backend={engine} to resume it, or `relaunch clean-restart CONFIG` to start fresh")
-    world_size = int(manifest.get("world_size", n_train_workers))
+        return (f"written by {role}.backend {engine}, but this run has {role}.backend {backend}; "
+                f"set {role}.backend={engine} to resume it, or `relaunch clean-restart CONFIG` to start fresh")
+    world_size = int(part.get("world_size", n_train_workers))
     if engine == Backend.DEEPSPEED and world_size != n_train_workers:
-        return (f"a DeepSpeed checkpoint of {world_size} ranks cannot be loaded by cluster.n_train_workers = "
-                f"{n_train_workers}; set cluster.n_train_workers={world_size} to resume it")
+        return (f"a DeepSpeed checkpoint of {world_size} ranks cannot be loaded by {workers_key} = "
+                f"{n_train_workers}; set {workers_key}={world_size} to resume it")
     return None
 
 
@@ -116,6 +154,7 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
         files = manifest["files"]
         if int(manifest["global_step"]) != step:
             raise ValueError(f"says step {manifest['global_step']}")
+        dcp_dirs = [path] + [role_step_dir(path, role) for role in manifest.get("roles", {})]
     except StoreUnavailable:
         raise  # the store is down: nothing is known about the checkpoint
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -128,8 +167,9 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
             raise CheckpointError(f"{f}: size {size}, expected {expect['size']}")
         if manifest != trusted and fs.digest(f) != expect["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch")
-    if fs.is_file(path / DCP_METADATA):
-        _check_dcp(fs, path, entries=manifest != trusted)
+    for directory in dcp_dirs:
+        if fs.is_file(directory / DCP_METADATA):
+            _check_dcp(fs, directory, entries=manifest != trusted)
     infos = {}
     for name in RECOVER_INFO_FILES:
         try:
@@ -169,11 +209,15 @@ def _check_dcp(fs: Storage, path: StoragePath, entries: bool) -> None:
 
 
 def _entry_path(step_dir: StoragePath, name: str) -> StoragePath:
-    """The file a manifest entry names: inside the step directory, or (REFERENCE_PREFIX) inside the reference
-    directory beside it; anything else (absolute, `..`, a symlink out) is a damaged checkpoint."""
+    """The file a manifest entry names: inside the step directory, (REFERENCE_PREFIX) inside the reference
+    directory beside it, or (ROLE_PREFIX) inside the role's step directory; anything else (absolute, `..`, a
+    symlink out, no role) is a damaged checkpoint."""
     try:
         if name.startswith(REFERENCE_PREFIX):
             return inside(step_dir.parent / REFERENCE_PREFIX.split("/")[1], name[len(REFERENCE_PREFIX):])
+        if name.startswith(ROLE_PREFIX):
+            role, _, rest = name[len(ROLE_PREFIX):].partition("/")
+            return inside(role_step_dir(step_dir, role), rest)
         return inside(step_dir, name)
     except ValueError as e:
         raise CheckpointError(f"{step_dir / MANIFEST}: {e}") from e
@@ -188,28 +232,32 @@ class RecoverStore:
         self._trusted: dict[int, dict] = {}  # step -> manifest, for the steps this process committed or hashed
 
     # ---- writing -------------------------------------------------------------------------------
-    def staging_dir(self, global_step: int) -> StoragePath:
-        """A fresh temporary directory where the TrainWorkers write this step's shards. On an object store, the
-        step directory itself (there is no rename to publish it): the leftover of an upload of this step that
-        failed is removed first, and a published one is never written into."""
-        final = self.layout.step_dir(global_step)
+    def staging_dir(self, global_step: int, role: str = ACTOR) -> StoragePath:
+        """A fresh temporary directory where `role`'s TrainWorkers write this step's shards. On an object store,
+        the role's step directory itself (there is no rename to publish it): the leftover of an upload of this step
+        that failed is removed first, and a published step's is never written into."""
+        final = self.layout.step_dir(global_step, role)
         if not self.fs.renames:
-            if self.fs.exists(final / MANIFEST):
+            if self.fs.exists(self.layout.step_dir(global_step) / MANIFEST):
                 raise FileExistsError(errno.EEXIST, "a published step directory is never written into", str(final))
             self.fs.remove(final)
             return final
-        self.fs.mkdir(self.layout.recover_checkpoint)
+        self.fs.mkdir(final.parent)
         path = tmp_name(final)
         path.mkdir()
         return path
 
     def commit(self, staging: StoragePath, global_step: int, world_size: int, config_hash: str,
-               shard_files: dict[str, dict], infos: dict, engine: str = "fsdp") -> Path:
+               shard_files: dict[str, dict], infos: dict, engine: str = "fsdp",
+               roles: dict[str, RolePart] | None = None) -> Path:
         """Publish a fully written staging directory as the last valid checkpoint of `global_step`.
 
         `shard_files` maps each file the ranks wrote to its {size, sha256}; `infos` holds the contents
-        of every recover_info file; checkpoint_info.json's is completed here with the commit record.
+        of every recover_info file; checkpoint_info.json's is completed here with the commit record. `roles`: the
+        other roles' parts of the step, each checked and published into its step directory before the actor's
+        manifest, which names their files and records their world sizes and engines.
         """
+        roles = roles or {}
         final = self.layout.step_dir(global_step)
         rel_path = str(final.relative_to(self.layout.checkpoint_root))
         previous = self.published_steps()
@@ -226,13 +274,18 @@ class RecoverStore:
             data = _encode_info(name, infos[name])
             self.fs.write_bytes(staging / META / name, data)
             files[f"{META}/{name}"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        missing = [n for n, f in files.items() if _size(self.fs, staging / n) != f["size"]]
-        if missing:  # e.g. a fileroot that is not shared by every node: a failed save, not a damaged checkpoint
-            raise OSError(errno.EIO, f"ranks reported files that are not there (or not whole): {missing[:3]} "
-                                     f"(is cluster.fileroot on storage every node sees?)", str(staging))
+        self._check_whole(staging, files)
+        for part in roles.values():
+            self._check_whole(part.staging, part.files)
+        for role, part in roles.items():
+            if part.staging != (role_final := self.layout.step_dir(global_step, role)):
+                self.fs.publish_dir(part.staging, role_final)
+            files.update({f"{ROLE_PREFIX}{role}/{name}": entry for name, entry in part.files.items()})
         fault_point("before_manifest", step=global_step)
         manifest = {"schema_version": SCHEMA_VERSION, "global_step": global_step, "world_size": world_size,
                     "config_hash": config_hash, "engine": engine, "files": files}
+        if roles:
+            manifest["roles"] = {role: {"world_size": p.world_size, "engine": p.engine} for role, p in roles.items()}
         self.fs.write_bytes(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         fault_point("before_publish", step=global_step)
         if staging != final:  # an object store's step directory is published by its manifest, written just now
@@ -243,6 +296,14 @@ class RecoverStore:
         fault_point("after_commit", step=global_step)
         self._pruner.submit(self.prune, global_step)
         return final
+
+    def _check_whole(self, directory: StoragePath, files: dict[str, dict]) -> None:
+        """Every file the ranks reported is there, whole: else (e.g. a fileroot that is not shared by every node)
+        a failed save, not a damaged checkpoint."""
+        missing = [n for n, f in files.items() if _size(self.fs, directory / n) != f["size"]]
+        if missing:
+            raise OSError(errno.EIO, f"ranks reported files that are not there (or not whole): {missing[:3]} "
+                                     f"(is cluster.fileroot on storage every node sees?)", str(directory))
 
     def _write_recover_info(self, infos: dict, global_step: int) -> None:
         info_dir = self.layout.recover_info
@@ -268,30 +329,39 @@ class RecoverStore:
         doomed = steps[: max(0, len(steps) - self.keep_last)]
         for step in doomed:
             fault_point("during_prune", step=step)
-            self._remove_step(self.layout.step_dir(step))
+            self._remove_step(step)
         for aside, step in self._uncommitted():
             if step < newest:
                 self.fs.remove(aside)
         self._prune_references()
         return doomed
 
-    def _remove_step(self, step_dir: StoragePath) -> None:
-        """Delete a published step directory; on an object store its manifest first, so that a delete cut short
-        leaves a partial directory (a temporary), never a published step that lacks objects."""
+    def _remove_step(self, step: int) -> None:
+        """Delete a published step: the actor's directory (on an object store its manifest first), then the other
+        roles'. A delete cut short leaves a partial actor directory (a temporary on an object store) or role
+        directories no published step goes with (temporaries), never a published step that lacks a file: the
+        roles first could leave a published actor step naming deleted files."""
+        step_dir = self.layout.step_dir(step)
         if not self.fs.renames:
             self.fs.remove(step_dir / MANIFEST)
         self.fs.remove(step_dir)
+        for role in ROLES:
+            self.fs.remove(self.layout.step_dir(step, role))
+
+    def _recover_roots(self) -> list[StoragePath]:
+        return [self.layout.recover_checkpoint_of(role) for role in ROLE_DIRS]
 
     def _uncommitted(self) -> list[tuple[StoragePath, int]]:
-        """The step directories set aside as uncommitted, with their steps."""
-        found = [(p, step_set_aside(p, UNCOMMITTED)) for p in self.fs.iterdir(self.layout.recover_checkpoint)]
+        """The step directories of every role set aside as uncommitted, with their steps."""
+        found = [(p, step_set_aside(p, UNCOMMITTED)) for root in self._recover_roots() for p in self.fs.iterdir(root)]
         return [(p, step) for p, step in found if step is not None]
 
     def _prune_references(self) -> None:
         """Delete reference policy files older than the oldest one a published (or uncommitted) step still names."""
         ref_dir = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
         needed = []
-        kept = [self.layout.step_dir(step) for step in self.published_steps()] + [p for p, _ in self._uncommitted()]
+        kept = [self.layout.step_dir(step) for step in self.published_steps()] + [
+            p for p, _ in self._uncommitted() if p.parent == self.layout.recover_checkpoint]  # the actor's manifests
         for step_dir in kept:
             try:
                 files = json.loads(self.fs.read_bytes(step_dir / MANIFEST))["files"]
@@ -314,11 +384,13 @@ class RecoverStore:
         return sorted(s for p, s in steps if (self.fs.is_dir(p) if self.fs.renames else self.fs.is_file(p / MANIFEST)))
 
     def _partial_steps(self) -> list[StoragePath]:
-        """On an object store: step directories without a manifest, left by an upload that never finished."""
-        if self.fs.renames:
-            return []
+        """Step directories of no published step: on an object store, the actor's without a manifest (an upload
+        that never finished); on any storage, another role's whose actor step is not published."""
         published = set(self.published_steps())
-        return [p for p in self.fs.iterdir(self.layout.recover_checkpoint)
+        roots = [self.layout.recover_checkpoint_of(role) for role in ROLES]
+        if not self.fs.renames:
+            roots.insert(0, self.layout.recover_checkpoint)
+        return [p for root in roots for p in self.fs.iterdir(root)
                 if (s := step_of(p)) is not None and s not in published]
 
     def orphaned_steps(self) -> list[int]:
@@ -390,16 +462,17 @@ class RecoverStore:
 
     def temporaries(self) -> list[StoragePath]:
         """Temporary directories of interrupted saves and HF exports (and, on an object store, step directories
-        an upload left without a manifest and exports without their marker): never published, so never loaded."""
+        an upload left without a manifest and exports without their marker; another role's step directories that
+        no published actor step goes with): never published, so never loaded."""
         found = self._partial_steps() + export_temporaries(self.fs, self.layout.export_root)
         reference = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
-        for root in (self.layout.recover_checkpoint, self.layout.checkpoint_root, reference, self.layout.recover_info):
+        for root in (*self._recover_roots(), self.layout.checkpoint_root, reference, self.layout.recover_info):
             found += [p for p in self.fs.iterdir(root) if p.name.startswith(TMP_PREFIX)]
         return found
 
     def remove_temporaries(self, spare: tuple[StoragePath, ...] = ()) -> list[StoragePath]:
         """Delete the temporaries but for `spare` (directories of background saves and exports still being
-        written). Touches no step directory, whatever the pointer says: what a failed save leaves behind. An
+        written). Touches no published step, whatever the pointer says: what a failed save leaves behind. An
         export whose replacement was cut short is restored first (exports.restore_cut_short)."""
         restore_cut_short(self.fs, self.layout.export_root)
         removed = [p for p in self.temporaries() if p not in spare]
@@ -409,17 +482,22 @@ class RecoverStore:
 
     def remove_leftovers(self, keep_step: int | None) -> tuple[list[StoragePath], list[StoragePath]]:
         """Clean up before training on from the loaded `keep_step` (None: a fresh start): (temporaries removed,
-        step directories set aside). A step directory newer than `keep_step` is in the way of the steps trained
-        again, but may have been committed (the pointer can be stale, unreadable or gone), so it is moved aside,
-        never deleted: as `damaged.` when loading passed over it, as `uncommitted.` when the pointer did not
-        name it (prune deletes those once a newer step is committed)."""
+        step directories set aside). A step newer than `keep_step` is in the way of the steps trained again, but
+        may have been committed (the pointer can be stale, unreadable or gone), so its directories (the actor's and
+        the other roles') are moved aside, never deleted: as `damaged.` when loading passed over it, as
+        `uncommitted.` when the pointer did not name it (prune deletes those once a newer step is committed)."""
         committed = self.committed_step()
         removed = self.remove_temporaries()
-        set_aside = [self.layout.step_dir(s) for s in self.published_steps() if keep_step is None or s > keep_step]
         tag = uuid.uuid4().hex[:8]
-        for p in set_aside:
-            tried = keep_step is not None and (committed is None or step_of(p) <= committed)
-            self.fs.rename(p, aside_dir(p, DAMAGED if tried else UNCOMMITTED, tag))
+        set_aside = []
+        for step in [s for s in self.published_steps() if keep_step is None or s > keep_step]:
+            tried = keep_step is not None and (committed is None or step <= committed)
+            # the other roles' parts first, with the same tag: cut short, this leaves a published actor step that
+            # lacks files (passed over by loading, kept), never a role's part alone (a temporary, deleted)
+            parts = [p for role in ROLES if self.fs.exists(p := self.layout.step_dir(step, role))]
+            for p in parts + [self.layout.step_dir(step)]:
+                self.fs.rename(p, aside_dir(p, DAMAGED if tried else UNCOMMITTED, tag))
+                set_aside.append(p)
         return removed, set_aside
 
     def restore_mirror(self, checkpoint: Checkpoint) -> None:

@@ -22,7 +22,7 @@ from supervisor.cluster.drains import draining_nodes, room_per_node
 from supervisor.cluster.errors import CapacityError, Group, GroupError
 from supervisor.cluster.spare_placement import choose_nodes, engine_resources, take_spares
 from supervisor.cluster.weights import WeightStream
-from supervisor.config import Config
+from supervisor.config import Config, RoleName
 from workers.rollout_worker import RolloutWorker, merge_rollouts
 from workers.train_worker import TrainWorker
 
@@ -136,16 +136,23 @@ class _Members:
         self.orphans = kill([m.handle for m in members], self.orphans)
 
 
-def placement_group_name(config: Config) -> str:
-    return f"relaunch/{config.experiment_name}/{config.trial_name}/train"
+def rank_name(role: RoleName, rank: int) -> str:
+    """A rank's name in events, logs and `ray list actors`: `TrainWorker[rank r]`, a critic's
+    `TrainWorker[critic rank r]`."""
+    return f"TrainWorker[rank {rank}]" if role is RoleName.ACTOR else f"TrainWorker[{role} rank {rank}]"
+
+
+def placement_group_name(config: Config, role: RoleName = RoleName.ACTOR) -> str:
+    """The actor's group's placement group ends in /train (as it always has), another role's in its name."""
+    return f"relaunch/{config.experiment_name}/{config.trial_name}/{'train' if role is RoleName.ACTOR else role}"
 
 
 def remove_leftover_placement_groups(config: Config) -> int:
-    """Remove this trial's TrainGroup placement groups left by a Supervisor that died: Ray keeps them while it
-    restarts the actor that made them."""
-    name, removed = placement_group_name(config), 0
+    """Remove this trial's TrainGroup placement groups (of every role) left by a Supervisor that died: Ray keeps
+    them while it restarts the actor that made them."""
+    names, removed = {placement_group_name(config, role) for role in config.trained}, 0
     for pg_id, info in placement_group_table().items():
-        if info.get("name") == name and info.get("state") != "REMOVED":
+        if info.get("name") in names and info.get("state") != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
             removed += 1
     return removed
@@ -159,11 +166,13 @@ class TrainGroup(_Members):
     rank's death, `rejoin` keeps the survivors' actors and puts the dead ranks' buddies in their places (the
     memory tier: supervisor/cluster/memory_copies.py), and `regroup` keeps them for a repair from disk."""
 
-    group = Group.TRAIN
-
-    def __init__(self, config: Config, world_size: int, timeout: float, spares=None):
+    def __init__(self, config: Config, world_size: int, timeout: float, spares=None,
+                 role: RoleName = RoleName.ACTOR):
+        """`role`: the trained group it is (Config.trained): the actor's ranks are `TrainWorker[rank r]`, a
+        critic's `TrainWorker[critic rank r]`, each group in a placement group of its own."""
         super().__init__(timeout)
-        self.config, self.world_size = config, world_size
+        self.config, self.world_size, self.role = config, world_size, role
+        self.group = Group.TRAIN if role is RoleName.ACTOR else Group.CRITIC
         cluster = config.cluster
         bundle = {"CPU": cluster.cpus_per_worker}
         if cluster.gpus_per_worker:
@@ -180,7 +189,7 @@ class TrainGroup(_Members):
         try:
             if cold:
                 self.pg = placement_group([dict(bundle) for _ in range(cold)], strategy="PACK",
-                                          name=placement_group_name(config))
+                                          name=placement_group_name(config, role))
             if self.pg is not None and not self.pg.wait(config.recover.capacity_timeout_secs):
                 raise CapacityError(
                     f"the cluster did not offer {cold} x {bundle} for the TrainGroup within "
@@ -188,7 +197,7 @@ class TrainGroup(_Members):
                     f"(available now: {ray.available_resources()})")
             self.members += [Member(self._cold(b), "") for b in range(cold)]
             for r, m in enumerate(self.members):
-                m.name = f"TrainWorker[rank {r}]"
+                m.name = rank_name(role, r)
             # Start-up (imports, model build, rendezvous) is not a step: it gets a bound of its own.
             setup_timeout = config.recover.start_timeout_secs
             self.timings["scheduling"] = time.monotonic() - started
@@ -209,12 +218,21 @@ class TrainGroup(_Members):
         return TrainWorker.options(
             num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-        ).remote(self.config)
+        ).remote(self.config, self.role)
 
     def train(self, shards: list[dict], global_step: int) -> list[dict]:
         results = self.gather([m.handle.train.remote(s, global_step) for m, s in zip(self.members, shards)])
         self.steps += 1
         return results
+
+    def values(self, shards: list[dict], global_step: int) -> list:
+        """A critic's group: each rank's values of its shard's states, before the step's updates (for GAE)."""
+        return self.gather([m.handle.values.remote(s, global_step) for m, s in zip(self.members, shards)])
+
+    def logprobs(self, shards: list[dict], global_step: int) -> list[dict]:
+        """The actor's group: each rank's token log-probabilities of its shard (and the reference's), before the
+        step's updates (for the KL penalty in PPO's rewards)."""
+        return self.gather([m.handle.logprobs.remote(s, global_step) for m, s in zip(self.members, shards)])
 
     def save_recover(self, staging: str, global_step: int) -> dict:
         files = {}
@@ -300,12 +318,12 @@ class TrainGroup(_Members):
         self._kill([self.members[r] for r in lost])
         self._free_bundles([*adopters, *warm])
         for r, handle in [*((r, claimed[name]) for r, name in adopters.items()), *zip(warm, taken)]:
-            self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
+            self.members[r] = Member(handle, rank_name(self.role, r))
         for r, bundle in homes.items():
             if bundle != self.bundles.get(r):  # its own bundle was on a node that is gone: a free one instead
                 self.bundles[r] = bundle
                 self.free.remove(bundle)
-            self.members[r] = Member(self._cold(bundle), f"TrainWorker[rank {r}]")
+            self.members[r] = Member(self._cold(bundle), rank_name(self.role, r))
         self._release_unused()
         self.timings = {"teardown": time.monotonic() - started}
         bound = self.config.recover.start_timeout_secs
@@ -377,11 +395,11 @@ class TrainGroup(_Members):
             raise RuntimeError(f"rank {homeless[0]} has no bundle to start again in and no warm spare is free")
         self._free_bundles(warm)
         for r, handle in zip(warm, taken):
-            self.members[r] = Member(handle, f"TrainWorker[rank {r}]")
+            self.members[r] = Member(handle, rank_name(self.role, r))
         for r in cold:
             if r not in self.bundles:
                 self.bundles[r] = self.free.pop(0)
-            self.members[r] = Member(self._cold(self.bundles[r]), f"TrainWorker[rank {r}]")
+            self.members[r] = Member(self._cold(self.bundles[r]), rank_name(self.role, r))
         self._release_unused()
         self.from_spares, self.steps = len(taken), 0  # a new group's first steps: its weight stream checks them whole
         self.timings["scheduling"] = time.monotonic() - started - self.timings["teardown"]

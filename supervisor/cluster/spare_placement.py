@@ -27,19 +27,19 @@ def engine_resources(cluster) -> Resources:
     return need
 
 
-def spare_count(setting: int | str, total: Resources, cluster, spare_engines: int = 0) -> int:
+def spare_count(setting: int | str, total: Resources, cluster, spare_engines: int = 0, critic_ranks: int = 0) -> int:
     """The pool's size: `recover.spare_workers` as given, or for `auto` on CPU one spare per rank as far as the
-    cluster's total resources hold them beside the TrainGroup, the engines and the `spare_engines` (a restart is
-    only as fast as its slowest rank: one rank started cold sets the pace). On GPU `auto` is 0: a spare idles whole
-    GPUs for the whole job to save one rank's start-up at a rare restart, a trade only its owner can make (set a
-    number)."""
+    cluster's total resources hold them beside the TrainGroup, the critic's ranks, the engines and the
+    `spare_engines` (a restart is only as fast as its slowest rank: one rank started cold sets the pace). On GPU
+    `auto` is 0: a spare idles whole GPUs for the whole job to save one rank's start-up at a rare restart, a trade
+    only its owner can make (set a number)."""
     if setting != AUTO:
         return int(setting)
     if cluster.gpus_per_worker:
         return 0
 
     def fits(spares: int) -> bool:
-        ranks = cluster.n_train_workers + spares
+        ranks = cluster.n_train_workers + critic_ranks + spares
         engines = cluster.n_rollout_workers + spare_engines
         need = {"CPU": (ranks + engines) * cluster.cpus_per_worker,
                 "GPU": ranks * cluster.gpus_per_worker + engines * cluster.gpus_per_engine}

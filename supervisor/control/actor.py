@@ -20,7 +20,7 @@ from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.trial_lock import trial_lock
 from supervisor.cluster.drains import DrainWatch
 from supervisor.cluster.spare_placement import spare_count
-from supervisor.config import Config
+from supervisor.config import Config, RoleName
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
 from supervisor.control.fleet import Fleet
 from supervisor.control.log_mirror import LogMirror
@@ -96,8 +96,8 @@ class Supervisor:
             "since_transition_secs": time.monotonic() - max(c.transitioned if c else self.created,
                                                             r.rewards.returned if r else 0.0),
             "waits": self.waits.report(),
-            "workers": (f.trainers.describe() if f and f.trainers else []) +
-                       (f.engines.describe() if f and f.engines else []),
+            "workers": [w for group in ((f.trainers, f.critics, f.engines) if f else ()) if group is not None
+                        for w in group.describe()],
         }
 
     def stop(self, why: str) -> None:
@@ -137,7 +137,8 @@ class Supervisor:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
-        size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster, cfg.rollout.spare_engines)
+        size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster, cfg.rollout.spare_engines,
+                           cfg.train_ranks - cfg.cluster.n_train_workers)
         pool = SparePool(cfg, size) if size else None
         memory_off = cfg.memory_tier_off(size)
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
@@ -147,7 +148,8 @@ class Supervisor:
                             Fleet(self.events), pool, memory)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
-            make_train_group=lambda size: TrainGroup(cfg, size, cfg.recover.step_timeout_secs, pool),
+            make_train_group=lambda size, role=RoleName.ACTOR: TrainGroup(
+                cfg, size, cfg.recover.step_timeout_secs, pool if role is RoleName.ACTOR else None, role),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
             supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off, drains=DrainWatch())
         self.controller.stop_requested = self.stop_requested

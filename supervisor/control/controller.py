@@ -25,7 +25,7 @@ from supervisor.checkpoint.trial_lock import LockLost
 from supervisor.cluster.blame import dead_nodes
 from supervisor.cluster.drains import draining_nodes
 from supervisor.cluster.errors import CapacityError, Group, first_line
-from supervisor.config import MEMORY_TIER_BACKENDS, Config
+from supervisor.config import MEMORY_TIER_BACKENDS, Config, RoleName
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
@@ -430,7 +430,11 @@ class Controller:
     def _restart_ranks(self, fault: Fault) -> None:
         """Recover the TrainGroup from memory where the memory tier holds every lost rank's state, else (or if
         that fails on the way) from disk, the ranks that still answer keeping their processes where they can.
-        Either way one repair: the retry was counted when it was decided."""
+        Either way one repair: the retry was counted when it was decided. A critic rank's fault restarts the
+        critic's group alone (`_restart_critics`)."""
+        if fault.group is Group.CRITIC:
+            self._restart_critics()
+            return
         try:
             alive = self._answering(fault)
             choice = self._recovery_source(fault, alive)
@@ -565,19 +569,22 @@ class Controller:
         self._resync()
 
     def _restart_train_group(self) -> None:
-        """Kill every rank, start a new group that loads the last valid checkpoint, roll the Supervisor back to
-        its step, replace dead engines, and resync every engine to the checkpoint's weights."""
+        """Kill every rank (the critic's too), start new groups that load the last valid checkpoint, roll the
+        Supervisor back to its step, replace dead engines, and resync every engine to the checkpoint's weights."""
         r, fleet = self.runner, self.fleet
         with self.clock.part("teardown"):
             r.drop_group()
+            fleet.drop_critics()
         if fleet.engines is None:
             fleet.engines = self.make_rollout_group()  # starts while the TrainGroup does
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate") as pool:
-            # the checkpoint is validated (hashed, unless this Supervisor committed it) while the new group
-            # starts; it cleans up interrupted saves, which is safe: no rank of either group writes now
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="validate") as pool:
+            # the checkpoint is validated (hashed, unless this Supervisor committed it) while the new groups
+            # start; it cleans up interrupted saves, which is safe: no rank of any group writes now
             validated = pool.submit(self._validate)
+            critics = pool.submit(self._new_critic_group)
             fleet.trainers = self._new_train_group()
+            fleet.critics = critics.result()
             ckpt, secs = validated.result()
         self._spares_taken(len(fleet.trainers.nodes))
         if self.spares is not None and r.memory is not None and r.memory.off is None and not self.clock.running:
@@ -586,6 +593,28 @@ class Controller:
         self._load(ckpt, secs, started)
         if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
             self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
+
+    def _restart_critics(self) -> None:
+        """A critic rank died or hung: the critic's group starts again and loads the last valid checkpoint, and
+        the actor's ranks keep their processes and load the same step in place (either group may have taken
+        the step's update before the other faulted); dead engines are replaced and every engine resyncs."""
+        fleet = self.fleet
+        if fleet.trainers is None:  # the actor's group did not start either: every group starts again
+            self._restart_train_group()
+            return
+        reason = self.memory_off or "the memory tier does not hold a critic's copies"
+        self.log.info(f"recovering from disk: {reason}",
+                      extra={"step": self.runner.state.step.global_step, "phase": self.phase})
+        self.clock.disk_because(reason)
+        with self.clock.part("teardown"):
+            fleet.drop_critics()
+            self.runner.drop_group(keep=True)
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate") as pool:
+            validated = pool.submit(self._validate)
+            fleet.critics = self._new_critic_group()
+            ckpt, secs = validated.result()
+        self._load(ckpt, secs, started, kept=list(range(fleet.trainers.world_size)))
 
     def _regroup(self, lost: list[int]) -> tuple[Checkpoint, float, float]:
         """A repair from disk that keeps the survivors' processes: only the `lost` ranks start again (from warm
@@ -617,6 +646,8 @@ class Controller:
             self.clock.add(part, part_secs)
         with self.clock.part("load"):
             missing = fleet.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
+            if fleet.critics is not None and ckpt is not None:
+                fleet.critics.load_recover(str(ckpt.role_path(RoleName.CRITIC)), ckpt.role_world_size(RoleName.CRITIC))
         r.roll_back(self._state_of(ckpt, warn=True))
         self.clock.loaded(r.state.step.global_step, Source.DISK)
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
@@ -683,6 +714,11 @@ class Controller:
             if size != cfg.cluster.n_train_workers:
                 self.events.emit(Event.SHRINK, world_size=size, wanted=cfg.cluster.n_train_workers)
             return group
+
+    def _new_critic_group(self):
+        """The critic's group of critic.n_workers ranks (PPO), or None in a GRPO job. It does not shrink."""
+        cfg = self.config
+        return self.make_train_group(cfg.workers_of(RoleName.CRITIC), RoleName.CRITIC) if cfg.critic else None
 
     def _state_of(self, ckpt: Checkpoint | None, warn: bool = False) -> RunState:
         """The run's state at the checkpoint's step (or the start)."""

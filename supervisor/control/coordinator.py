@@ -13,7 +13,7 @@ import enum
 import errno
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from supervisor.checkpoint.durable import tmp_name
@@ -26,8 +26,8 @@ from supervisor.checkpoint.layout import (
     reference_file,
 )
 from supervisor.checkpoint.storage import StoreUnavailable, retry_budget, storage_for
-from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStore, compatibility_error
-from supervisor.config import Config
+from supervisor.checkpoint.store import Checkpoint, CheckpointError, RecoverStore, RolePart, compatibility_error
+from supervisor.config import Config, RoleName
 from supervisor.control.events import Event, EventLog
 from supervisor.control.step_info import StepInfo
 from supervisor.control.watchdog import Waits
@@ -48,6 +48,7 @@ class Staged:
     infos: dict | None = None    # the recover_info of the save's step, captured when it was staged
     started: float = 0.0         # time.monotonic() when it began
     checksum: str | None = None  # of the step's weights, for the commit event
+    roles: dict[str, RolePart] = field(default_factory=dict)  # the other roles' parts (PPO's critic), written
 
 
 @dataclass
@@ -120,9 +121,9 @@ class CheckpointCoordinator:
             self.events.emit(Event.FALLBACK, reason=reason)
         ckpt = result.checkpoint
         self.last_commit = ckpt.global_step if ckpt is not None else None
-        if ckpt is not None:
-            problem = compatibility_error(ckpt.manifest, self.config.actor.backend.value,
-                                          self.config.cluster.n_train_workers)
+        for role, section in self.config.trained.items() if ckpt is not None else ():
+            problem = compatibility_error(ckpt.manifest, section.backend.value, self.config.workers_of(role), role,
+                                          self.config.workers_key(role))
             if problem:
                 raise CheckpointError(f"{ckpt.path}: {problem}")
         removed, set_aside = self.store.remove_leftovers(ckpt.global_step if ckpt else None)
@@ -135,12 +136,18 @@ class CheckpointCoordinator:
                                  message="the config that matters for resume changed since this checkpoint")
         return ckpt
 
-    def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False) -> Staged:
+    def write_recover(self, trainers, s: StepInfo, infos: dict, background: bool = False, critics=None) -> Staged:
         """Every rank writes its part of step `s` into a staging directory (the Supervisor's own state goes into
         meta/ at the commit); nothing is published yet. With `background`, returns once the ranks have
         staged their state in CPU memory (their uploads start only once every file the Supervisor checks is
-        written): `collect_save` commits it once durable."""
+        written): `collect_save` commits it once durable. `critics` (PPO; never in the background): the critic's
+        ranks write their part into a staging directory of its own first, published under the same commit."""
         started = time.monotonic()
+        roles = {}
+        if critics is not None:
+            part = self.store.staging_dir(s.global_step, RoleName.CRITIC)
+            roles[RoleName.CRITIC] = RolePart(part, critics.save_recover(str(part), s.global_step), critics.world_size,
+                                       self.config.critic.backend.value)
         staging = self.store.staging_dir(s.global_step)
         data = self.config.model_dump_json(indent=1).encode()
         self.fs.write_bytes(staging / RUN_CONFIG, data)  # before the ranks write
@@ -167,8 +174,9 @@ class CheckpointCoordinator:
         # bytes this save wrote: a reference file written on an earlier step is only named, not rewritten
         nbytes = sum(f["size"] for name, f in files.items()
                      if not name.startswith(REFERENCE_PREFIX) or ref_step == s.global_step)
+        nbytes += sum(f["size"] for part in roles.values() for f in part.files.values())
         return Staged(staging, s.global_step, files, trainers.world_size, nbytes, time.monotonic() - started,
-                      background, infos, started)
+                      background, infos, started, roles=roles)
 
     def begin_background_save(self, staged: Staged, weights_checksum: str | None) -> None:
         """A save every rank has staged: committed by `collect_save` once it is durable. One in flight."""
@@ -249,7 +257,8 @@ class CheckpointCoordinator:
             if self.fence is not None:
                 self.fence()
             path = self.store.commit(staged.path, s, staged.world_size, self.config.resume_hash(),
-                                     staged.files, staged.infos, engine=self.config.actor.backend.value)
+                                     staged.files, staged.infos, engine=self.config.actor.backend.value,
+                                     roles=staged.roles)
         self.last_commit = s
         secs = (started - staged.started if staged.background else staged.secs) + time.monotonic() - started
         self.events.emit(Event.COMMIT, global_step=s, path=str(path), world_size=staged.world_size,

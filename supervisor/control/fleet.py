@@ -1,4 +1,4 @@
-"""The fleet: the TrainGroup, the engines, and the weights between them, in one owner.
+"""The fleet: the TrainGroup, the critic's group (PPO), the engines, and the weights between them, in one owner.
 
 The weight stream (cluster/weights.py) joins these trainers to these engines; the digest of the trainer's weights
 at a version, and the version every engine holds, are facts about that pair of groups and are forgotten with
@@ -23,6 +23,7 @@ class Fleet:
     def __init__(self, events: EventLog):
         self.events = events
         self.trainers = None  # the TrainGroup, once started
+        self.critics = None   # the critic's TrainGroup (PPO), once started; None in a GRPO job
         self.engines = None   # the RolloutGroup, once started
         self.stream = None    # the weights-update group of these trainers and engines
         self.digest: tuple[int, str] | None = None  # (version, digest) of the trainer's weights, from a sync
@@ -102,13 +103,19 @@ class Fleet:
         self.digest, self.digests = None, {}
         self.close_stream()
 
+    def drop_critics(self) -> None:
+        """Kill the critic's group (its ranks may be stuck in a collective); its weights go nowhere."""
+        if self.critics is not None:
+            self.critics.shutdown()
+            self.critics = None
+
     def shutdown(self) -> None:
-        """End both groups, best effort: the run is ending."""
+        """End every group, best effort: the run is ending."""
         self.close_stream()
-        for group in (self.trainers, self.engines):
+        for group in (self.trainers, self.critics, self.engines):
             try:
                 if group is not None:
                     group.shutdown()
             except Exception:  # noqa: BLE001 - best effort at the end of the run
                 pass
-        self.trainers = self.engines = None
+        self.trainers = self.critics = self.engines = None

@@ -23,7 +23,7 @@ from supervisor.control.events import Event
 MIN_SECS, MAX_SECS = 10.0, 3600.0
 # Llama 3's 54-day pre-training on 16k GPUs saw 466 interruptions, one every 2.8 hours: a large job's MTBF.
 PRIOR_MTBF_SECS = 3 * 3600.0
-ROLLBACK_GROUPS = (Group.TRAIN, Group.SUPERVISOR)  # failures whose repair reloads the last checkpoint
+ROLLBACK_GROUPS = (Group.TRAIN, Group.CRITIC, Group.SUPERVISOR)  # failures whose repair reloads the last checkpoint
 COSTS_KEPT = 5
 CHANGE = 0.05  # a new interval is logged when it moved by more than this fraction
 

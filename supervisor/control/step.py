@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import enum
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,7 +39,13 @@ from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
 from workers.grpo import group_advantages
+from workers.ppo import gae, token_rewards
 from workers.rewards import Rewards
+
+
+def split(batch: dict, ranks: int) -> list[dict]:
+    """Each rank's shard of the step's batch: its contiguous part of every tensor, rows in order."""
+    return [{k: v.chunk(ranks)[r] for k, v in batch.items()} for r in range(ranks)]
 
 
 class Phase(str, enum.Enum):
@@ -153,18 +160,19 @@ class StepRunner:
         rollout = self.fleet.engines.generate([r["prompt"] for r in rows], s.global_step, version=s.global_step)
         self.fault_point("step.rolled_out", s)
         rewards = torch.tensor(self.rewards(rows, rollout["completions"]))
-        advantages = group_advantages(rewards, cfg.data.group_size)
         self.fault_point("step.scored", s)
         t_rollout = time.monotonic()
         self.phase = Phase.TRAIN
         if self.memory is not None:
             self.memory.wait_landed(self.fleet.trainers, s.global_step - 1)
         t_landed = time.monotonic()
-        n = self.fleet.trainers.world_size
-        keys = ("input_ids", "attention_mask", "response_mask")
-        shards = [dict({k: rollout[k].chunk(n)[r] for k in keys}, advantages=advantages.chunk(n)[r])
-                  for r in range(n)]
-        results = self.fleet.trainers.train(shards, s.global_step)
+        batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "response_mask")}
+        critic = {}
+        if self.fleet.critics is None:  # GRPO: a row's advantage is its reward against its group's
+            batch["advantages"] = group_advantages(rewards, cfg.data.group_size)
+            results = self.fleet.trainers.train(split(batch, self.fleet.trainers.world_size), s.global_step)
+        else:
+            results, critic = self._train_with_critic(batch, rewards, s)
         metrics = results[0]
         # ---- the commit point: every rank took its optimizer step -----------------------------------
         t_train = time.monotonic()
@@ -182,6 +190,7 @@ class StepRunner:
                  **({"time/memory_wait": t_landed - t_rollout} if self.memory is not None else {}),
                  **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
                  **({"clip_frac": metrics["clip_frac"]} if "clip_frac" in metrics else {}),  # several updates
+                 **{f"critic/{k}": v for k, v in critic.items()},  # PPO: the critic's loss, grad_norm, ...
                  **memory_fields([r["memory"] for r in results], rollout["memory"],
                                  self.spares.peak_memory() if self.spares else [])},
             export=self.state.saver.check(s.is_epoch_end, elapsed),
@@ -195,6 +204,23 @@ class StepRunner:
             self.memory.begin(self.fleet.trainers, s.global_step)
             self.owed.row["time/memory_stage"] = time.monotonic() - t_train
         self.fault_point("step.trained", s)
+
+    def _train_with_critic(self, batch: dict, rewards: torch.Tensor, s: StepInfo) -> tuple[list[dict], dict]:
+        """PPO: the critic's values of the step's states, GAE's advantages and returns from them (here, so that
+        the whole batch's tokens whiten the advantages), then both groups' updates at once. Returns the policy's
+        results and the critic's rank-0 metrics. A fault in either group replays the step from the last commit
+        (both groups reload it: the other may have taken its update)."""
+        critics, c = self.fleet.critics, self.config.critic
+        values = torch.cat(critics.values(split(batch, critics.world_size), s.global_step))
+        advantages, returns = gae(token_rewards(rewards, batch["response_mask"]), values, batch["response_mask"],
+                                  c.gamma, c.lam)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic") as pool:
+            critic = pool.submit(critics.train, split(batch | {"old_values": values, "returns": returns},
+                                                      critics.world_size), s.global_step)
+            policy = self.fleet.trainers.train(split(batch | {"advantages": advantages},
+                                                     self.fleet.trainers.world_size), s.global_step)
+            trained = critic.result()[0]
+        return policy, {k: trained[k] for k in ("loss", "grad_norm", "vf_clip_frac") if k in trained}
 
     def _set_recover_interval(self) -> None:
         """The Young/Daly interval for this step's recover check; an event when it moved."""
@@ -236,7 +262,8 @@ class StepRunner:
             nxt = s.next()
             infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
             try:
-                o.staged = self.checkpoints.write_recover(self.fleet.trainers, s, infos, self.config.async_recover)
+                o.staged = self.checkpoints.write_recover(self.fleet.trainers, s, infos, self.config.async_recover,
+                                                          self.fleet.critics)
                 o.staged.secs += waited
             except Exception:
                 self._log_row(o)  # the step was trained: its row is owed whatever becomes of its save
@@ -286,7 +313,7 @@ class StepRunner:
         self.phase = Phase.SAVE
         nxt = s.next()
         infos = self.state.to_infos(self.loader.state_dict(nxt.epoch, nxt.epoch_step))
-        staged = self.checkpoints.write_recover(self.fleet.trainers, s, infos)
+        staged = self.checkpoints.write_recover(self.fleet.trainers, s, infos, critics=self.fleet.critics)
         self.checkpoints.commit_recover(staged, self.fleet.weights_checksum(self.weights_version))
 
     def skip_owed_save(self) -> str | None:

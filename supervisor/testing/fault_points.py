@@ -1,12 +1,15 @@
 """Named fault points, so crash tests hit exact moments instead of lucky timings.
 
-`RELAUNCH_FAULT="point:action[:step=G][:rank=R],..."` arms points. Every method the Supervisor calls on a
-TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit` (`TrainWorker.train.enter`,
-`RolloutWorker.generate.exit`, ...; the engine's constructor too, `RolloutWorker.__init__.enter`); `rank=` is the TrainWorker's rank or the engine's index. The step of a
-call is its `global_step` argument, or for `update_weights_from_distributed` the step whose update made the
-weights (version - 1); `where`, `setup`, `load_recover`, `init_weights_update_group` and `weight_status` run at
-(re)starts and resyncs and have none, so a point armed there without `step=` fires at the first call. A TrainWorker's rank is the one it has (or, in
-`where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has no rank.
+`RELAUNCH_FAULT="point:action[:step=G][:rank=R][:role=critic],..."` arms points. Every method the Supervisor
+calls on a TrainWorker or RolloutWorker has two points, `{Class}.{method}.enter` and `.exit`
+(`TrainWorker.train.enter`, `RolloutWorker.generate.exit`, ...; the engine's constructor too,
+`RolloutWorker.__init__.enter`); `rank=` is the TrainWorker's rank or the engine's index, and `role=critic` arms a
+point in the critic's TrainWorkers only (without it, a TrainWorker point is the actor's). The step of a call is its
+`global_step` argument, or for `update_weights_from_distributed` the step whose update made the weights
+(version - 1); `where`, `setup`, `load_recover`, `init_weights_update_group` and `weight_status` run at (re)starts
+and resyncs and have none, so a point armed there without `step=` fires at the first call. A TrainWorker's rank is
+the one it has (or, in `where` and `setup`, is about to take) in its group; a warm spare's `TrainWorker.warm` has
+no rank.
 Listing a point twice arms it twice. The Supervisor has a point at every phase boundary of a step (`step.begin`, `step.rolled_out`,
 `step.scored`, `step.trained`, `step.pushed`, `step.exported`, `step.evaluated`, `step.logged`,
 `step.saved`), and the recover store one at every write of a checkpoint; `after_object` in a rank that uploads
@@ -40,8 +43,8 @@ ENV_VARS = ("RELAUNCH_FAULT", "RELAUNCH_FAULT_DIR")
 PAUSE_SECS = 300.0
 
 
-def armed(point: str, step: int | None = None, rank: int | None = None) -> str | None:
-    """The action armed at this point for this step and rank, marked as fired; None when nothing is."""
+def armed(point: str, step: int | None = None, rank: int | None = None, role: str | None = None) -> str | None:
+    """The action armed at this point for this step, rank and role, marked as fired; None when nothing is."""
     spec, marker_dir = os.environ.get("RELAUNCH_FAULT"), os.environ.get("RELAUNCH_FAULT_DIR")
     if not spec or not marker_dir:
         return None
@@ -53,6 +56,8 @@ def armed(point: str, step: int | None = None, rank: int | None = None) -> str |
         if "step" in where and int(where["step"]) != step:
             continue
         if "rank" in where and rank is not None and int(where["rank"]) != rank:
+            continue
+        if where.get("role", "actor") != (role or "actor"):
             continue
         marker = Path(marker_dir) / f"fired-{i}-{name}"
         try:
@@ -84,8 +89,8 @@ def _pause(bound: float = PAUSE_SECS) -> None:
     raise RuntimeError(f"paused at a fault point: no `go` came within {bound:.0f}s")
 
 
-def fault_point(point: str, step: int | None = None, rank: int | None = None) -> None:
-    apply(armed(point, step, rank), point)
+def fault_point(point: str, step: int | None = None, rank: int | None = None, role: str | None = None) -> None:
+    apply(armed(point, step, rank, role), point)
 
 
 def apply(action: str | None, point: str, pid: int | None = None) -> None:
@@ -126,9 +131,10 @@ def fault_points(method):
         step = _call_step(name, bound)
         # a TrainWorker learns its rank when it joins a group: `where` and `setup` are given it
         rank = bound.arguments.get("rank", getattr(self, "rank", None))
-        fault_point(f"{point}.enter", step, rank)
+        role = getattr(getattr(self, "role", None), "name", None)  # a TrainWorker's: the actor's or the critic's
+        fault_point(f"{point}.enter", step, rank, role)
         result = method(self, *args, **kwargs)
-        fault_point(f"{point}.exit", step, rank)
+        fault_point(f"{point}.exit", step, rank, role)
         return result
 
     return wrapper

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from supervisor.cluster.spare_placement import rank_resources
-from supervisor.config import AUTO, RECOVERY_OFF, Config, Frequency, TokenizerKind
+from supervisor.config import AUTO, RECOVERY_OFF, Config, Frequency, RoleName, TokenizerKind
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
 from supervisor.tools.rank_memory import param_count, rank_memory
@@ -90,10 +90,12 @@ def _resources(config: Config) -> str:
     def bundle(cpus: float, gpus: float) -> str:
         return f"{{CPU: {cpus:g}{f', GPU: {gpus:g}' if gpus else ''}}}"
 
-    cpus = (c.n_train_workers + c.n_rollout_workers) * c.cpus_per_worker
-    gpus = c.n_train_workers * c.gpus_per_worker + c.n_rollout_workers * c.gpus_per_engine
+    cpus = (config.train_ranks + c.n_rollout_workers) * c.cpus_per_worker
+    gpus = config.train_ranks * c.gpus_per_worker + c.n_rollout_workers * c.gpus_per_engine
+    critic = (f", critic's group {config.workers_of(RoleName.CRITIC)} x "
+              f"{bundle(c.cpus_per_worker, c.gpus_per_worker)}" if config.critic else "")
     return (f"TrainGroup {c.n_train_workers} x {bundle(c.cpus_per_worker, c.gpus_per_worker)} "
-            f"({'nccl' if c.gpus_per_worker else 'gloo'}), engines {c.n_rollout_workers} x "
+            f"({'nccl' if c.gpus_per_worker else 'gloo'}){critic}, engines {c.n_rollout_workers} x "
             f"{bundle(c.cpus_per_worker, c.gpus_per_engine)}; in all {cpus:g} CPUs"
             f"{f', {gpus:g} GPUs' if gpus else ''} (the Supervisor takes none)")
 

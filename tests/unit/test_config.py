@@ -149,7 +149,7 @@ VLLM = ["rollout.engine=vllm"]
 
 
 @pytest.mark.parametrize("config", ["configs/tiny_grpo.yaml", "configs/count_on.yaml", "configs/grpo_100m.yaml",
-                                    "configs/grpo_0.5b.yaml"])
+                                    "configs/grpo_0.5b.yaml", "configs/tiny_ppo.yaml"])
 def test_vllms_max_model_len_is_the_longest_prompt_and_completion_and_every_shipped_config_fits(config):
     from supervisor.config import BUILT_MODEL_CONTEXT
 
@@ -185,3 +185,30 @@ def test_the_engines_dtype_follows_the_actors_unless_set():
     assert load_config(None, ["actor.dtype=bf16", "rollout.dtype=fp32"]).engine_dtype == "float32"
     assert load_config(None, ["rollout.dtype=bf16", "actor.backend=deepspeed"]).engine_dtype == "bfloat16"
     assert load_config(None, ["actor.dtype=bf16", "actor.backend=deepspeed"]).actor.dtype.value == "bf16"
+
+
+def test_a_critic_section_is_validated_on_its_own_keys():
+    """Each trained group's rules name its own keys (configs/tiny_ppo.yaml is the default job with a critic)."""
+    from supervisor.config import Config, CriticConfig
+
+    config = Config(critic=CriticConfig(n_workers=4, lr=1e-4))
+    assert list(config.trained) == ["actor", "critic"] and config.trained["critic"].lr == 1e-4
+    assert (config.workers_of("actor"), config.workers_of("critic")) == (2, 4)
+    assert config.workers_of("critic") == 4 and Config(critic=CriticConfig()).workers_of("critic") == 2
+    assert "critic's copies" in config.memory_tier_off() and not config.async_recover
+    shipped = load_config("configs/tiny_ppo.yaml")
+    assert shipped.critic.lr == 3e-3 and list(shipped.trained) == ["actor", "critic"]
+    assert config.resume_hash() != Config().resume_hash()
+    assert config.resume_hash() == Config(critic=CriticConfig(n_workers=2, lr=1e-4)).resume_hash()  # a world size
+    for overrides, names in [
+        (["critic.n_workers=3"], "critic.n_workers = 3"),
+        (["critic.ppo_epochs=2", "critic.backend=deepspeed"], "critic.ppo_epochs and critic.mini_batches above 1 "
+                                                              "need critic.backend fsdp"),
+        (["critic.mini_batches=40"], "critic.mini_batches = 40 is more than a rank's 32 samples"),
+        (["critic.value_clip=0"], "critic.value_clip"),
+        (["critic.gamma=1.5"], "critic.gamma"),
+        (["critic.lr=0.1", "recover.write_mode=async"], "recover.write_mode = async: a job with a critic"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEFAULT_CONFIG, overrides)
+        assert names in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))

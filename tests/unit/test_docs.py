@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 from pydantic import BaseModel
 
@@ -11,12 +12,14 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key path; an optional section (`critic`) has its own row and every key of it has one too."""
     out = []
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            out += keys(field.annotation, f"{prefix}{name}.")
-        else:
+        section = next((a for a in (field.annotation, *get_args(field.annotation))
+                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if section is not None and section is not field.annotation:
             out.append(prefix + name)
+        out += keys(section, f"{prefix}{name}.") if section is not None else [prefix + name]
     return out
 
 

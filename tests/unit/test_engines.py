@@ -107,6 +107,19 @@ def test_compatibility_of_a_checkpoint_with_the_run(manifest, backend, n, fragme
     assert problem is None if fragment is None else fragment in problem
 
 
+@pytest.mark.parametrize("manifest, backend, n, fragment", [
+    ({"engine": "fsdp", "world_size": 2, "roles": {"critic": {"engine": "fsdp", "world_size": 2}}}, "fsdp", 4, None),
+    ({"engine": "fsdp", "world_size": 2}, "fsdp", 2, "has no critic's part (written by a job without a `critic`"),
+    ({"engine": "fsdp", "world_size": 2, "roles": {"critic": {"engine": "fsdp", "world_size": 2}}}, "deepspeed", 2,
+     "written by critic.backend fsdp, but this run has critic.backend deepspeed"),
+    ({"engine": "fsdp", "world_size": 2, "roles": {"critic": {"engine": "deepspeed", "world_size": 2}}},
+     "deepspeed", 4, "cannot be loaded by critic.n_workers = 4; set critic.n_workers=2"),
+])
+def test_compatibility_of_a_checkpoints_critic_part_with_the_run(manifest, backend, n, fragment):
+    problem = compatibility_error(manifest, backend, n, "critic", "critic.n_workers")
+    assert problem is None if fragment is None else fragment in problem
+
+
 def test_deepspeed_and_its_stages_are_accepted():
     c = load_config(DEFAULT_CONFIG, ["actor.backend=deepspeed", "actor.zero_stage=3"])
     assert c.actor.backend is Backend.DEEPSPEED and c.actor.zero_stage == 3

@@ -80,7 +80,7 @@ def test_layout_paths_follow_the_design():
     assert lay.recover_info == Path("/r/checkpoints/u/exp/t0/recover_info")
     assert lay.stats_log == Path("/r/logs/u/exp/t0/stats.jsonl")
     assert lay.events_log == Path("/r/logs/u/exp/t0/events.jsonl")
-    assert lay.recover_state_paths() == [lay.recover_info, lay.recover_checkpoint]
+    assert lay.recover_state_paths() == [lay.recover_info, lay.recover_checkpoint, lay.recover_checkpoint_of("critic")]
 
 
 def test_layout_refuses_traversal():

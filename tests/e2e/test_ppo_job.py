@@ -1,0 +1,71 @@
+"""PPO with a critic, end to end on the shared cluster (the suite's short job with a `critic` section, as
+configs/tiny_ppo.yaml): a critic's group trains beside the policy every step, both are checkpointed under one
+commit (default/ and critic/ recover checkpoints), and a critic rank's death restarts the critic's group alone
+while the actor's ranks keep their processes and load the same step; an actor rank's death later reloads both.
+The run ends bit-identical to an uninterrupted PPO run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import AS_SHIPPED_SPARES, CONFIG, MEMORY_TIER, SHORT, Trial, job_env, metrics, relaunch
+from test_faults import assert_recovered_exactly
+
+pytestmark = pytest.mark.e2e
+
+PPO = ["critic.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(cluster, tmp_path_factory) -> Trial:
+    """An uninterrupted PPO run of the short job."""
+    t = Trial(tmp_path_factory.mktemp("ppo-reference") / "runs")
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=0", *t.overrides, "--address",
+                 cluster.address)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return t
+
+
+def test_a_ppo_job_trains_its_critic_beside_the_policy_and_commits_both_at_once(ppo_reference, reference):
+    stats = ppo_reference.stats()
+    assert [r["global_step"] for r in stats] == list(range(24))
+    assert all({"critic/loss", "critic/grad_norm", "critic/vf_clip_frac"} <= set(r) for r in stats)
+    first, last = (sum(r["reward"] for r in rows) / len(rows) for rows in (stats[:4], stats[-4:]))
+    assert last > first + 0.2, (first, last)  # it learns the task
+    grpo = reference.stats()
+    assert metrics(stats) != metrics(grpo)  # not GRPO's advantages
+    # the issue's goal, on the short job too: PPO's greedy reward at the end at least GRPO's (0.73 and 0.47 here)
+    assert stats[-1]["eval/reward"] >= grpo[-1]["eval/reward"], (stats[-1]["eval/reward"], grpo[-1]["eval/reward"])
+    published = sorted(int(p.name.removeprefix("globalstep"))
+                       for p in (ppo_reference.root / "default" / "recover_checkpoint").glob("globalstep*"))
+    critic = sorted(int(p.name.removeprefix("globalstep"))
+                    for p in (ppo_reference.root / "critic" / "recover_checkpoint").glob("globalstep*"))
+    assert published == critic == [19, 23]  # keep_last 2, for both groups
+    manifest = json.loads((ppo_reference.root / "default" / "recover_checkpoint" / "globalstep23" /
+                           "manifest.json").read_text())
+    assert manifest["roles"]["critic"]["world_size"] == 2
+    critic_files = [name for name in manifest["files"] if name.startswith("@critic/")]
+    assert "@critic/.metadata" in critic_files and len(critic_files) > 2
+
+
+def test_a_critic_ranks_death_restarts_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(
+        cluster, ppo_reference, trial, tmp_path):
+    """Killed as it trains step 6, critic rank 1 is replaced with its group, which loads step 4; the actor's ranks
+    keep their processes (they took step 6's update) and load step 4 too. Killed as it trains step 15, actor rank
+    0 is replaced (by a warm spare: the pool is as shipped); the critic's ranks load step 14 in place. The memory
+    tier, as shipped, does not serve a job with a critic yet: both repairs are from disk and say so. One retry
+    each, bit-identical."""
+    fault = "TrainWorker.train.enter:kill:step=6:rank=1:role=critic,TrainWorker.train.enter:kill:step=15:rank=0"
+    env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
+                 cluster.address, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    failures = trial.events("failure")
+    assert [(f["cause"], f["group"], f["actor"], f["global_step"]) for f in failures] == [
+        ("worker_died", "critic", "TrainWorker[critic rank 1]", 6), ("worker_died", "train", "TrainWorker[rank 0]", 15)]
+    start, after_critic, after_actor = trial.events("loaded")
+    assert (after_critic["global_step"], after_critic["kept"]) == (4, [0, 1])  # no actor rank restarted
+    assert after_actor["global_step"] == 14 and after_actor["kept"] == [1]
+    assert [e["reason"] for e in trial.events("recovery")] == [
+        "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 2
+    assert_recovered_exactly(trial, ppo_reference, restarts=2)
