@@ -528,6 +528,9 @@ class Config(_Strict):
             raise ValueError(f"recover.min_train_workers = {recover.min_train_workers} < cluster.n_train_workers = "
                              f"{self.cluster.n_train_workers}: actor.backend deepspeed cannot reshard its checkpoints "
                              f"for a smaller TrainGroup; leave recover.min_train_workers unset or use actor.backend fsdp")
+        if self.critic is not None and recover.min_train_workers is not None:
+            raise ValueError("recover.min_train_workers: a job with a critic does not shrink its groups yet; leave it "
+                             "unset")
         if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
             raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must

@@ -1,5 +1,5 @@
 """A trained group's role, as its engine sees it: the policy (the actor, always) or a value model (the critic of
-PPO with GAE, issue 40; not yet driven by the step). A role names its section of the config and whether its
+PPO with GAE). A role names its section of the config and whether its
 model is a value model; the engine, its sharding, optimizer, micro-batches, checkpoints and memory-tier copies are
 the same for either, and what the updates minimise follows the model (EngineBase._loss)."""
 from __future__ import annotations
@@ -26,4 +26,5 @@ def critic(section: CriticConfig) -> Role:
 
 def of(config: Config, name: RoleName) -> Role:
     """The role called `name` among the config's trained groups (Config.trained): a TrainWorker is told its name."""
+    name = RoleName(name)  # a plain "critic" too
     return critic(config.trained[name]) if name is RoleName.CRITIC else actor(config)

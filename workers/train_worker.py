@@ -244,7 +244,7 @@ class TrainWorker:
             fault_point("after_shards", step=global_step, rank=self.rank, role=self.role.name)
             digests = _digests(target.local, mine)
             self._fence(staging)  # after the collective: a rank that raises here leaves no peer waiting in it
-            target.upload(mine, global_step, self.rank)
+            target.upload(mine, global_step, self.rank, self.role.name)
         return digests
 
     def _rank_dir(self, url: str) -> RankDir:
@@ -298,7 +298,7 @@ class TrainWorker:
                 finally:
                     written = shards.result()  # the write is over before the tracked future is, whatever happened
                 digests = _digests(save.target.local, save.files + written)
-                save.target.upload(save.files + written, global_step, self.rank)
+                save.target.upload(save.files + written, global_step, self.rank, self.role.name)
                 save.future.set_result(digests)
             except BaseException as e:  # noqa: BLE001 - the write's error is reported by save_result
                 save.future.set_exception(e)

@@ -160,7 +160,7 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
     for name, expect in sorted(files.items()):
-        f = _entry_path(path, name)
+        f = entry_path(path, name)
         if (size := _size(fs, f)) is None:
             raise CheckpointError(f"{f}: missing")
         if size != expect["size"]:
@@ -208,7 +208,7 @@ def _check_dcp(fs: Storage, path: StoragePath, entries: bool) -> None:
         raise CheckpointError(f"{path / DCP_METADATA}: cannot load ({e})") from e
 
 
-def _entry_path(step_dir: StoragePath, name: str) -> StoragePath:
+def entry_path(step_dir: StoragePath, name: str) -> StoragePath:
     """The file a manifest entry names: inside the step directory, (REFERENCE_PREFIX) inside the reference
     directory beside it, or (ROLE_PREFIX) inside the role's step directory; anything else (absolute, `..`, a
     symlink out, no role) is a damaged checkpoint."""

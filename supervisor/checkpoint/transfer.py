@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from supervisor.checkpoint.layout import REFERENCE_DIR, StoragePath, as_path
+from supervisor.checkpoint.layout import MANIFEST, REFERENCE_DIR, ROLE_DIRS, StoragePath, as_path, role_step_dir
 from supervisor.checkpoint.storage import LocalStorage, Storage, storage_for
 from supervisor.testing.fault_points import fault_point
 
@@ -72,18 +73,20 @@ class RankDir:
         self._tmp: Path | None = None
         if isinstance(self.fs, LocalStorage):
             self.local = self.remote
-        else:  # a private tree that mirrors the store's: the reference directory sits beside the step's
+        else:  # a private tree that mirrors the store's last three levels: the reference directory sits beside the
+            # step's, and another role's part of the step where the step's manifest says (layout.role_step_dir)
             remove_orphans()
             self._tmp, self._held = private_dir()
-            self.local = self._tmp / self.remote.name
-            self.local.mkdir()
+            self.local = self._tmp.joinpath(*self.remote.parts[-3:])
+            self.local.mkdir(parents=True)
 
     @property
     def staged(self) -> bool:
         """Whether files written into `local` still have to be uploaded."""
         return self._tmp is not None
 
-    def upload(self, names: list[str], global_step: int | None = None, rank: int | None = None) -> None:
+    def upload(self, names: list[str], global_step: int | None = None, rank: int | None = None,
+               role: str | None = None) -> None:
         """Upload the files `names` (relative to `local`) and, on a step, the reference weights written beside
         it. The `after_object` fault point fires once the first object is in the store."""
         if not self.staged:
@@ -91,7 +94,7 @@ class RankDir:
         for i, name in enumerate(names):
             self.fs.upload(self.local, [name], self.remote)
             if i == 0:
-                fault_point("after_object", step=global_step, rank=rank)
+                fault_point("after_object", step=global_step, rank=rank, role=role)
         reference = self.local.parent / REFERENCE_DIR
         if reference.is_dir():
             names = [str(p.relative_to(reference)) for p in reference.rglob("*") if p.is_file()]
@@ -101,13 +104,18 @@ class RankDir:
         """Upload every file written into `local` (an HF export)."""
         self.upload([str(p.relative_to(self.local)) for p in self.local.rglob("*") if p.is_file()])
 
-    def fetch(self) -> Path:
-        """The directory, readable locally: on an object store, downloaded with the reference weights beside it."""
+    def fetch(self, roles: bool = False) -> Path:
+        """The directory, readable locally: on an object store, downloaded with the reference weights beside it,
+        and with `roles` (a tool that checks a whole step) the other roles' parts its manifest names."""
         if self.staged:
             self.fs.download(self.remote, self.local)
             reference = self.remote.parent / REFERENCE_DIR
             if self.fs.is_dir(reference):
                 self.fs.download(reference, self.local.parent / REFERENCE_DIR)
+            manifest = self.local / MANIFEST
+            for role in json.loads(manifest.read_text()).get("roles", {}) if roles and manifest.is_file() else ():
+                if role in ROLE_DIRS:  # another name is damage, which the manifest's check reports
+                    self.fs.download(role_step_dir(self.remote, role), role_step_dir(self.local, role))
         return self.local
 
     def close(self) -> None:
@@ -128,4 +136,4 @@ def readable(path: str, retry_secs: float = 60.0) -> Iterator[Path]:
     """A checkpoint or export named by a path or a URL (s3://...), as a local directory while the block runs: a
     URL's objects are downloaded into a private temporary directory, removed afterwards."""
     with RankDir(path, retry_secs) as directory:
-        yield directory.fetch()
+        yield directory.fetch(roles=True)

@@ -7,7 +7,7 @@ import enum
 
 class Group(str, enum.Enum):
     TRAIN = "train"          # the TrainGroup's ranks (the actor's)
-    CRITIC = "critic"        # a critic's TrainGroup's ranks (PPO; not driven by the step yet)
+    CRITIC = "critic"        # a critic's TrainGroup's ranks (PPO)
     ROLLOUT = "rollout"      # the inference engines
     SUPERVISOR = "supervisor"
 

@@ -171,8 +171,8 @@ class TrainGroup(_Members):
         """`role`: the trained group it is (Config.trained): the actor's ranks are `TrainWorker[rank r]`, a
         critic's `TrainWorker[critic rank r]`, each group in a placement group of its own."""
         super().__init__(timeout)
-        self.config, self.world_size, self.role = config, world_size, role
-        self.group = Group.TRAIN if role is RoleName.ACTOR else Group.CRITIC
+        self.config, self.world_size, self.role = config, world_size, RoleName(role)
+        self.group = Group.TRAIN if self.role is RoleName.ACTOR else Group.CRITIC
         cluster = config.cluster
         bundle = {"CPU": cluster.cpus_per_worker}
         if cluster.gpus_per_worker:
@@ -189,7 +189,7 @@ class TrainGroup(_Members):
         try:
             if cold:
                 self.pg = placement_group([dict(bundle) for _ in range(cold)], strategy="PACK",
-                                          name=placement_group_name(config, role))
+                                          name=placement_group_name(config, self.role))
             if self.pg is not None and not self.pg.wait(config.recover.capacity_timeout_secs):
                 raise CapacityError(
                     f"the cluster did not offer {cold} x {bundle} for the TrainGroup within "
@@ -197,7 +197,7 @@ class TrainGroup(_Members):
                     f"(available now: {ray.available_resources()})")
             self.members += [Member(self._cold(b), "") for b in range(cold)]
             for r, m in enumerate(self.members):
-                m.name = rank_name(role, r)
+                m.name = rank_name(self.role, r)
             # Start-up (imports, model build, rendezvous) is not a step: it gets a bound of its own.
             setup_timeout = config.recover.start_timeout_secs
             self.timings["scheduling"] = time.monotonic() - started

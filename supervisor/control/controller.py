@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -433,7 +433,7 @@ class Controller:
         Either way one repair: the retry was counted when it was decided. A critic rank's fault restarts the
         critic's group alone (`_restart_critics`)."""
         if fault.group is Group.CRITIC:
-            self._restart_critics()
+            self._restart_critics(fault)
             return
         try:
             alive = self._answering(fault)
@@ -583,7 +583,11 @@ class Controller:
             # start; it cleans up interrupted saves, which is safe: no rank of any group writes now
             validated = pool.submit(self._validate)
             critics = pool.submit(self._new_critic_group)
-            fleet.trainers = self._new_train_group()
+            try:
+                fleet.trainers = self._new_train_group()
+            except BaseException:
+                _shut_down(critics)  # its placement group would hold the room the next start asks for
+                raise
             fleet.critics = critics.result()
             ckpt, secs = validated.result()
         self._spares_taken(len(fleet.trainers.nodes))
@@ -594,18 +598,26 @@ class Controller:
         if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
             self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
 
-    def _restart_critics(self) -> None:
+    def _restart_critics(self, fault: Fault) -> None:
         """A critic rank died or hung: the critic's group starts again and loads the last valid checkpoint, and
         the actor's ranks keep their processes and load the same step in place (either group may have taken
-        the step's update before the other faulted); dead engines are replaced and every engine resyncs."""
+        the step's update before the other faulted), where they can (recovery_source.can_keep: a checkpoint to
+        load, an engine that loads in place, no KL reference, the group whole); else every group starts again.
+        Dead engines are replaced and every engine resyncs."""
         fleet = self.fleet
-        if fleet.trainers is None:  # the actor's group did not start either: every group starts again
-            self._restart_train_group()
-            return
         reason = self.memory_off or "the memory tier does not hold a critic's copies"
         self.log.info(f"recovering from disk: {reason}",
                       extra={"step": self.runner.state.step.global_step, "phase": self.phase})
         self.clock.disk_because(reason)
+        why_not = "the actor's group did not start" if fleet.trainers is None else self._can_keep(fault)
+        if why_not is not None:
+            self.log.info(f"the actor's ranks start again too: {why_not}",
+                          extra={"step": self.runner.state.step.global_step, "phase": self.phase})
+            self._restart_train_group()
+            return
+        # the kept ranks' background HF export is published first: the validation below removes temporaries
+        self._best_effort("finishing the policy's background export", self.checkpoints.collect_export,
+                          fleet.trainers, True)
         with self.clock.part("teardown"):
             fleet.drop_critics()
             self.runner.drop_group(keep=True)
@@ -614,7 +626,7 @@ class Controller:
             validated = pool.submit(self._validate)
             fleet.critics = self._new_critic_group()
             ckpt, secs = validated.result()
-        self._load(ckpt, secs, started, kept=list(range(fleet.trainers.world_size)))
+        self._load(ckpt, secs, started, kept=list(range(fleet.trainers.world_size)), started_group=fleet.critics)
 
     def _regroup(self, lost: list[int]) -> tuple[Checkpoint, float, float]:
         """A repair from disk that keeps the survivors' processes: only the `lost` ranks start again (from warm
@@ -638,16 +650,20 @@ class Controller:
                              pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
 
-    def _load(self, ckpt: Checkpoint | None, validate_secs: float, started: float, kept: list[int] = ()) -> None:
+    def _load(self, ckpt: Checkpoint | None, validate_secs: float, started: float, kept: list[int] = (),
+              started_group=None) -> None:
         """Every rank of the new group loads `ckpt` (or starts fresh), the Supervisor rolls back to its step, and
-        the engines are resynced to its weights. `kept`: the ranks that kept their processes (a regroup)."""
+        the engines are resynced to its weights. `kept`: the ranks that kept their processes (a regroup);
+        `started_group`: the group whose start the repair waited for (the actor's by default)."""
         r, fleet = self.runner, self.fleet
-        for part, part_secs in [*fleet.trainers.timings.items(), ("validate", validate_secs)]:
+        started_group = started_group or fleet.trainers
+        for part, part_secs in [*started_group.timings.items(), ("validate", validate_secs)]:
             self.clock.add(part, part_secs)
         with self.clock.part("load"):
             missing = fleet.trainers.load_recover(str(ckpt.path), ckpt.world_size) if ckpt is not None else []
             if fleet.critics is not None and ckpt is not None:
-                fleet.critics.load_recover(str(ckpt.role_path(RoleName.CRITIC)), ckpt.role_world_size(RoleName.CRITIC))
+                missing += [f"the critic's {part}" for part in fleet.critics.load_recover(
+                    str(ckpt.role_path(RoleName.CRITIC)), ckpt.role_world_size(RoleName.CRITIC))]
         r.roll_back(self._state_of(ckpt, warn=True))
         self.clock.loaded(r.state.step.global_step, Source.DISK)
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
@@ -741,6 +757,16 @@ class Controller:
                 self.spares.shutdown()
             except Exception:  # noqa: BLE001 - best effort at the end of the run
                 pass
+
+
+def _shut_down(start: Future) -> None:
+    """End the group a start in the background gave, once it is done, whatever became of it."""
+    try:
+        group = start.result()
+        if group is not None:
+            group.shutdown()
+    except Exception:  # noqa: BLE001 - the start's own error, or a failed shutdown: the actor's error is reported
+        pass
 
 
 def _until(deadline: float | None) -> str:

@@ -168,7 +168,7 @@ class StepRunner:
         t_landed = time.monotonic()
         batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "response_mask")}
         critic = {}
-        if self.fleet.critics is None:  # GRPO: a row's advantage is its reward against its group's
+        if self.config.critic is None:  # GRPO: a row's advantage is its reward against its group's
             batch["advantages"] = group_advantages(rewards, cfg.data.group_size)
             results = self.fleet.trainers.train(split(batch, self.fleet.trainers.world_size), s.global_step)
         else:

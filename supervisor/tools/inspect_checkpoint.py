@@ -13,14 +13,15 @@ from supervisor.checkpoint.layout import (
     DATALOADER_INFO,
     MANIFEST,
     META,
-    REFERENCE_PREFIX,
+    ROLE_DIRS,
     RUN_CONFIG,
     STEP_INFO,
     deepspeed_tag,
+    role_step_dir,
     step_of,
 )
 from supervisor.checkpoint.safe_load import check_deepspeed
-from supervisor.checkpoint.store import CheckpointError, read_checkpoint
+from supervisor.checkpoint.store import CheckpointError, entry_path, read_checkpoint
 from supervisor.config import Backend
 
 
@@ -92,9 +93,16 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
         note = "" if name in listed or name == MANIFEST else "  (not in manifest)"
         lines.append(f"  {name:<36} {_size(p.stat().st_size):>10}{note}")
     for name in sorted(set(listed) - {str(p.relative_to(checkpoint)) for p in files}):
-        shared = checkpoint / name  # a file shared by several steps (the KL reference), next to the step dirs
-        state = _size(shared.stat().st_size) if name.startswith(REFERENCE_PREFIX) and shared.is_file() else "MISSING"
+        # outside the step directory: a file shared by several steps (the KL reference), or a critic's part
+        try:
+            elsewhere = entry_path(checkpoint, name)
+        except CheckpointError:
+            elsewhere = None
+        state = _size(elsewhere.stat().st_size) if elsewhere is not None and elsewhere.is_file() else "MISSING"
         lines.append(f"  {name:<36} {state:>10}")
+    for role, part in manifest.get("roles", {}).items():
+        lines.append(f"{role + ' part':<12} world size {part.get('world_size', '?')}, engine {part.get('engine', '?')}, "
+                     f"in {role_step_dir(checkpoint, role) if role in ROLE_DIRS else '? (no such role)'}")
     if valid:
         loader = loaded.infos[DATALOADER_INFO]
         lines.append("a resume would load:")

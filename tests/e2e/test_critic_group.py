@@ -1,7 +1,8 @@
-"""A critic's TrainGroup on a real cluster (issue 40, before the step drives it): its own ranks, named as a critic's,
-in a placement group of their own, each building the value model; values asked before a step, a clipped value loss
-that learns the returns over the ranks' shards, and a recover save that a new critic group loads bitwise. Beside
-it, the actor's group gives the policy's token log-probabilities of the same shards (PPO's KL in the rewards)."""
+"""A critic's TrainGroup on a real cluster, driven directly (the step drives it in test_ppo_job.py): its own ranks,
+named as a critic's, in a placement group of their own, each building the value model; values asked before a
+step, a clipped value loss that learns the returns over the ranks' shards, and a recover save that a new critic
+group loads bitwise. Beside it, the actor's group gives the policy's token log-probabilities of the same shards
+(PPO's KL in the rewards)."""
 from __future__ import annotations
 
 import pytest

@@ -50,22 +50,28 @@ def test_a_ppo_job_trains_its_critic_beside_the_policy_and_commits_both_at_once(
 
 def test_a_critic_ranks_death_restarts_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(
         cluster, ppo_reference, trial, tmp_path):
-    """Killed as it trains step 6, critic rank 1 is replaced with its group, which loads step 4; the actor's ranks
-    keep their processes (they took step 6's update) and load step 4 too. Killed as it trains step 15, actor rank
-    0 is replaced (by a warm spare: the pool is as shipped); the critic's ranks load step 14 in place. The memory
-    tier, as shipped, does not serve a job with a critic yet: both repairs are from disk and say so. One retry
-    each, bit-identical."""
-    fault = "TrainWorker.train.enter:kill:step=6:rank=1:role=critic,TrainWorker.train.enter:kill:step=15:rank=0"
+    """Killed as it trains step 2, before the first checkpoint, critic rank 0 takes every group with it: the
+    actor's ranks took step 2's update and there is nothing to load them back to. Killed as it trains step 6,
+    critic rank 1 is replaced with its group, which loads step 4; the actor's ranks keep their processes (they took
+    step 6's update) and load step 4 too. Killed as it trains step 15, actor rank 0 is replaced (by a warm spare:
+    the pool is as shipped); the critic's ranks load step 14 in place. The memory tier, as shipped, does not serve
+    a job with a critic yet: every repair is from disk and says so. One retry each, bit-identical."""
+    fault = ("TrainWorker.train.enter:kill:step=2:rank=0:role=critic,"
+             "TrainWorker.train.enter:kill:step=6:rank=1:role=critic,TrainWorker.train.enter:kill:step=15:rank=0")
     env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)})
     r = relaunch("run", str(CONFIG), *SHORT, *PPO, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
                  cluster.address, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     failures = trial.events("failure")
     assert [(f["cause"], f["group"], f["actor"], f["global_step"]) for f in failures] == [
-        ("worker_died", "critic", "TrainWorker[critic rank 1]", 6), ("worker_died", "train", "TrainWorker[rank 0]", 15)]
-    start, after_critic, after_actor = trial.events("loaded")
+        ("worker_died", "critic", "TrainWorker[critic rank 0]", 2),
+        ("worker_died", "critic", "TrainWorker[critic rank 1]", 6),
+        ("worker_died", "train", "TrainWorker[rank 0]", 15)]
+    start, after_first, after_critic, after_actor = trial.events("loaded")
+    assert (after_first["global_step"], after_first["kept"]) == (-1, [])  # every group started again
     assert (after_critic["global_step"], after_critic["kept"]) == (4, [0, 1])  # no actor rank restarted
     assert after_actor["global_step"] == 14 and after_actor["kept"] == [1]
     assert [e["reason"] for e in trial.events("recovery")] == [
-        "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 2
-    assert_recovered_exactly(trial, ppo_reference, restarts=2)
+        "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 3
+    assert "the actor's ranks start again too: no checkpoint yet" in r.stderr + r.stdout
+    assert_recovered_exactly(trial, ppo_reference, restarts=3)

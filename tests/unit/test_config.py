@@ -208,6 +208,7 @@ def test_a_critic_section_is_validated_on_its_own_keys():
         (["critic.value_clip=0"], "critic.value_clip"),
         (["critic.gamma=1.5"], "critic.gamma"),
         (["critic.lr=0.1", "recover.write_mode=async"], "recover.write_mode = async: a job with a critic"),
+        (["critic.lr=0.1", "recover.min_train_workers=1"], "recover.min_train_workers: a job with a critic"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(DEFAULT_CONFIG, overrides)

@@ -248,3 +248,32 @@ def test_clean_restart_deletes_the_critics_recover_checkpoint_too(tmp_path):
     assert r.exit_code == 0, r.output
     assert store.recover_state() == [] and not os.path.exists(layout.recover_checkpoint_of("critic"))
     assert store.load_latest().checkpoint is None
+
+
+def test_inspect_lists_the_critics_files_where_they_are_and_names_its_part(store):
+    """`relaunch inspect` of a PPO step: the critic's files (outside the step directory) with their sizes, not as
+    missing, and the critic's part with its world size; a critic file gone shows as missing and the step invalid."""
+    from supervisor.tools.inspect_checkpoint import inspect
+
+    path = commit(store, 4)
+    valid, report = inspect(path)
+    assert valid, report
+    assert "@critic/__2_0.distcp" in report and "MISSING" not in report
+    assert f"critic part  world size {CRITIC_RANKS}, engine fsdp" in report
+    os.remove(store.layout.step_dir(4, "critic") / "__2_0.distcp")
+    valid, report = inspect(path)
+    assert not valid and any("@critic/__2_0.distcp" in line and "MISSING" in line for line in report.splitlines())
+
+
+def test_a_tool_reading_a_step_from_the_store_gets_the_critics_part_with_it(root):
+    """`relaunch export`, `verify` and `inspect` read a step through `readable`: on an object store the step is
+    downloaded into a private tree with the critic's part where the manifest says, so a whole step checks whole."""
+    from supervisor.checkpoint.store import read_checkpoint
+    from supervisor.checkpoint.transfer import readable
+
+    store = RecoverStore(TrialLayout(root, "u", "exp", "t0"), keep_last=2)
+    path = commit(store, 4)
+    with readable(str(path), retry_secs=5) as local:
+        checkpoint = read_checkpoint(local)
+        assert checkpoint.role_world_size("critic") == CRITIC_RANKS
+        assert (checkpoint.role_path("critic") / "__2_0.distcp").is_file()

@@ -446,7 +446,7 @@ def test_a_rank_opening_its_copy_deletes_those_of_ranks_killed_mid_upload(s3_ser
     try:
         assert holder.stdout.readline() == "held\n"
         with RankDir(s3_server.url(tmp_path.name) + "/globalstep24", retry_secs=5) as target:
-            assert target.local.parent.name.startswith("relaunch-rank-")
+            assert target.local.relative_to(tmp_path).parts[0].startswith("relaunch-rank-")  # the store's tree within
             assert not orphan.exists() and live.exists()
             with RankDir(s3_server.url(tmp_path.name) + "/globalstep25", retry_secs=5):  # one process, two copies
                 assert target.local.is_dir()
