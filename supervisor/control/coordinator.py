@@ -146,8 +146,8 @@ class CheckpointCoordinator:
         roles = {}
         if critics is not None:
             part = self.store.staging_dir(s.global_step, RoleName.CRITIC)
-            roles[RoleName.CRITIC] = RolePart(part, critics.save_recover(str(part), s.global_step), critics.world_size,
-                                       self.config.critic.backend.value)
+            critic_files = critics.save_recover(str(part), s.global_step)
+            roles[RoleName.CRITIC] = RolePart(part, critic_files, critics.world_size, self.config.critic.backend.value)
         staging = self.store.staging_dir(s.global_step)
         data = self.config.model_dump_json(indent=1).encode()
         self.fs.write_bytes(staging / RUN_CONFIG, data)  # before the ranks write

@@ -183,13 +183,19 @@ def crash_at(monkeypatch, point: str) -> None:
     monkeypatch.setattr(store_module, "fault_point", fault_point)
 
 
-def test_a_crash_after_the_critics_publish_before_the_actors_leaves_a_temporary(root, monkeypatch):
+def crashed_committing_9(root, monkeypatch, point: str) -> RecoverStore:
+    """A store with step 4 committed, whose commit of step 9 the Supervisor died in at `point`."""
     store = RecoverStore(TrialLayout(root, "u", "exp", "t0"), keep_last=2)
     commit(store, 4)
-    crash_at(monkeypatch, "before_manifest")
+    crash_at(monkeypatch, point)
     with pytest.raises(Crash):
         commit(store, 9)
     monkeypatch.undo()
+    return store
+
+
+def test_a_crash_after_the_critics_publish_before_the_actors_leaves_a_temporary(root, monkeypatch):
+    store = crashed_committing_9(root, monkeypatch, "before_manifest")
     critic9 = store.layout.step_dir(9, "critic")
     assert store.fs.is_file(critic9 / "__0_0.distcp")  # the critic's part is in place, the actor's is not
     restarted = RecoverStore(store.layout, keep_last=2)
@@ -202,12 +208,7 @@ def test_a_crash_after_the_critics_publish_before_the_actors_leaves_a_temporary(
 
 
 def test_a_crash_between_the_publish_and_the_commit_sets_both_parts_aside_until_a_newer_commit(root, monkeypatch):
-    store = RecoverStore(TrialLayout(root, "u", "exp", "t0"), keep_last=2)
-    commit(store, 4)
-    crash_at(monkeypatch, "after_publish")
-    with pytest.raises(Crash):
-        commit(store, 9)
-    monkeypatch.undo()
+    store = crashed_committing_9(root, monkeypatch, "after_publish")
     restarted = RecoverStore(store.layout, keep_last=2)
     assert restarted.load_latest().checkpoint.global_step == 4  # the pointer never named step 9
     _, set_aside = restarted.remove_leftovers(4)
