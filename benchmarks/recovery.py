@@ -74,14 +74,16 @@ ENGINE_KILL_POINT = "RolloutWorker.generate.enter"
 
 def killed_run(address: str, fileroot: Path, trial: str, overrides: list[str], kill_at: int,
                config_path: Path | None = None, warm_spares: bool = False,
-               point: str = KILL_POINT) -> tuple[float, TrialLayout]:
+               point: str = KILL_POINT, role: str | None = None) -> tuple[float, TrialLayout]:
     """The job (the default config, or `config_path`) with rank 1 SIGKILLed as it enters the update of step
-    `kill_at` (once), or with `point` ENGINE_KILL_POINT engine 0 as it enters the step's rollout. With
+    `kill_at` (once; `role` "critic": the critic's rank 1), or with `point` ENGINE_KILL_POINT engine 0 as it
+    enters the step's rollout. With
     `warm_spares`, step 1 starts only once the spare pools are warm, so that the memory tier's buddies are linked
     before the kill, as they are a minute into any job (a short run would otherwise race the spares' start-up)."""
     fault_dir = fileroot / f"faults-{trial}"
     fault_dir.mkdir()
-    faults = [f"{point}:kill:step={kill_at}:rank={0 if point == ENGINE_KILL_POINT else 1}"]
+    faults = [f"{point}:kill:step={kill_at}:rank={0 if point == ENGINE_KILL_POINT else 1}"
+              + (f":role={role}" if role else "")]
     os.environ.update(RELAUNCH_FAULT=",".join(faults + ["step.begin:wait_spares:step=1"] * warm_spares),
                       RELAUNCH_FAULT_DIR=str(fault_dir))
     try:
@@ -104,7 +106,8 @@ def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_s
     loaded = next(e for e in after if e["event"] == Event.LOADED)
     resync = next(e for e in after if e["event"] == Event.RESYNC)
     recovery = next(e for e in after if e["event"] == Event.RECOVERY)
-    taken = next((e for e in after if e["event"] == Event.SPARES and e["action"] == "taken"), None)
+    taken = next((e for e in after if e["event"] == Event.SPARES and e["action"] == "taken"
+                  and "group" not in e), None)  # the actor's (a critic's names its group)
     return {"killed_secs": faulty_secs, "ratio": faulty_secs / clean_secs, "detect_secs": failure["detect_secs"],
             "cause": failure["cause"], "loaded_secs": loaded["time"] - failure["time"], "load_secs": loaded["secs"],
             "resynced_secs": resync["time"] - failure["time"], "recovery": recovery,

@@ -383,9 +383,10 @@ class RecoverConfig(Frequency):
                                                            "committed checkpoint is kept. The same command resumes")
     spare_workers: Union[int, Literal["auto"]] = Field(
         "auto", description="warm TrainWorker processes kept ready (imports done, model built, in no process "
-                            "group) to replace ranks at a restart; auto: on CPU one per rank as far as the cluster "
-                            "has room for them beside the TrainGroup and the engines, on GPU none (a spare idles "
-                            "its GPUs all job long; set a number to keep some)")
+                            "group) to replace ranks at a restart, per trained group (a PPO job's critic keeps its "
+                            "own); auto: on CPU one per rank as far as the cluster has room for them beside the "
+                            "groups and the engines (the actor's first), on GPU none (a spare idles its GPUs all "
+                            "job long; set a number to keep some)")
     memory: MemoryTier = Field(
         MemoryTier.AUTO, description="auto | on | off: after every optimizer step, copy each rank's state into its "
                                      "buddy (a warm spare, else a peer rank; on another node where one runs); a rank "

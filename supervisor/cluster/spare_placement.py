@@ -27,9 +27,11 @@ def engine_resources(cluster) -> Resources:
     return need
 
 
-def spare_count(setting: int | str, total: Resources, cluster, spare_engines: int = 0, critic_ranks: int = 0) -> int:
-    """The pool's size: `recover.spare_workers` as given, or for `auto` on CPU one spare per rank as far as the
-    cluster's total resources hold them beside the TrainGroup, the critic's ranks, the engines and the
+def spare_count(setting: int | str, total: Resources, cluster, spare_engines: int = 0, other_ranks: int = 0,
+                ranks: int | None = None) -> int:
+    """A group's pool's size: `recover.spare_workers` as given, or for `auto` on CPU one spare per rank of the
+    group (`ranks`, default cluster.n_train_workers) as far as the cluster's total resources hold them beside
+    the group, `other_ranks` (another group's ranks and spares: a PPO job's critic), the engines and the
     `spare_engines` (a restart is only as fast as its slowest rank: one rank started cold sets the pace). On GPU
     `auto` is 0: a spare idles whole GPUs for the whole job to save one rank's start-up at a rare restart, a trade
     only its owner can make (set a number)."""
@@ -38,14 +40,16 @@ def spare_count(setting: int | str, total: Resources, cluster, spare_engines: in
     if cluster.gpus_per_worker:
         return 0
 
+    ranks = cluster.n_train_workers if ranks is None else ranks
+
     def fits(spares: int) -> bool:
-        ranks = cluster.n_train_workers + critic_ranks + spares
+        held = ranks + other_ranks + spares
         engines = cluster.n_rollout_workers + spare_engines
-        need = {"CPU": (ranks + engines) * cluster.cpus_per_worker,
-                "GPU": ranks * cluster.gpus_per_worker + engines * cluster.gpus_per_engine}
+        need = {"CPU": (held + engines) * cluster.cpus_per_worker,
+                "GPU": held * cluster.gpus_per_worker + engines * cluster.gpus_per_engine}
         return all(total.get(k, 0.0) >= v for k, v in need.items() if v)
 
-    return max((n for n in range(cluster.n_train_workers + 1) if fits(n)), default=0)
+    return max((n for n in range(ranks + 1) if fits(n)), default=0)
 
 
 def choose_nodes(free: dict[str, Resources], avoid: set[str], need: Resources, n: int) -> list[str]:

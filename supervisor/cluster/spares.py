@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from supervisor.cluster.drains import room_per_node
 from supervisor.cluster.groups import drain, kill
 from supervisor.cluster.spare_placement import choose_nodes, rank_resources
-from supervisor.config import Config
+from supervisor.config import Config, RoleName
 from workers.train_worker import TrainWorker
 
 PROBE_SECS = 2.0  # how long a warm spare may take to answer before it counts as dead
@@ -60,8 +60,10 @@ def remove_leftover_spares(config: Config) -> int:
 
 
 class SparePool:
-    def __init__(self, config: Config, size: int):
-        self.config, self.size = config, size
+    """One group's spares (`role`: the actor's, or the critic's in a PPO job)."""
+
+    def __init__(self, config: Config, size: int, role: RoleName = RoleName.ACTOR):
+        self.config, self.size, self.role = config, size, role
         self.spares: list[Spare] = []
         self.orphans: list[ray.ObjectRef] = []
         self.dropped = 0  # spares dropped as holders since the last refill (the Supervisor refills their places)
@@ -155,19 +157,25 @@ class SparePool:
         self._kill(dropped)
         self.dropped += len(dropped)
 
-    def refill(self, avoid: list[str | None]) -> list[str]:
+    def refill(self, avoid: list[str | None], placed: list[str] = ()) -> list[str]:
         """Start spares up to the pool's size on nodes with room, away from `avoid` where possible; returns the
-        nodes they were placed on. Not waited for: each is checked when it is next taken."""
+        nodes they were placed on. Not waited for: each is checked when it is next taken. `placed`: the nodes
+        another pool's refill placed spares on a moment ago, whose room Ray may not show as taken yet (a spare sent
+        to a node without room waits there: its node affinity is soft only where the node cannot hold it at all)."""
         self.lent = []
         need = rank_resources(self.config.cluster)
-        nodes = choose_nodes(room_per_node(), {n for n in avoid if n}, need,
-                             self.size - len(self.spares))
+        room = room_per_node()
+        for node in placed:
+            if node in room:
+                room[node] = {k: v - need.get(k, 0.0) for k, v in room[node].items()}
+        nodes = choose_nodes(room, {n for n in avoid if n}, need, self.size - len(self.spares))
         for node in nodes:
-            name = spare_prefix(self.config) + uuid.uuid4().hex[:8]
+            name = spare_prefix(self.config) + ("" if self.role is RoleName.ACTOR else f"{self.role}-") + \
+                uuid.uuid4().hex[:8]
             handle = TrainWorker.options(
                 name=name, num_cpus=self.config.cluster.cpus_per_worker, num_gpus=self.config.cluster.gpus_per_worker,
                 max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
-            ).remote(self.config)
+            ).remote(self.config, self.role)
             self.spares.append(Spare(handle, name, handle.warm.remote(), handle.located.remote(), placed=node))
         return nodes
 

@@ -137,9 +137,14 @@ class Supervisor:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
+        critic_ranks = cfg.train_ranks - cfg.cluster.n_train_workers
         size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster, cfg.rollout.spare_engines,
-                           cfg.train_ranks - cfg.cluster.n_train_workers)
+                           critic_ranks)
         pool = SparePool(cfg, size) if size else None
+        critic_size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster,
+                                  cfg.rollout.spare_engines, cfg.cluster.n_train_workers + size,
+                                  critic_ranks) if critic_ranks else 0  # the room the actor's pool left
+        critic_pool = SparePool(cfg, critic_size, RoleName.CRITIC) if critic_size else None
         memory_off = cfg.memory_tier_off(size)
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
         linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
@@ -149,9 +154,10 @@ class Supervisor:
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size, role=RoleName.ACTOR: TrainGroup(
-                cfg, size, cfg.recover.step_timeout_secs, pool if role is RoleName.ACTOR else None, role),
+                cfg, size, cfg.recover.step_timeout_secs, pool if role is RoleName.ACTOR else critic_pool, role),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
-            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off, drains=DrainWatch())
+            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off, drains=DrainWatch(),
+            critic_spares=critic_pool)
         self.controller.stop_requested = self.stop_requested
         try:
             result = self.controller.run()
@@ -164,14 +170,17 @@ class Supervisor:
         return result.__dict__
 
     def _wait_spares(self, point: str, bound: float = 300.0) -> None:
-        pool, fleet, deadline = self.controller.spares, self.controller.fleet, time.monotonic() + bound
-        engines = fleet.engines
-        while (pool is not None and len(pool.warm()) < pool.size) or \
+        ctl, deadline = self.controller, time.monotonic() + bound
+        pools = [(pool, group) for pool, group in ((ctl.spares, ctl.fleet.trainers),
+                                                   (ctl.critic_spares, ctl.fleet.critics)) if pool is not None]
+        engines = ctl.fleet.engines
+        while any(len(pool.warm()) < pool.size for pool, _ in pools) or \
                 engines.warm_spares() < self.config.rollout.spare_engines:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"fault point {point}: the spare pools were not warm after {bound:.0f}s")
-            if pool is not None:
-                pool.refill(fleet.trainers.nodes)
+            placed = []
+            for pool, group in pools:
+                placed += pool.refill(group.nodes, placed)
             engines.refill()
             time.sleep(0.2)
 
@@ -185,7 +194,7 @@ class Supervisor:
     def _fault_point(self, point: str, s: StepInfo) -> None:
         """Test instrumentation at the step's phase boundaries: besides the usual actions, `kill_rank` and
         `stop_rank` break the last TrainWorker, `kill_engine` and `stop_engine` the first engine, and
-        `wait_spares` waits until the spare pools (TrainWorkers, engines) are full and warm (so that the memory
+        `wait_spares` waits until the spare pools (TrainWorkers, the critic's, engines) are full and warm (so that the memory
         tier links at this step)."""
         action = fault_points.armed(point, step=s.global_step)
         if action is None:

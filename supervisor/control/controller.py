@@ -117,7 +117,7 @@ class Controller:
     def __init__(self, config: Config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
                  sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None,
-                 memory_off: str | None = None, drains=None):
+                 memory_off: str | None = None, drains=None, critic_spares=None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
         self.fleet = runner.fleet  # the groups it replaces, the ones the runner steps on
         self.events, self.stats, self.sleep = events, stats, sleep
@@ -127,6 +127,7 @@ class Controller:
         self.log = run_log(events.attempt)
         self.clock = RepairClock()          # where the time of the repair in progress goes
         self.spares = spares                # the warm spare pool (cluster/spares.py), or None
+        self.critic_spares = critic_spares  # the critic's (PPO), or None
         self.memory_off = memory_off        # why the memory tier does not serve this job (recover.memory), or None
         self.drains = drains                # Ray's drain notices not acted on yet (cluster/drains.py), or None
         self.stop_requested: str | None = None  # why the run is to stop at the next step boundary (SIGTERM)
@@ -389,18 +390,28 @@ class Controller:
             if started:
                 self.events.emit(Event.SPARES, action="refilled", kind="engine", started=started,
                                  pool=len(engines.spares), size=self.config.rollout.spare_engines)
+        placed = []
         if self.spares is not None and (self.refill_due or self.spares.dropped):
-            self._refill_pool()  # also the holders the memory tier dropped (memory_copies.py)
+            placed = self._refill_pool()  # also the holders the memory tier dropped (memory_copies.py)
+        if self.critic_spares is not None and self.fleet.critics is not None and \
+                len(self.critic_spares) < self.critic_spares.size:
+            self._refill_pool(RoleName.CRITIC, placed)
 
-    def _refill_pool(self) -> None:
-        """Start spares up to the pool's size, away from the ranks; due again while the cluster lacks the room."""
-        if len(self.spares) < self.spares.size:
-            nodes = self._best_effort("refilling the spare pool", self.spares.refill, self.fleet.trainers.nodes)
+    def _refill_pool(self, role: RoleName = RoleName.ACTOR, placed: list[str] = ()) -> list[str]:
+        """Start spares up to `role`'s pool's size, away from its ranks (and counting the room the spares just
+        `placed` by another pool take); due again while the cluster lacks the room. Returns their nodes."""
+        spares, group = self._pool(role), self._group(role)
+        nodes = []
+        if len(spares) < spares.size:
+            nodes = self._best_effort("refilling the spare pool", spares.refill, group.nodes, placed) or []
             if nodes:
                 self.events.emit(Event.SPARES, action="refilled", started=len(nodes), nodes=nodes,
-                                 pool=len(self.spares), size=self.spares.size)
-        self.refill_due = len(self.spares) < self.spares.size
-        self.spares.dropped = 0
+                                 pool=len(spares), size=spares.size,
+                                 **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
+        if role is RoleName.ACTOR:
+            self.refill_due = len(spares) < spares.size
+            spares.dropped = 0
+        return nodes
 
     def _best_effort(self, what: str, work: Callable, *args):
         """Optional work (the spare pool's upkeep): whatever it raises (a GCS error, ...) is a warning, never a
@@ -475,15 +486,24 @@ class Controller:
         if trainers is None or fault.kind not in MEMORY_FAULTS or not (tier or self._can_keep(fault) is None):
             return None
         if fault.kind is FaultKind.HANG:
-            self._kill_hang_culprits(fault)
+            self._kill_hang_culprits(fault, trainers)
         return trainers.answering(ANSWER_SECS)
 
-    def _can_keep(self, fault: Fault) -> str | None:
-        """recovery_source.can_keep, for this job and its group."""
-        cfg, trainers = self.config, self.fleet.trainers
-        return can_keep(rejoins=cfg.actor.backend in MEMORY_TIER_BACKENDS, kind=fault.kind,
-                        committed=self.checkpoints.last_commit is not None, reference=cfg.actor.kl_coef > 0,
-                        shrunk=trainers is not None and trainers.world_size < cfg.cluster.n_train_workers)
+    def _can_keep(self, fault: Fault, role: RoleName = RoleName.ACTOR) -> str | None:
+        """recovery_source.can_keep, for this job and `role`'s group (only the actor's holds a KL reference)."""
+        cfg, group = self.config, self._group(role)
+        return can_keep(rejoins=cfg.trained[role].backend in MEMORY_TIER_BACKENDS, kind=fault.kind,
+                        committed=self.checkpoints.last_commit is not None,
+                        reference=role is RoleName.ACTOR and cfg.actor.kl_coef > 0,
+                        shrunk=group is not None and group.world_size < cfg.workers_of(role))
+
+    def _group(self, role: RoleName):
+        """`role`'s TrainGroup, or None while it is not running."""
+        return self.fleet.trainers if role is RoleName.ACTOR else self.fleet.critics
+
+    def _pool(self, role: RoleName):
+        """`role`'s warm spare pool, or None where it keeps none."""
+        return self.spares if role is RoleName.ACTOR else self.critic_spares
 
     def _recovery_source(self, fault: Fault, alive: set[int] | None, bundles: bool = True) -> Choice:
         """Memory or disk (recovery_source.py), from who still answers and what the buddies hold. `bundles`:
@@ -507,29 +527,29 @@ class Controller:
                                spares=frozenset(s.name for s in spares),
                                free_bundles=len(trainers.free) if bundles else 0)
 
-    def _kept(self, fault: Fault, alive: set[int] | None) -> tuple[list[int], str | None]:
-        """For a repair from disk: the lost ranks, and None when the others keep their processes
-        (recovery_source.keep_survivors), else why every rank starts again."""
-        trainers = self.fleet.trainers
-        if trainers is None or alive is None:
+    def _kept(self, fault: Fault, alive: set[int] | None, role: RoleName = RoleName.ACTOR) -> tuple[list[int],
+                                                                                                     str | None]:
+        """For a repair from disk of `role`'s group: its lost ranks, and None when the others keep their processes
+        (recovery_source.keep_survivors), else why every rank of it starts again."""
+        group, spares = self._group(role), self._pool(role)
+        if group is None or alive is None:
             return [], "no rank was asked whether it still answers"
-        lost = set(range(trainers.world_size)) - alive
-        gone = fault.node_lost or bool({trainers.nodes[r] for r in lost} & dead_nodes())
-        placeable = trainers.placeable(lost, len(self.spares) if self.spares is not None else 0)
-        return sorted(lost), self._can_keep(fault) or keep_survivors(
-            kind=fault.kind, world_size=trainers.world_size, lost=lost, placeable=placeable, node_lost=gone)
+        lost = set(range(group.world_size)) - alive
+        gone = fault.node_lost or bool({group.nodes[r] for r in lost} & dead_nodes())
+        placeable = group.placeable(lost, len(spares) if spares is not None else 0)
+        return sorted(lost), self._can_keep(fault, role) or keep_survivors(
+            kind=fault.kind, world_size=group.world_size, lost=lost, placeable=placeable, node_lost=gone)
 
-    def _kill_hang_culprits(self, fault: Fault) -> None:
-        """Turn a hang into deaths: kill the ranks the others wait on (recovery_source.hang_culprits), so that
-        the others' collectives fail and they can roll back in place. Gloo cannot abort a collective; a killed
-        peer ends it within a tenth of a second (measured). Nothing is killed when no culprit can be named."""
-        trainers = self.fleet.trainers
-        pending = {rank for rank, m in enumerate(trainers.members) if m.name in fault.actors}
-        culprits = hang_culprits(pending, trainers.progress(PROGRESS_SECS))
-        if culprits and len(culprits) < trainers.world_size:
+    def _kill_hang_culprits(self, fault: Fault, group) -> None:
+        """Turn a hang into deaths: kill the ranks of `group` the others wait on (recovery_source.hang_culprits),
+        so that the others' collectives fail and they can roll back in place. Gloo cannot abort a collective; a
+        killed peer ends it within a tenth of a second (measured). Nothing is killed when no culprit can be named."""
+        pending = {rank for rank, m in enumerate(group.members) if m.name in fault.actors}
+        culprits = hang_culprits(pending, group.progress(PROGRESS_SECS))
+        if culprits and len(culprits) < group.world_size:
             self.log.info(f"killing the hung ranks {sorted(culprits)} the others wait on",
                           extra={"step": self.runner.state.step.global_step, "phase": self.phase})
-            trainers.kill_ranks(culprits)
+            group.kill_ranks(culprits)
 
     def _rejoin_from_memory(self, choice: Choice, held: list[str] | None = None) -> None:
         """Restart only the dead: their buddies take their places with their state, the survivors roll back in
@@ -591,19 +611,22 @@ class Controller:
             fleet.critics = critics.result()
             ckpt, secs = validated.result()
         self._spares_taken(len(fleet.trainers.nodes))
+        if fleet.critics is not None:
+            self._spares_taken(fleet.critics.world_size, RoleName.CRITIC)
         if self.spares is not None and r.memory is not None and r.memory.off is None and not self.clock.running:
             self._refill_pool()  # the job's start, no repair: the pool starts now, so that the memory tier holds
             # the first steps' copies (its spares hold them before they are warm)
-        self._load(ckpt, secs, started)
+        self._load(ckpt, secs, started, critic_kept=[])
         if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
             self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
 
     def _restart_critics(self, fault: Fault) -> None:
-        """A critic rank died or hung: the critic's group starts again and loads the last valid checkpoint, and
-        the actor's ranks keep their processes and load the same step in place (either group may have taken
-        the step's update before the other faulted), where they can (recovery_source.can_keep: a checkpoint to
-        load, an engine that loads in place, no KL reference, the group whole); else every group starts again.
-        Dead engines are replaced and every engine resyncs."""
+        """A critic rank died or hung: its group is repaired from the last valid checkpoint like the actor's from
+        disk (the ranks that still answer keep their processes, the lost ones start again from the critic's warm
+        spares or cold, `_kept`), or else starts again whole; the actor's ranks keep their processes and load the
+        same step in place (either group may have taken the step's update before the other faulted), where they
+        can (recovery_source.can_keep: a checkpoint to load, an engine that loads in place, no KL reference, the
+        group whole); else every group starts again. Dead engines are replaced and every engine resyncs."""
         fleet = self.fleet
         reason = self.memory_off or "the memory tier does not hold a critic's copies"
         self.log.info(f"recovering from disk: {reason}",
@@ -618,6 +641,26 @@ class Controller:
         # the kept ranks' background HF export is published first: the validation below removes temporaries
         self._best_effort("finishing the policy's background export", self.checkpoints.collect_export,
                           fleet.trainers, True)
+        kept = list(range(fleet.trainers.world_size))
+        alive = None
+        if fleet.critics is not None and self._can_keep(fault, RoleName.CRITIC) is None:
+            if fault.kind is FaultKind.HANG:
+                self._kill_hang_culprits(fault, fleet.critics)
+            alive = fleet.critics.answering(ANSWER_SECS)
+        lost, why_not = self._kept(fault, alive, RoleName.CRITIC)
+        if why_not is None:
+            try:
+                ckpt, secs, started = self._regroup(lost, RoleName.CRITIC)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever broke the critic's group, it starts again whole
+                self.events.emit(Event.WARNING, message=f"keeping the critic's ranks that answered failed: "
+                                                        f"{type(e).__name__}: {first_line(e)}; its every rank "
+                                                        f"starts again")
+            else:
+                self._spares_taken(len(lost), RoleName.CRITIC)
+                self._load(ckpt, secs, started, kept=kept, started_group=fleet.critics, critic_kept=sorted(alive))
+                return
         with self.clock.part("teardown"):
             fleet.drop_critics()
             self.runner.drop_group(keep=True)
@@ -626,35 +669,39 @@ class Controller:
             validated = pool.submit(self._validate)
             fleet.critics = self._new_critic_group()
             ckpt, secs = validated.result()
-        self._load(ckpt, secs, started, kept=list(range(fleet.trainers.world_size)), started_group=fleet.critics)
+        self._spares_taken(fleet.critics.world_size, RoleName.CRITIC)
+        self._load(ckpt, secs, started, kept=kept, started_group=fleet.critics, critic_kept=[])
 
-    def _regroup(self, lost: list[int]) -> tuple[Checkpoint, float, float]:
-        """A repair from disk that keeps the survivors' processes: only the `lost` ranks start again (from warm
-        spares, or cold in their bundles) and every rank re-forms the group; returns the last valid checkpoint
-        for all to load (`_load`), the seconds its validation took, and when the regroup began. Raises if the new
-        group does not form, or if no checkpoint is valid any more (a survivor holds no initial weights)."""
+    def _regroup(self, lost: list[int], role: RoleName = RoleName.ACTOR) -> tuple[Checkpoint, float, float]:
+        """A repair from disk that keeps the survivors' processes: only `role`'s `lost` ranks start again (from
+        its warm spares, or cold in their bundles) and every rank of its group re-forms the group; returns the
+        last valid checkpoint for all to load (`_load`), the seconds its validation took, and when the regroup
+        began. Raises if the new group does not form, or if no checkpoint is valid any more (a survivor holds no
+        initial weights)."""
         with self.clock.part("teardown"):
             self.runner.drop_group(keep=True)
         started = time.monotonic()
-        self.fleet.trainers.regroup(lost, self.spares)
+        self._group(role).regroup(lost, self._pool(role))
         ckpt, secs = self._validate()  # after: it cleans up interrupted saves, which the survivors have left now
         if ckpt is None:
             raise CheckpointError("no valid checkpoint is left to load")
         return ckpt, secs, started
 
-    def _spares_taken(self, started: int) -> None:
-        """The `spares` event of a (re)started group: of the `started` ranks, how many the pool gave."""
-        if self.spares is not None:
-            taken = self.fleet.trainers.from_spares
-            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=started - taken,
-                             pool=len(self.spares), size=self.spares.size)
-            self.refill_due = True
+    def _spares_taken(self, started: int, role: RoleName = RoleName.ACTOR) -> None:
+        """The `spares` event of a (re)started group of `role`: of the `started` ranks, how many its pool gave."""
+        spares = self._pool(role)
+        if spares is not None:
+            taken = self._group(role).from_spares
+            self.events.emit(Event.SPARES, action="taken", taken=taken, cold=started - taken, pool=len(spares),
+                             size=spares.size, **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
+            self.refill_due = self.refill_due or role is RoleName.ACTOR  # the critic's pool refills when short
 
     def _load(self, ckpt: Checkpoint | None, validate_secs: float, started: float, kept: list[int] = (),
-              started_group=None) -> None:
+              started_group=None, critic_kept: list[int] | None = None) -> None:
         """Every rank of the new group loads `ckpt` (or starts fresh), the Supervisor rolls back to its step, and
         the engines are resynced to its weights. `kept`: the ranks that kept their processes (a regroup);
-        `started_group`: the group whose start the repair waited for (the actor's by default)."""
+        `started_group`: the group whose start the repair waited for (the actor's by default); `critic_kept`:
+        the critic's ranks that kept theirs (default: all, loading in place)."""
         r, fleet = self.runner, self.fleet
         started_group = started_group or fleet.trainers
         for part, part_secs in [*started_group.timings.items(), ("validate", validate_secs)]:
@@ -668,7 +715,9 @@ class Controller:
         self.clock.loaded(r.state.step.global_step, Source.DISK)
         self.events.emit(Event.LOADED, global_step=r.state.step.global_step, path=str(ckpt.path) if ckpt else None,
                          source=Source.DISK.value, nodes=fleet.trainers.nodes, kept=list(kept), missing_state=missing,
-                         secs=round(time.monotonic() - started, 3))
+                         secs=round(time.monotonic() - started, 3),
+                         **({} if fleet.critics is None else {"critic_kept": list(
+                             range(fleet.critics.world_size) if critic_kept is None else critic_kept)}))
         if missing:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
@@ -752,11 +801,12 @@ class Controller:
 
     def _shutdown(self) -> None:
         self.fleet.shutdown()
-        if self.spares is not None:
-            try:
-                self.spares.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at the end of the run
-                pass
+        for spares in (self.spares, self.critic_spares):
+            if spares is not None:
+                try:
+                    spares.shutdown()
+                except Exception:  # noqa: BLE001 - best effort at the end of the run
+                    pass
 
 
 def _shut_down(start: Future) -> None:

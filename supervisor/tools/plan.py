@@ -125,13 +125,15 @@ def _spares(config: Config, shape: dict | None) -> str:
     if setting == AUTO and c.gpus_per_worker:
         return (f"none (recover.spare_workers=auto idles no GPU; set it to N to keep N, each holding {bundle} and "
                 f"{model})")
+    critic = f" and up to {config.workers_of(RoleName.CRITIC)} for the critic's" if config.critic else ""
     if setting == AUTO:
-        count = (f"up to {c.n_train_workers} (auto: one per rank as far as the cluster has room beside the "
-                 f"TrainGroup and the engines; counted when the job starts)")
+        beside = "the groups and the engines, the actor's first" if config.critic else "the TrainGroup and the engines"
+        count = (f"up to {c.n_train_workers}{critic} (auto: one per rank as far as the cluster has room beside "
+                 f"{beside}; counted when the job starts)")
     elif setting == 0:
         return "none (recover.spare_workers=0): a restart starts its lost ranks cold"
     else:
-        count = f"{setting}"
+        count = f"{setting}" + (" for each group (the actor's, the critic's)" if config.critic else "")
     return (f"{count}, each on a node that runs no rank when one has room, each holding {bundle} and {model}, "
             f"imports done, in no process group")
 

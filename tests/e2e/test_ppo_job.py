@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import AS_SHIPPED_SPARES, CONFIG, MEMORY_TIER, SHORT, Trial, job_env, metrics, relaunch
+from harness import CONFIG, MEMORY_TIER, SHORT, Trial, job_env, metrics, relaunch
 from test_faults import assert_recovered_exactly
 
 pytestmark = pytest.mark.e2e
@@ -48,30 +48,43 @@ def test_a_ppo_job_trains_its_critic_beside_the_policy_and_commits_both_at_once(
     assert "@critic/.metadata" in critic_files and len(critic_files) > 2
 
 
-def test_a_critic_ranks_death_restarts_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(
+def test_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(
         cluster, ppo_reference, trial, tmp_path):
-    """Killed as it trains step 2, before the first checkpoint, critic rank 0 takes every group with it: the
-    actor's ranks took step 2's update and there is nothing to load them back to. Killed as it trains step 6,
-    critic rank 1 is replaced with its group, which loads step 4; the actor's ranks keep their processes (they took
-    step 6's update) and load step 4 too. Killed as it trains step 15, actor rank 0 is replaced (by a warm spare:
-    the pool is as shipped); the critic's ranks load step 14 in place. The memory tier, as shipped, does not serve
-    a job with a critic yet: every repair is from disk and says so. One retry each, bit-identical."""
-    fault = ("TrainWorker.train.enter:kill:step=2:rank=0:role=critic,"
-             "TrainWorker.train.enter:kill:step=6:rank=1:role=critic,TrainWorker.train.enter:kill:step=15:rank=0")
+    """One warm spare per group (`recover.spare_workers=1`: the shared cluster's 7 CPUs hold 2 + 2 ranks, the
+    engine, and one spare each). Killed as it trains step 2, before the first checkpoint, critic rank 0 takes every
+    group with it: the actor's ranks took step 2's update and there is nothing to load them back to. Killed as it
+    trains step 6 (the pools warm from step 4), critic rank 1 is replaced by the critic's warm spare; critic rank 0
+    and the actor's ranks keep their processes (the actor's took step 6's update) and all load step 4. SIGSTOPped
+    as it trains step 10, critic rank 0 hangs the step: it is killed as the culprit critic rank 1 waits on, the
+    critic's refilled spare or a new process takes its place, and critic rank 1 keeps its process; step 9 is
+    loaded. Killed as it
+    trains step 15, actor rank 0 is replaced by the actor's warm spare; the critic's ranks load step 14 in place. The memory tier, as shipped, does not serve a job with a critic yet: every repair
+    is from disk and says so. One retry each, bit-identical."""
+    fault = ",".join(["TrainWorker.train.enter:kill:step=2:rank=0:role=critic", "step.begin:wait_spares:step=4",
+                      "TrainWorker.train.enter:kill:step=6:rank=1:role=critic",
+                      "TrainWorker.train.enter:stop:step=10:rank=0:role=critic",
+                      "TrainWorker.train.enter:kill:step=15:rank=0"])
     env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    r = relaunch("run", str(CONFIG), *SHORT, *PPO, AS_SHIPPED_SPARES, MEMORY_TIER, *trial.overrides, "--address",
-                 cluster.address, env=env)
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=1", MEMORY_TIER, "recover.retries=4",
+                 "recover.step_timeout_secs=15", *trial.overrides, "--address", cluster.address, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     failures = trial.events("failure")
     assert [(f["cause"], f["group"], f["actor"], f["global_step"]) for f in failures] == [
         ("worker_died", "critic", "TrainWorker[critic rank 0]", 2),
         ("worker_died", "critic", "TrainWorker[critic rank 1]", 6),
+        ("hang", "critic", "TrainWorker[critic rank 0]", 10),
         ("worker_died", "train", "TrainWorker[rank 0]", 15)]
-    start, after_first, after_critic, after_actor = trial.events("loaded")
-    assert (after_first["global_step"], after_first["kept"]) == (-1, [])  # every group started again
-    assert (after_critic["global_step"], after_critic["kept"]) == (4, [0, 1])  # no actor rank restarted
-    assert after_actor["global_step"] == 14 and after_actor["kept"] == [1]
+    start, after_first, after_death, after_hang, after_actor = trial.events("loaded")
+    assert (after_first["global_step"], after_first["kept"], after_first["critic_kept"]) == (-1, [], [])
+    # no actor rank restarted; the critic's survivor kept its process too
+    assert (after_death["global_step"], after_death["kept"], after_death["critic_kept"]) == (4, [0, 1], [0])
+    assert (after_hang["global_step"], after_hang["kept"], after_hang["critic_kept"]) == (9, [0, 1], [1])
+    assert (after_actor["global_step"], after_actor["kept"], after_actor["critic_kept"]) == (14, [1], [0, 1])
+    taken = [(e.get("group", "train"), e["taken"], e["cold"]) for e in trial.events("spares") if e["action"] == "taken"]
+    # step 6 from the critic's warm spare; step 10's from the refilled pool where the cluster had room, else cold
+    assert taken[-3] == ("critic", 1, 0) and taken[-1] == ("train", 1, 0), taken
+    assert taken[-2][0] == "critic" and taken[-2][1] + taken[-2][2] == 1, taken
     assert [e["reason"] for e in trial.events("recovery")] == [
-        "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 3
+        "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 4
     assert "the actor's ranks start again too: no checkpoint yet" in r.stderr + r.stdout
-    assert_recovered_exactly(trial, ppo_reference, restarts=3)
+    assert_recovered_exactly(trial, ppo_reference, restarts=4)

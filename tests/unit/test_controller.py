@@ -625,7 +625,7 @@ class FakePool:
         self.ready -= taken
         return taken
 
-    def refill(self, avoid):
+    def refill(self, avoid, placed=()):
         self.refills.append(list(avoid))
         started = ["n2"] * (self.size - self.ready)
         self.ready = self.size
@@ -695,7 +695,7 @@ def test_a_runtime_env_failure_fails_the_first_start_and_is_retried_after_it(tmp
 class FlakyPool(FakePool):
     """A pool whose upkeep meets GCS errors: the first refill and every make_room raise."""
 
-    def refill(self, avoid):
+    def refill(self, avoid, placed=()):
         if not self.refills:
             self.refills.append(None)
             raise rex.RaySystemError("GCS unavailable: failed to get cluster resources")

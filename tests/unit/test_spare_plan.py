@@ -35,6 +35,19 @@ def test_spare_engines_take_room_from_auto_spares(spare_engines, expected):
     assert spare_count("auto", E2E_TOTAL, ClusterConfig(), spare_engines) == expected
 
 
+@pytest.mark.parametrize("total, actor, critic", [
+    (E2E_TOTAL, 2, 0),       # 2 + 2 ranks, 1 engine, the actor's 2 spares: the e2e cluster is full
+    ({"CPU": 8.0}, 2, 1),    # room for one of the critic's
+    ({"CPU": 16.0}, 2, 2),   # one per rank, for each group
+])
+def test_a_critics_pool_takes_the_room_the_actors_left(total, actor, critic):
+    """PPO: the actor's pool is sized beside the critic's ranks, then the critic's beside the actor's ranks and
+    spares (as the Supervisor sizes them)."""
+    assert spare_count("auto", total, ClusterConfig(), 0, other_ranks=2) == actor
+    assert spare_count("auto", total, ClusterConfig(), 0, other_ranks=2 + actor, ranks=2) == critic
+    assert spare_count(1, total, ClusterConfig(), 0, other_ranks=2 + actor, ranks=2) == 1  # a number is per group
+
+
 def test_engine_resources_name_gpus_only_when_asked():
     assert engine_resources(ClusterConfig(cpus_per_worker=2, gpus_per_worker=1)) == {"CPU": 2.0}
     assert engine_resources(ClusterConfig(gpus_per_engine=1)) == {"CPU": 1.0, "GPU": 1.0}
