@@ -215,6 +215,18 @@ class CriticConfig(TrainConfig):
                                                      "its value at the step's start (verl's cliprange_value)")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount of later rewards")
     lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda: 1 gives the rewards-to-go, 0 the TD errors")
+    kl_in_reward: bool = Field(False, description="the KL penalty to the reference policy goes into the token "
+                                                  "rewards (each generated token's reward less beta * (log p - log "
+                                                  "p_ref), verl's use_kl_in_reward) instead of the policy's loss; "
+                                                  "beta starts at actor.kl_coef, which must be > 0")
+    kl_target: Optional[float] = Field(None, gt=0, description="with kl_in_reward: the adaptive controller's target "
+                                                               "KL per token (Ziegler et al. 2019, verl's "
+                                                               "kl_ctrl.target_kl): beta moves towards it after "
+                                                               "every step and is saved with each checkpoint "
+                                                               "(recover_info/kl_ctl_info.json); null keeps beta "
+                                                               "fixed")
+    kl_horizon: int = Field(10000, gt=0, description="the adaptive controller's horizon, in samples (verl's "
+                                                     "kl_ctrl.horizon)")
 
 
 class DataConfig(_Strict):
@@ -532,6 +544,11 @@ class Config(_Strict):
         if self.critic is not None and recover.min_train_workers is not None:
             raise ValueError("recover.min_train_workers: a job with a critic does not shrink its groups yet; leave it "
                              "unset")
+        if self.critic is not None and self.critic.kl_in_reward and not actor.kl_coef:
+            raise ValueError("critic.kl_in_reward needs actor.kl_coef > 0: the KL penalty's coefficient (its first "
+                             "value, with critic.kl_target)")
+        if self.critic is not None and self.critic.kl_target is not None and not self.critic.kl_in_reward:
+            raise ValueError("critic.kl_target adapts the KL penalty in the rewards: set critic.kl_in_reward too")
         if recover.memory is MemoryTier.ON and self.memory_tier_off() is not None:
             raise ValueError(f"recover.memory = on: {self.memory_tier_off()}; use auto (disk recovery there) or off")
         # The reference weights are written only on the steps where they change, so every such step must

@@ -178,6 +178,12 @@ class TrainWorker:
         return self.engine.values(shard)
 
     @fault_points
+    def logprobs(self, shard: dict, global_step: int) -> dict[str, torch.Tensor]:
+        """The policy's rank: this shard's token log-probabilities before the step's updates, and the reference's
+        (EngineBase.logprobs)."""
+        return self.engine.logprobs(shard)
+
+    @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                   backend: str, memories: list[dict | None]) -> dict:
         """Every rank maps the engines' shared weights (`memories`, one per engine, None where it offers none:

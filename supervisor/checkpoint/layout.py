@@ -26,6 +26,8 @@ STATS_LOGGER_INFO = "stats_logger_info.json"
 CHECKPOINT_INFO = "checkpoint_info.json"
 DATALOADER_INFO = "dataloader_info.pkl"
 RECOVER_INFO_FILES = (STEP_INFO, SAVER_INFO, EVALUATOR_INFO, STATS_LOGGER_INFO, CHECKPOINT_INFO, DATALOADER_INFO)
+KL_CTL_INFO = "kl_ctl_info.json"  # PPO's KL coefficient in the rewards (critic.kl_in_reward), where a job has one
+OPTIONAL_INFO_FILES = (KL_CTL_INFO,)  # written by the jobs that have the state, read where the manifest names them
 
 # a recover step directory, recover_checkpoint/globalstep{G}/
 STEP_DIR = re.compile(r"^globalstep(\d+)$")

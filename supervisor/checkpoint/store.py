@@ -42,6 +42,7 @@ from supervisor.checkpoint.layout import (
     DCP_METADATA,
     MANIFEST,
     META,
+    OPTIONAL_INFO_FILES,
     RECOVER_INFO_FILES,
     REFERENCE_PREFIX,
     ROLE_DIRS,
@@ -137,6 +138,11 @@ def _encode_info(name: str, content) -> bytes:
     return (json.dumps(content, indent=1, sort_keys=True) + "\n").encode()
 
 
+def _info_files(infos: dict) -> tuple[str, ...]:
+    """The recover_info files of a step: every required one, and the optional ones its state has."""
+    return (*RECOVER_INFO_FILES, *(n for n in OPTIONAL_INFO_FILES if n in infos))
+
+
 def _decode_info(name: str, data: bytes):
     return load_plain_pickle(data) if name.endswith(".pkl") else json.loads(data)
 
@@ -171,7 +177,7 @@ def read_checkpoint(path: StoragePath, trusted: dict | None = None, storage: Sto
         if fs.is_file(directory / DCP_METADATA):
             _check_dcp(fs, directory, entries=manifest != trusted)
     infos = {}
-    for name in RECOVER_INFO_FILES:
+    for name in (*RECOVER_INFO_FILES, *(n for n in OPTIONAL_INFO_FILES if f"{META}/{n}" in manifest["files"])):
         try:
             infos[name] = _decode_info(name, fs.read_bytes(path / META / name))
         except StoreUnavailable:
@@ -270,7 +276,7 @@ class RecoverStore:
         }
         files = dict(shard_files)
         self.fs.mkdir(staging / META)
-        for name in RECOVER_INFO_FILES:
+        for name in _info_files(infos):
             data = _encode_info(name, infos[name])
             self.fs.write_bytes(staging / META / name, data)
             files[f"{META}/{name}"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -311,12 +317,12 @@ class RecoverStore:
             # First commit: the directory appears complete, in one rename.
             tmp = tmp_name(info_dir)
             tmp.mkdir(parents=True)
-            for name in RECOVER_INFO_FILES:
+            for name in _info_files(infos):
                 self.fs.write_bytes(tmp / name, _encode_info(name, infos[name]))
             self.fs.publish_dir(tmp, info_dir)
             return
         # Later commits (every commit on an object store): the mirror files first, the commit pointer last.
-        for name in RECOVER_INFO_FILES:
+        for name in _info_files(infos):
             if name != CHECKPOINT_INFO:
                 self.fs.write_atomic(info_dir / name, _encode_info(name, infos[name]))
                 fault_point(f"after_{name}", step=global_step)
@@ -502,7 +508,7 @@ class RecoverStore:
 
     def restore_mirror(self, checkpoint: Checkpoint) -> None:
         """Rewrite recover_info/ from a loaded step directory (after a crash or a fallback)."""
-        for name in RECOVER_INFO_FILES:
+        for name in _info_files(checkpoint.infos):
             current = self.layout.recover_info / name
             data = _encode_info(name, checkpoint.infos[name])
             if not self.fs.is_file(current) or self.fs.read_bytes(current) != data:

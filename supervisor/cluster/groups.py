@@ -229,6 +229,11 @@ class TrainGroup(_Members):
         """A critic's group: each rank's values of its shard's states, before the step's updates (for GAE)."""
         return self.gather([m.handle.values.remote(s, global_step) for m, s in zip(self.members, shards)])
 
+    def logprobs(self, shards: list[dict], global_step: int) -> list[dict]:
+        """The actor's group: each rank's token log-probabilities of its shard and the reference's, before the
+        step's updates (for the KL penalty in PPO's rewards, `critic.kl_in_reward`)."""
+        return self.gather([m.handle.logprobs.remote(s, global_step) for m, s in zip(self.members, shards)])
+
     def save_recover(self, staging: str, global_step: int) -> dict:
         files = {}
         for part in self.call_all("save_recover", staging, global_step):

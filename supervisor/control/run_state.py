@@ -1,7 +1,8 @@
 """The Supervisor's own recoverable state, and its round trip through the recover_info files. Pure.
 
-All of it belongs to one step: where the run is (StepInfo), and the counters of the Saver, the
-RecoverHandler and the Evaluator frequency controls. Reading is forgiving of older checkpoints: a key
+All of it belongs to one step: where the run is (StepInfo), the counters of the Saver, the
+RecoverHandler and the Evaluator frequency controls, and (PPO with the KL penalty in its rewards) the KL
+coefficient for the next step. Reading is forgiving of older checkpoints: a key
 that a newer version writes but an older one lacks gets a sensible default and a warning, never a
 KeyError. The frequencies themselves are recorded for information only; the config in force wins.
 """
@@ -13,6 +14,7 @@ from supervisor.checkpoint.layout import (
     CHECKPOINT_INFO,
     DATALOADER_INFO,
     EVALUATOR_INFO,
+    KL_CTL_INFO,
     SAVER_INFO,
     STATS_LOGGER_INFO,
     STEP_INFO,
@@ -21,6 +23,7 @@ from supervisor.checkpoint.store import SCHEMA_VERSION
 from supervisor.config import Config
 from supervisor.control.freq import FreqCtl
 from supervisor.control.step_info import StepInfo
+from workers.ppo import KLCoefficient
 
 # recover_info file -> the RunState frequency control it carries
 CONTROLS = {SAVER_INFO: "saver", EVALUATOR_INFO: "evaluator", CHECKPOINT_INFO: "recover"}
@@ -36,11 +39,14 @@ class RunState:
     saver: FreqCtl
     recover: FreqCtl
     evaluator: FreqCtl
+    kl: KLCoefficient | None = None  # critic.kl_in_reward: the coefficient the next step's rewards use
 
     @classmethod
     def fresh(cls, config: Config, steps_per_epoch: int) -> "RunState":
+        c = config.critic
+        kl = KLCoefficient(config.actor.kl_coef, c.kl_target, c.kl_horizon) if c and c.kl_in_reward else None
         return cls(StepInfo.before_start(steps_per_epoch), FreqCtl.from_config(config.saver),
-                   FreqCtl.from_config(config.recover), FreqCtl.from_config(config.evaluator))
+                   FreqCtl.from_config(config.recover), FreqCtl.from_config(config.evaluator), kl)
 
     def to_infos(self, dataloader_state: dict) -> dict:
         """Contents of the recover_info files for this step (checkpoint_info.json is completed on commit)."""
@@ -55,6 +61,8 @@ class RunState:
             CHECKPOINT_INFO: ctl(self.recover),
             STATS_LOGGER_INFO: {"schema_version": SCHEMA_VERSION, "commit_step": self.step.global_step},
             DATALOADER_INFO: dataloader_state,
+            **({KL_CTL_INFO: {"schema_version": SCHEMA_VERSION, "kl_coef": self.kl.value, "target": self.kl.target,
+                              "horizon": self.kl.horizon}} if self.kl is not None else {}),
         }
 
     @classmethod
@@ -88,6 +96,13 @@ class RunState:
             if configured is not None and configured != now:
                 warnings.append(f"{name}: the config's frequencies {now} differ from the checkpoint's {configured}; "
                                 f"the config wins")
+        if state.kl is not None:
+            saved = infos.get(KL_CTL_INFO, {}).get("kl_coef")
+            if saved is None:
+                warnings.append(f"{KL_CTL_INFO} is missing: the KL penalty's coefficient starts again at "
+                                f"actor.kl_coef = {state.kl.value}")
+            else:
+                state.kl = KLCoefficient(saved, state.kl.target, state.kl.horizon)  # the config's target wins
         loader = infos.get(DATALOADER_INFO, {})
         expected = state.step.next()
         if (loader.get("epoch"), loader.get("epoch_step")) != (expected.epoch, expected.epoch_step):

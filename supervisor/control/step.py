@@ -38,7 +38,7 @@ from supervisor.control.memory import memory_fields
 from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
-from workers.grpo import group_advantages
+from workers.grpo import group_advantages, masked_mean
 from workers.ppo import gae, token_rewards
 from workers.rewards import Rewards
 
@@ -177,6 +177,8 @@ class StepRunner:
         # ---- the commit point: every rank took its optimizer step -----------------------------------
         t_train = time.monotonic()
         self.state.step = s
+        if "kl_coef" in metrics:  # PPO's KL penalty in the rewards: the next step's coefficient
+            self.state.kl = self.state.kl.after(metrics["kl"], len(rows))
         self.last_reward = float(rewards.mean())
         elapsed = t_train - t0
         last = s.global_step + 1 >= self.total_steps
@@ -189,6 +191,7 @@ class StepRunner:
                  "time/rollout": t_rollout - t0, "time/train": t_train - t_landed,
                  **({"time/memory_wait": t_landed - t_rollout} if self.memory is not None else {}),
                  **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
+                 **({"kl_coef": metrics["kl_coef"]} if "kl_coef" in metrics else {}),  # critic.kl_in_reward
                  **({"clip_frac": metrics["clip_frac"]} if "clip_frac" in metrics else {}),  # several updates
                  **{f"critic/{k}": v for k, v in critic.items()},  # PPO: the critic's loss, grad_norm, ...
                  **memory_fields([r["memory"] for r in results], rollout["memory"],
@@ -210,16 +213,24 @@ class StepRunner:
         the whole batch's tokens whiten the advantages), then both groups' updates at once. Returns the policy's
         results and the critic's rank-0 metrics. A fault in either group replays the step from the last commit
         (both groups reload it: the other may have taken its update)."""
-        critics, c = self.fleet.critics, self.config.critic
+        critics, trainers, c = self.fleet.critics, self.fleet.trainers, self.config.critic
         values = torch.cat(critics.values(split(batch, critics.world_size), s.global_step))
-        advantages, returns = gae(token_rewards(rewards, batch["response_mask"]), values, batch["response_mask"],
-                                  c.gamma, c.lam)
+        policy_batch, kl = {}, None
+        if c.kl_in_reward:  # each token's reward less beta * (log p - log p_ref) (verl's apply_kl_penalty, "kl")
+            logprobs = trainers.logprobs(split(batch, trainers.world_size), s.global_step)
+            policy_batch["old_logp"] = torch.cat([lp["logp"] for lp in logprobs])  # not computed again
+            kl = policy_batch["old_logp"] - torch.cat([lp["ref_logp"] for lp in logprobs])
+        beta = self.state.kl.value if kl is not None else 0.0
+        advantages, returns = gae(token_rewards(rewards, batch["response_mask"], kl, beta), values,
+                                  batch["response_mask"], c.gamma, c.lam)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic") as pool:
             critic = pool.submit(critics.train, split(batch | {"old_values": values, "returns": returns},
                                                       critics.world_size), s.global_step)
-            policy = self.fleet.trainers.train(split(batch | {"advantages": advantages},
-                                                     self.fleet.trainers.world_size), s.global_step)
+            policy = trainers.train(split(batch | policy_batch | {"advantages": advantages}, trainers.world_size),
+                                    s.global_step)
             trained = critic.result()[0]
+        if kl is not None:  # the batch's mean KL per generated token, and the coefficient it was weighed with
+            policy[0] = policy[0] | {"kl": float(masked_mean(kl, batch["response_mask"])), "kl_coef": beta}
         return policy, {k: trained[k] for k in ("loss", "grad_norm", "vf_clip_frac") if k in trained}
 
     def _set_recover_interval(self) -> None:

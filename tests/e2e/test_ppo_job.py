@@ -11,6 +11,8 @@ import pytest
 from harness import CONFIG, MEMORY_TIER, SHORT, Trial, job_env, metrics, relaunch
 from test_faults import assert_recovered_exactly
 
+from workers.ppo import KLCoefficient
+
 pytestmark = pytest.mark.e2e
 
 PPO = ["critic.lr=0.01"]
@@ -88,3 +90,36 @@ def test_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_a
         "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 4
     assert "the actor's ranks start again too: no checkpoint yet" in r.stderr + r.stdout
     assert_recovered_exactly(trial, ppo_reference, restarts=4)
+
+
+KL_IN_REWARD = ["actor.kl_coef=0.05", "critic.kl_in_reward=true", "critic.kl_target=0.001", "critic.kl_horizon=100"]
+
+
+def test_the_adaptive_kl_coefficient_in_the_rewards_is_restored_with_its_step(cluster, trial, tmp_path_factory):
+    """critic.kl_in_reward with an adaptive controller: each step's rewards weigh the KL to the reference with the
+    coefficient the previous steps moved (a short horizon, so it moves up to 13% a step), saved with each
+    checkpoint. A critic rank killed as it trains step 6 (every group starts again: a KL reference is not kept
+    in place) loads step 4 with its coefficient, and the run ends bit-identical to an uninterrupted one: every
+    stats field (`kl`, `kl_coef` among them) and the final weights."""
+    clean = Trial(tmp_path_factory.mktemp("ppo-kl-reference") / "runs")
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, *KL_IN_REWARD, "recover.spare_workers=0", *clean.overrides,
+                 "--address", cluster.address)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stats = clean.stats()
+    coefs = [row["kl_coef"] for row in stats]
+    # each step's coefficient is the controller's answer to the step before (8 x 8 samples a step)
+    following = [KLCoefficient(c, 0.001, 100).after(row["kl"], 64).value for c, row in zip(coefs, stats)]
+    assert coefs[0] == 0.05 and coefs[1:] == pytest.approx(following[:-1], rel=1e-12), (coefs, following)
+    assert len(set(coefs)) > 10  # it moves, each step by up to 0.2 x 64 / 100
+    saved = json.loads((clean.root / "recover_info" / "kl_ctl_info.json").read_text())
+    assert saved == {"schema_version": saved["schema_version"], "kl_coef": pytest.approx(following[-1], rel=1e-12),
+                     "target": 0.001, "horizon": 100}  # the next step's, after the last
+
+    env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:kill:step=6:rank=1:role=critic",
+                   "RELAUNCH_FAULT_DIR": str(tmp_path_factory.mktemp("ppo-kl-faults"))})
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, *KL_IN_REWARD, "recover.spare_workers=0", *trial.overrides,
+                 "--address", cluster.address, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]
+    assert "a survivor's KL reference may be newer" in r.stdout + r.stderr
+    assert_recovered_exactly(trial, clean, restarts=1)

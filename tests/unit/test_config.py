@@ -209,6 +209,9 @@ def test_a_critic_section_is_validated_on_its_own_keys():
         (["critic.gamma=1.5"], "critic.gamma"),
         (["critic.lr=0.1", "recover.write_mode=async"], "recover.write_mode = async: a job with a critic"),
         (["critic.lr=0.1", "recover.min_train_workers=1"], "recover.min_train_workers: a job with a critic"),
+        (["critic.kl_in_reward=true"], "critic.kl_in_reward needs actor.kl_coef > 0"),
+        (["critic.kl_target=0.02"], "critic.kl_target adapts the KL penalty in the rewards"),
+        (["critic.kl_in_reward=true", "actor.kl_coef=0.1", "critic.kl_horizon=0"], "critic.kl_horizon"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(DEFAULT_CONFIG, overrides)

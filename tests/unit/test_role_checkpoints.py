@@ -278,3 +278,17 @@ def test_a_tool_reading_a_step_from_the_store_gets_the_critics_part_with_it(root
         checkpoint = read_checkpoint(local)
         assert checkpoint.role_world_size("critic") == CRITIC_RANKS
         assert (checkpoint.role_path("critic") / "__2_0.distcp").is_file()
+
+
+def test_the_kl_coefficient_is_a_step_s_metadata_where_the_job_has_one(store):
+    """kl_ctl_info.json (PPO's KL coefficient in the rewards) goes into the step's meta/ under its manifest, and
+    into recover_info/; a step is read with it, and a step without it (a job without the penalty) is whole."""
+    staging, files = write_part(store, 4, "actor", ACTOR_RANKS)
+    kl = {"schema_version": SCHEMA_VERSION, "kl_coef": 0.07, "target": 0.02, "horizon": 500}
+    store.commit(staging, 4, ACTOR_RANKS, "hash", files, infos(4) | {"kl_ctl_info.json": kl})
+    commit(store, 9, critic=False)
+    assert "meta/kl_ctl_info.json" in manifest(store, 4)["files"]
+    assert "meta/kl_ctl_info.json" not in manifest(store, 9)["files"]
+    assert json.loads(store.fs.read_bytes(store.layout.recover_info / "kl_ctl_info.json")) == kl
+    assert store.validate(4).infos["kl_ctl_info.json"] == kl
+    assert "kl_ctl_info.json" not in store.validate(9).infos

@@ -70,3 +70,22 @@ def test_a_checkpoint_that_cannot_fit_this_run_is_refused(config, damage):
 ])
 def test_train_group_sizes_shrink_only_when_allowed(wanted, minimum, samples, sizes):
     assert train_group_sizes(wanted, minimum, samples) == sizes
+
+
+def test_the_kl_penalty_coefficient_in_ppos_rewards_is_run_state():
+    """critic.kl_in_reward: the coefficient the next step weighs the KL with is saved (kl_ctl_info.json) and
+    restored, the config's target and horizon winning; a checkpoint without it starts again from actor.kl_coef,
+    said; a job without the penalty writes no such file."""
+    config = load_config(None, ["critic.lr=0.01", "actor.kl_coef=0.05", "critic.kl_in_reward=true",
+                                "critic.kl_target=0.02", "critic.kl_horizon=500"])
+    st = RunState.fresh(config, 12)
+    assert (st.kl.value, st.kl.target, st.kl.horizon) == (0.05, 0.02, 500)
+    st.kl = st.kl.after(kl=0.5, samples=64)  # far above the target: the coefficient grows
+    infos = {**state_at(StepInfo(0, 3, 3, 12), config), "kl_ctl_info.json": st.to_infos({})["kl_ctl_info.json"]}
+    restored, warnings = RunState.from_infos(infos, config, 12)
+    assert warnings == [] and restored.kl == st.kl and restored.kl.value > 0.05
+    del infos["kl_ctl_info.json"]
+    restored, warnings = RunState.from_infos(infos, config, 12)
+    assert restored.kl.value == 0.05 and warnings == [
+        "kl_ctl_info.json is missing: the KL penalty's coefficient starts again at actor.kl_coef = 0.05"]
+    assert "kl_ctl_info.json" not in state_at(StepInfo(0, 3, 3, 12), load_config(None, ["critic.lr=0.01"]))

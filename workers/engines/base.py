@@ -124,6 +124,8 @@ class EngineBase:
         self.tokenizer, self.role, self.section = tokenizer, role, role.section
         self.reference = ReferencePolicy(config, tokenizer, device) \
             if not role.value and config.actor.kl_coef else None
+        # the KL term in the policy's loss (GRPO's), unless PPO's rewards carry it (critic.kl_in_reward)
+        self.kl_in_loss = self.reference is not None and not (config.critic and config.critic.kl_in_reward)
 
     def _loss(self, model: torch.nn.Module, batch: dict,
               tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
@@ -138,7 +140,8 @@ class EngineBase:
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
         if not self.role.value:  # one update a step is on-policy, whatever the step asked before it (logprobs)
             several = self.section.updates_per_step > 1
-            return grpo_loss(forward_logits(model, ids, mask), batch, self.device, self.reference, tokens,
+            return grpo_loss(forward_logits(model, ids, mask), batch, self.device,
+                             self.reference if self.kl_in_loss else None, tokens,
                              self.section.clip_ratio if several else None)
         loss, clipped = value_loss(token_values(forward_logits(model, ids, mask)),
                                    batch["old_values"].to(self.device), batch["returns"].to(self.device),
