@@ -1,5 +1,5 @@
-"""PPO's formulas with a critic: the KL penalty in the token rewards and its adaptive coefficient (not used by the
-step yet), GAE, whitened advantages, and the clipped value loss.
+"""PPO's formulas with a critic: the KL penalty in the token rewards and its adaptive coefficient, GAE, whitened
+advantages, and the clipped value loss.
 
 They follow verl's `trainer/ppo/core_algos.py` (compute_gae_advantage_return, AdaptiveKLController,
 compute_value_loss) and `apply_kl_penalty`. Every per-token tensor here is laid out as `token_logprobs` lays

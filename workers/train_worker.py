@@ -175,13 +175,13 @@ class TrainWorker:
     @fault_points
     def values(self, shard: dict, global_step: int) -> torch.Tensor:
         """A critic's rank: its values of this shard's states before the step's updates (EngineBase.values)."""
-        return self.engine.values(shard)
+        return self.engine.values(shard).cpu()  # to the Supervisor, which has no GPU
 
     @fault_points
     def logprobs(self, shard: dict, global_step: int) -> dict[str, torch.Tensor]:
         """The policy's rank: this shard's token log-probabilities before the step's updates, and the reference's
         (EngineBase.logprobs)."""
-        return self.engine.logprobs(shard)
+        return {k: v.cpu() for k, v in self.engine.logprobs(shard).items()}
 
     @fault_points
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,

@@ -1,7 +1,7 @@
 """Recover checkpoints: publish, validate, select the last valid one, prune. The only writer of recover_info/.
 
 One directory per step, `recover_checkpoint/globalstep{G}/`, self-contained: DCP shards of model,
-optimizer and scheduler, every rank's RNG file, the six recover_info files of that same step in `meta/`,
+optimizer and scheduler, every rank's RNG file, the recover_info files of that same step in `meta/`,
 and `manifest.json` (written last) with the size and sha256 of every file. A step directory is built under
 a temporary name and renamed when complete. The commit point is the atomic replace of
 `recover_info/checkpoint_info.json`, which lists the published steps; recover_info/ mirrors the newest.
@@ -326,7 +326,15 @@ class RecoverStore:
             if name != CHECKPOINT_INFO:
                 self.fs.write_atomic(info_dir / name, _encode_info(name, infos[name]))
                 fault_point(f"after_{name}", step=global_step)
+        self._drop_stale_infos(infos)
         self.fs.write_atomic(info_dir / CHECKPOINT_INFO, _encode_info(CHECKPOINT_INFO, infos[CHECKPOINT_INFO]))
+
+    def _drop_stale_infos(self, infos: dict) -> None:
+        """An optional recover_info file that the step lacks is another step's (a job that had the state, or a
+        fallback past the steps that have it): removed, so that the mirror is the step's."""
+        for name in OPTIONAL_INFO_FILES:
+            if name not in infos and self.fs.is_file(self.layout.recover_info / name):
+                self.fs.remove(self.layout.recover_info / name)
 
     def prune(self, newest: int) -> list[int]:
         """Delete published steps beyond `keep_last`, oldest first, and steps set aside as uncommitted that are
@@ -513,3 +521,4 @@ class RecoverStore:
             data = _encode_info(name, checkpoint.infos[name])
             if not self.fs.is_file(current) or self.fs.read_bytes(current) != data:
                 self.fs.write_atomic(current, data)
+        self._drop_stale_infos(checkpoint.infos)

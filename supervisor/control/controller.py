@@ -239,7 +239,9 @@ class Controller:
         if self.drains is None or self.runner.owed is not None or fleet.trainers is None or fleet.engines is None:
             return
         pool = self.spares.holders() if self.spares is not None else {}
-        used = {n for n in fleet.trainers.nodes + fleet.engines.nodes if n} | {s.node for s in pool.values()}
+        critic_pool = self.critic_spares.holders() if self.critic_spares is not None else {}
+        used = {n for n in fleet.trainers.nodes + fleet.engines.nodes if n} | \
+            {s.node for s in (*pool.values(), *critic_pool.values())}
         notices = self.drains.new(used)
         for node, deadline in notices.items():
             self.drains.done(node)
@@ -255,6 +257,8 @@ class Controller:
         event says what moved where, and the `recovery` event what it cost, timed as a repair is."""
         r, fleet, started = self.runner, self.fleet, time.monotonic()
         trainers, engines, step = fleet.trainers, fleet.engines, r.state.step.global_step
+        if self.critic_spares is not None:  # the critic's spares there are retired, refilled elsewhere
+            self.critic_spares.drop([name for name, s in self.critic_spares.holders().items() if s.node == node])
         lost = {rank for rank, n in enumerate(trainers.nodes) if n == node}
         choice = None
         if lost:
@@ -644,9 +648,13 @@ class Controller:
         kept = list(range(fleet.trainers.world_size))
         alive = None
         if fleet.critics is not None and self._can_keep(fault, RoleName.CRITIC) is None:
-            if fault.kind is FaultKind.HANG:
-                self._kill_hang_culprits(fault, fleet.critics)
-            alive = fleet.critics.answering(ANSWER_SECS)
+            try:
+                if fault.kind is FaultKind.HANG:
+                    self._kill_hang_culprits(fault, fleet.critics)
+                alive = fleet.critics.answering(ANSWER_SECS)
+            except Exception as e:  # noqa: BLE001 - asking the ranks failed: the whole critic group starts again
+                self.events.emit(Event.WARNING, message=f"asking the critic's ranks failed: {type(e).__name__}: "
+                                                        f"{first_line(e)}; its every rank starts again")
         lost, why_not = self._kept(fault, alive, RoleName.CRITIC)
         if why_not is None:
             try:
@@ -756,9 +764,16 @@ class Controller:
         take), and those holding ranks' memory copies last (a rank lost with the engine's node recovers from one)."""
         engines, memory = self.fleet.engines, self.runner.memory
         holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
+        n -= engines.live_spares()
+        if self.critic_spares is not None:  # first: they hold no rank's copies
+            released = self._best_effort("making room for the engines", self.critic_spares.make_room, n) or 0
+            if released:
+                self.events.emit(Event.SPARES, action="released", pool=len(self.critic_spares),
+                                 size=self.critic_spares.size, group=Group.CRITIC.value)
+            n -= released  # freed, though Ray may not show it yet
         if self.spares is not None and self._best_effort(
                 "making room for the engines",
-                lambda: self.spares.make_room(n - engines.live_spares(), keep, reserve, last=holders)):
+                lambda: self.spares.make_room(n, keep, reserve, last=holders)):
             self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
             self.refill_due = True
 

@@ -96,7 +96,7 @@ class RunState:
             if configured is not None and configured != now:
                 warnings.append(f"{name}: the config's frequencies {now} differ from the checkpoint's {configured}; "
                                 f"the config wins")
-        if state.kl is not None:
+        if state.kl is not None and state.kl.target is not None:  # adaptive: state (a fixed one is the config's)
             saved = infos.get(KL_CTL_INFO, {}).get("kl_coef")
             if saved is None:
                 warnings.append(f"{KL_CTL_INFO} is missing: the KL penalty's coefficient starts again at "

@@ -38,7 +38,7 @@ from supervisor.control.memory import memory_fields
 from supervisor.control.run_state import RunState
 from supervisor.control.step_info import StepInfo
 from workers.data import PromptLoader
-from workers.grpo import group_advantages, masked_mean
+from workers.grpo import group_advantages
 from workers.ppo import gae, token_rewards
 from workers.rewards import Rewards
 
@@ -229,8 +229,11 @@ class StepRunner:
             policy = trainers.train(split(batch | policy_batch | {"advantages": advantages}, trainers.world_size),
                                     s.global_step)
             trained = critic.result()[0]
-        if kl is not None:  # the batch's mean KL per generated token, and the coefficient it was weighed with
-            policy[0] = policy[0] | {"kl": float(masked_mean(kl, batch["response_mask"])), "kl_coef": beta}
+        if kl is not None:  # each sequence's mean KL per generated token, averaged (verl's controller's current_kl),
+            # and the coefficient it was weighed with
+            mask = batch["response_mask"][:, 1:].float()
+            per_row = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+            policy[0] = policy[0] | {"kl": float(per_row.mean()), "kl_coef": beta}
         return policy, {k: trained[k] for k in ("loss", "grad_norm", "vf_clip_frac") if k in trained}
 
     def _set_recover_interval(self) -> None:

@@ -112,8 +112,8 @@ def inspect(checkpoint: Path) -> tuple[bool, str]:
                          f"DeepSpeed's classes, as on resume")
         else:
             lines += [f"  {line}" for line in _state_summary(checkpoint)]
-        lines.append(f"  RNG states of {len(list(checkpoint.glob('rng_rank*.pt')))} ranks, the six recover_info "
-                     f"files of step {loaded.global_step} from {META}/")
+        lines.append(f"  RNG states of {len(list(checkpoint.glob('rng_rank*.pt')))} ranks, the {len(loaded.infos)} "
+                     f"recover_info files of step {loaded.global_step} from {META}/")
         lines.append(f"  dataloader at epoch {loader.get('epoch')}, epoch step {loader.get('epoch_step')}; "
                      f"training goes on at global step {loaded.global_step + 1}")
     return valid, "\n".join(lines)

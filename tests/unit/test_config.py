@@ -197,7 +197,7 @@ def test_a_critic_section_is_validated_on_its_own_keys():
     assert config.workers_of("critic") == 4 and Config(critic=CriticConfig()).workers_of("critic") == 2
     assert "critic's copies" in config.memory_tier_off() and not config.async_recover
     shipped = load_config("configs/tiny_ppo.yaml")
-    assert shipped.critic.lr == 3e-3 and list(shipped.trained) == ["actor", "critic"]
+    assert shipped.critic.lr == 2e-3 and list(shipped.trained) == ["actor", "critic"]
     assert config.resume_hash() != Config().resume_hash()
     assert config.resume_hash() == Config(critic=CriticConfig(n_workers=2, lr=1e-4)).resume_hash()  # a world size
     for overrides, names in [

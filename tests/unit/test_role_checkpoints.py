@@ -282,13 +282,20 @@ def test_a_tool_reading_a_step_from_the_store_gets_the_critics_part_with_it(root
 
 def test_the_kl_coefficient_is_a_step_s_metadata_where_the_job_has_one(store):
     """kl_ctl_info.json (PPO's KL coefficient in the rewards) goes into the step's meta/ under its manifest, and
-    into recover_info/; a step is read with it, and a step without it (a job without the penalty) is whole."""
+    into recover_info/; a step is read with it, and a step without it (a job without the penalty) is whole and
+    takes it out of recover_info/ (the mirror is its step's), as does a fallback to such a step."""
     staging, files = write_part(store, 4, "actor", ACTOR_RANKS)
     kl = {"schema_version": SCHEMA_VERSION, "kl_coef": 0.07, "target": 0.02, "horizon": 500}
     store.commit(staging, 4, ACTOR_RANKS, "hash", files, infos(4) | {"kl_ctl_info.json": kl})
+    mirror = store.layout.recover_info / "kl_ctl_info.json"
+    assert json.loads(store.fs.read_bytes(mirror)) == kl
     commit(store, 9, critic=False)
     assert "meta/kl_ctl_info.json" in manifest(store, 4)["files"]
     assert "meta/kl_ctl_info.json" not in manifest(store, 9)["files"]
-    assert json.loads(store.fs.read_bytes(store.layout.recover_info / "kl_ctl_info.json")) == kl
+    assert not store.fs.exists(mirror)
     assert store.validate(4).infos["kl_ctl_info.json"] == kl
     assert "kl_ctl_info.json" not in store.validate(9).infos
+    store.restore_mirror(store.validate(4))
+    assert json.loads(store.fs.read_bytes(mirror)) == kl
+    store.restore_mirror(store.validate(9))
+    assert not store.fs.exists(mirror)

@@ -89,3 +89,13 @@ def test_the_kl_penalty_coefficient_in_ppos_rewards_is_run_state():
     assert restored.kl.value == 0.05 and warnings == [
         "kl_ctl_info.json is missing: the KL penalty's coefficient starts again at actor.kl_coef = 0.05"]
     assert "kl_ctl_info.json" not in state_at(StepInfo(0, 3, 3, 12), load_config(None, ["critic.lr=0.01"]))
+
+
+def test_a_fixed_kl_coefficient_is_the_configs_at_a_resume():
+    """Without critic.kl_target the coefficient never moves: it is config, so a resume takes actor.kl_coef as the
+    config now says, whatever the checkpoint recorded."""
+    config = load_config(None, ["critic.lr=0.01", "actor.kl_coef=0.05", "critic.kl_in_reward=true"])
+    infos = {**state_at(StepInfo(0, 3, 3, 12), config),
+             "kl_ctl_info.json": {"schema_version": 1, "kl_coef": 0.2, "target": None, "horizon": 10000}}
+    state, warnings = RunState.from_infos(infos, config, 12)
+    assert state.kl.value == 0.05 and state.kl.target is None and warnings == []
