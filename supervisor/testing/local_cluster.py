@@ -23,6 +23,9 @@ OBJECT_STORE = 150 * 1024**2
 # joined or while it started actors (a node that never stayed, in CI).
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 5,
                  "health_check_timeout_ms": 2000, "health_check_initial_delay_ms": 0}
+# the longest Ray takes to mark a killed node dead: its checks are refused at once, one a period, the last timing out
+NODE_DEATH_SECS = (HEALTH_CHECKS["health_check_period_ms"] * HEALTH_CHECKS["health_check_failure_threshold"]
+                   + HEALTH_CHECKS["health_check_timeout_ms"]) / 1000
 
 
 def free_port() -> int:

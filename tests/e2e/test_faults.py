@@ -13,6 +13,7 @@ from harness import (AS_SHIPPED_SPARES, CONFIG, MEMORY_TIER, SHORT, Trial, curve
                      log_tail, relaunch, start_relaunch, status_json)
 
 from supervisor.cluster.drains import POLL_SECS
+from supervisor.testing.local_cluster import NODE_DEATH_SECS
 
 pytestmark = pytest.mark.e2e
 
@@ -131,10 +132,12 @@ def test_dead_node_is_replaced_by_the_spare(cluster, reference, trial, tmp_path)
 
 def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by_the_refill(
         cluster, reference, trial, tmp_path):
-    """The pool's spare is placed away from the ranks; its node is killed; the next rank death starts that rank
-    again cold (the dead spare skipped), the other rank keeping its process; the refilled spare then takes the
-    place of the rank killed after that."""
-    faults = "TrainWorker.train.enter:kill:step=14:rank=1,TrainWorker.train.enter:kill:step=21:rank=0"
+    """The pool's spare is placed away from the ranks; its node is killed (the job waits at step 12 until Ray has
+    marked it dead: a spare still warming on a node not yet seen dead is taken, and its death fails the regroup);
+    the next rank death starts that rank again cold (the dead spare skipped), the other rank keeping its process;
+    the refilled spare then takes the place of the rank killed after that."""
+    faults = ("step.begin:pause:step=12,TrainWorker.train.enter:kill:step=14:rank=1,"
+              "TrainWorker.train.enter:kill:step=21:rank=0")
     env = job_env({"RELAUNCH_FAULT": faults, "RELAUNCH_FAULT_DIR": str(tmp_path)})
     proc = start_relaunch("run", str(CONFIG), *SHORT, *trial.overrides, "recover.spare_workers=1",
                           "--address", cluster.address, env=env, log=tmp_path / "job.log")
@@ -151,6 +154,8 @@ def test_a_spare_lost_with_its_node_is_skipped_and_the_next_restart_is_served_by
         cluster.kill_node(cluster.node_of(spare_node))
         cluster.add_node()
         added = True
+        time.sleep(NODE_DEATH_SECS)
+        (tmp_path / "go").touch()
         assert proc.wait(timeout=400) == 0, log_tail(tmp_path / "job.log")
     finally:
         if proc.poll() is None:

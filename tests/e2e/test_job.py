@@ -142,6 +142,9 @@ def test_ctrl_c_is_told_truthfully_and_the_rerun_says_where_it_resumed(reference
     log = tmp_path / "first.log"
     proc = start_relaunch(*args, env=job_env(), log=log)
     trial.wait_for_step(7, proc)
+    while not trial.events("commit"):  # step 4's background save (steps of 0.1 s can outrun it)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=120) == 130
     kept = trial.events("commit")[-1]["global_step"]
