@@ -22,14 +22,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from recovery import figures, killed_run, run
+from recovery import figures, killed_run, recovery_rows, run
 from report import arguments, report
 from sizes import SIZES
 
 from supervisor.checkpoint.layout import TrialLayout
 from supervisor.config import load_config
 from supervisor.control.events import Event, read_jsonl
-from supervisor.control.repair_clock import PARTS
 from supervisor.testing.local_cluster import LocalCluster
 
 COMMON = ["total_train_epochs=1", "recover.memory=off"]
@@ -85,12 +84,7 @@ def table(clean: dict[str, dict], kills: dict[str, dict]) -> list[tuple[str, ...
         ("rank 1 killed", *kills),
         row("failure.group", lambda f: str(f["group"])),
         row("fault detected after", lambda f: f"{f['detect_secs']:.2f} s ({f['cause']})"),
-        row("fault -> killed step completed", lambda f: f"{f['recovery']['total']:.1f} s"),
-        row("  lost beyond one steady step", lambda f: f"{f['recovery']['lost']:.1f} s "
-                                                     f"(step {f['recovery']['steady_step']:.2f} s)"),
-        *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
-        row("step loaded (from), steps trained again",
-            lambda f: f"{f['recovery']['loaded_step']} ({f['recovery']['source']}), {f['replayed_steps']}"),
+        *recovery_rows(row),
         row("actor ranks from spares / kept", lambda f: f"{f['ranks_from_spares']} / {f['kept_ranks']}"),
         row("critic ranks from spares / kept", lambda f: f"{f['critic_from_spares']} / {f['critic_kept']}"),
         row("final policy identical", lambda f: str(f["identical"])),

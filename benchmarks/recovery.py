@@ -118,6 +118,20 @@ def figures(clean: TrialLayout, faulty: TrialLayout, faulty_secs: float, clean_s
             "identical": final_weights(clean) == final_weights(faulty)}
 
 
+def recovery_rows(row) -> list[tuple[str, ...]]:
+    """A kill's `recovery` event as rows (`row(label, fmt)` makes one, a column per run): the time from the fault to
+    the completion of the killed step, what it lost beyond a steady step and where, the step loaded and the steps
+    trained again."""
+    return [
+        row("fault -> killed step completed", lambda f: f"{f['recovery']['total']:.1f} s"),
+        row("  lost beyond one steady step", lambda f: f"{f['recovery']['lost']:.1f} s "
+                                                     f"(step {f['recovery']['steady_step']:.2f} s)"),
+        *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
+        row("step loaded (from), steps trained again",
+            lambda f: f"{f['recovery']['loaded_step']} ({f['recovery']['source']}), {f['replayed_steps']}"),
+    ]
+
+
 def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list[tuple[str, ...]]:
     """One row per figure, one column per spare pool size."""
     cols = list(runs.values())
@@ -135,12 +149,7 @@ def table(runs: dict[int, dict], clean_secs: float, commits: list[dict]) -> list
                                                          f"{f['kept_ranks']}"),
         row("failure -> new TrainGroup loaded", lambda f: f"{f['loaded_secs']:.1f} s"),
         row("failure -> engines resynced", lambda f: f"{f['resynced_secs']:.1f} s"),
-        row("fault -> killed step completed", lambda f: f"{f['recovery']['total']:.1f} s"),
-        row("  lost beyond one steady step", lambda f: f"{f['recovery']['lost']:.1f} s "
-                                                     f"(step {f['recovery']['steady_step']:.2f} s)"),
-        *(row(f"  {p}", lambda f, p=p: f"{f['recovery'].get(p, 0.0):.2f} s") for p in PARTS),
-        row("step loaded (from), steps trained again",
-            lambda f: f"{f['recovery']['loaded_step']} ({f['recovery']['source']}), {f['replayed_steps']}"),
+        *recovery_rows(row),
         ("recover checkpoint: count, mean time, size",
          *(f"{len(commits)}, {statistics.mean(c['secs'] for c in commits) * 1000:.0f} ms, "
            f"{commits[-1]['bytes'] / 1e6:.2f} MB" for _ in cols)),
