@@ -494,8 +494,10 @@ class Config(_Strict):
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
 
-    def memory_tier_off(self, spares: int | None = None) -> str | None:
-        """Why the memory tier cannot serve this job (`spares`: the pool's size, once known), or None."""
+    def memory_tier_off(self, spares: int | None = None, critic_spares: int | None = None) -> str | None:
+        """Why the memory tier cannot serve this job (`spares`, `critic_spares`: the actor's and the critic's pool
+        sizes, once known), or None. It serves every trained group or none: a repair from memory rolls the other
+        groups back in place to the same step, from their own copies."""
         if self.recover.memory is MemoryTier.OFF:
             return "recover.memory is off"
         for role, section in self.trained.items():
@@ -503,15 +505,15 @@ class Config(_Strict):
                 return (f"the memory tier needs {role}.backend fsdp (DeepSpeed keeps its process groups in global "
                         f"comm state that cannot be re-formed in place); {role}.backend {section.backend.value} "
                         f"recovers from disk")
-        if self.critic is not None:
-            return "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"
         if self.actor.kl_coef and self.actor.ref_update_steps:
             return ("the memory tier does not hold a refreshed KL reference policy yet (actor.ref_update_steps); "
                     "the initial policy as the reference (null) a new rank rebuilds from the config")
         if not self.recover.mode.enabled:
             return "recover.mode is off: no repair at all"
-        if self.cluster.n_train_workers == 1 and (spares == 0 or self.recover.spare_workers == 0):
-            return "one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
+        for role, pool in ((RoleName.ACTOR, spares), (RoleName.CRITIC, critic_spares)):
+            if role in self.trained and self.workers_of(role) == 1 and (pool == 0 or self.recover.spare_workers == 0):
+                group = "" if role is RoleName.ACTOR else "the critic's group: "
+                return f"{group}one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
         return None
 
     @property

@@ -19,6 +19,7 @@ from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.trial_lock import trial_lock
 from supervisor.cluster.drains import DrainWatch
+from supervisor.cluster.errors import Group
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.config import Config, RoleName
 from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
@@ -145,12 +146,14 @@ class Supervisor:
                                   cfg.rollout.spare_engines, cfg.cluster.n_train_workers + size,
                                   critic_ranks) if critic_ranks else 0  # the room the actor's pool left
         critic_pool = SparePool(cfg, critic_size, RoleName.CRITIC) if critic_size else None
-        memory_off = cfg.memory_tier_off(size)
+        memory_off = cfg.memory_tier_off(size, critic_size)
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
         linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
         memory = MemoryCopies(pool, warn, linked) if memory_off is None else None
+        critic_memory = MemoryCopies(critic_pool, warn, lambda nodes: self.events.emit(
+            Event.BUDDIES, nodes=nodes, group=Group.CRITIC.value)) if memory_off is None and cfg.critic else None
         runner = StepRunner(cfg, self.loader, rewards, self.stats, self.events, self.checkpoints, self._fault_point,
-                            Fleet(self.events), pool, memory)
+                            Fleet(self.events), pool, memory, critic_memory)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size, role=RoleName.ACTOR: TrainGroup(

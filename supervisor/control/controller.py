@@ -258,7 +258,10 @@ class Controller:
         r, fleet, started = self.runner, self.fleet, time.monotonic()
         trainers, engines, step = fleet.trainers, fleet.engines, r.state.step.global_step
         if self.critic_spares is not None:  # the critic's spares there are retired, refilled elsewhere
-            self.critic_spares.drop([name for name, s in self.critic_spares.holders().items() if s.node == node])
+            retired = [name for name, s in self.critic_spares.holders().items() if s.node == node]
+            self.critic_spares.drop(retired)
+            if r.critic_memory is not None and retired:
+                r.critic_memory.retired(fleet.critics, tuple(retired))
         lost = {rank for rank, n in enumerate(trainers.nodes) if n == node}
         choice = None
         if lost:
@@ -443,16 +446,14 @@ class Controller:
         return Result(Outcome.OK)
 
     def _restart_ranks(self, fault: Fault) -> None:
-        """Recover the TrainGroup from memory where the memory tier holds every lost rank's state, else (or if
-        that fails on the way) from disk, the ranks that still answer keeping their processes where they can.
-        Either way one repair: the retry was counted when it was decided. A critic rank's fault restarts the
-        critic's group alone (`_restart_critics`)."""
-        if fault.group is Group.CRITIC:
-            self._restart_critics(fault)
-            return
+        """Recover the faulty group (the actor's, or a critic rank's: the critic's) from memory where the memory
+        tier holds every lost rank's state and the other groups' own copies hold the same step, else (or if that
+        fails on the way) from disk, the ranks that still answer keeping their processes where they can. Either
+        way one repair: the retry was counted when it was decided."""
+        role = RoleName.CRITIC if fault.group is Group.CRITIC else RoleName.ACTOR
         try:
-            alive = self._answering(fault)
-            choice = self._recovery_source(fault, alive)
+            alive = self._answering(fault, role)
+            choice = self._recovery_source(fault, alive, role=role)
         except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
             alive, choice = None, Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: "
                                                       f"{first_line(e)}")
@@ -460,13 +461,16 @@ class Controller:
                       extra={"step": self.runner.state.step.global_step, "phase": self.phase})
         if choice.source is Source.MEMORY:
             try:
-                self._rejoin_from_memory(choice)
+                self._rejoin_from_memory(choice, role=role)
                 return
             except Exception as e:  # noqa: BLE001 - whatever broke, the disk path kills every rank and reloads
                 choice = Choice(Source.DISK, f"recovery from memory failed: {type(e).__name__}: {first_line(e)}")
                 self.events.emit(Event.WARNING, message=f"{choice.reason}; recovering from disk")
                 alive = None
         self.clock.disk_because(choice.reason)
+        if role is RoleName.CRITIC:
+            self._restart_critics(fault, alive)
+            return
         lost, why_not = self._kept(fault, alive)
         if why_not is None:
             try:
@@ -482,16 +486,17 @@ class Controller:
                 return
         self._restart_train_group()
 
-    def _answering(self, fault: Fault) -> set[int] | None:
-        """The ranks alive and settled after `fault` (a hang's culprits killed first), or None where no repair
-        would keep them: no group running, or neither the memory tier nor a regroup could (recovery_source)."""
-        trainers, memory = self.fleet.trainers, self.runner.memory
+    def _answering(self, fault: Fault, role: RoleName = RoleName.ACTOR) -> set[int] | None:
+        """The ranks of `role`'s group alive and settled after `fault` (a hang's culprits killed first), or None
+        where no repair would keep them: no group running, or neither the memory tier nor a regroup could
+        (recovery_source)."""
+        group, memory = self._group(role), self._memory(role)
         tier = memory is not None and memory.off is None
-        if trainers is None or fault.kind not in MEMORY_FAULTS or not (tier or self._can_keep(fault) is None):
+        if group is None or fault.kind not in MEMORY_FAULTS or not (tier or self._can_keep(fault, role) is None):
             return None
         if fault.kind is FaultKind.HANG:
-            self._kill_hang_culprits(fault, trainers)
-        return trainers.answering(ANSWER_SECS)
+            self._kill_hang_culprits(fault, group)
+        return group.answering(ANSWER_SECS)
 
     def _can_keep(self, fault: Fault, role: RoleName = RoleName.ACTOR) -> str | None:
         """recovery_source.can_keep, for this job and `role`'s group (only the actor's holds a KL reference)."""
@@ -509,27 +514,39 @@ class Controller:
         """`role`'s warm spare pool, or None where it keeps none."""
         return self.spares if role is RoleName.ACTOR else self.critic_spares
 
-    def _recovery_source(self, fault: Fault, alive: set[int] | None, bundles: bool = True) -> Choice:
-        """Memory or disk (recovery_source.py), from who still answers and what the buddies hold. `bundles`:
-        whether a lost rank may start again in its bundle (not when its node drains)."""
-        r, trainers = self.runner, self.fleet.trainers
-        if r.memory is None or r.memory.off is not None:
-            return Choice(Source.DISK, self.memory_off if r.memory is None else r.memory.off)
-        if trainers is None:  # a restarted Supervisor, or a start that failed
+    def _memory(self, role: RoleName):
+        """`role`'s memory-tier copies (cluster/memory_copies.py), or None where the tier does not serve the job."""
+        return self.runner.memory if role is RoleName.ACTOR else self.runner.critic_memory
+
+    def _recovery_source(self, fault: Fault, alive: set[int] | None, bundles: bool = True,
+                         role: RoleName = RoleName.ACTOR) -> Choice:
+        """Memory or disk (recovery_source.py) for `role`'s group, from who still answers, what the buddies hold
+        and the steps the other groups' ranks hold in their own slots. `bundles`: whether a lost rank may start
+        again in its bundle (not when its node drains)."""
+        r, group, memory, pool = self.runner, self._group(role), self._memory(role), self._pool(role)
+        if memory is None or memory.off is not None:
+            return Choice(Source.DISK, self.memory_off if memory is None else memory.off)
+        others = {other: self._group(other) for other in self.config.trained if other is not role}
+        if group is None or None in others.values():  # a restarted Supervisor, or a start that failed
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
-        lost = set() if alive is None else set(range(trainers.world_size)) - alive
-        peers = {name: c.holder.rank for name, c in r.memory.candidates(trainers).items() if c.holder.rank is not None}
+        lost = set() if alive is None else set(range(group.world_size)) - alive
+        peers = {name: c.holder.rank for name, c in memory.candidates(group).items() if c.holder.rank is not None}
         gone = dead_nodes() | set(draining_nodes() or ()) if lost else set()
         bundles = bundles and not fault.node_lost  # a node Ray has not marked dead yet may still hold a bundle
-        bundled = {rank for rank in lost if bundles and rank in trainers.bundles and trainers.nodes[rank] not in gone}
-        spares = [s for s in self.spares.spares if s.node not in gone] if self.spares is not None else []
-        return recovery_source(enabled=None, kind=fault.kind, world_size=trainers.world_size, lost=lost,
-                               buddies=r.memory.covering(), holding=r.memory.holding(trainers),
-                               staged=r.memory.staged_by(set(range(trainers.world_size)) - lost),
+        bundled = {rank for rank in lost if bundles and rank in group.bundles and group.nodes[rank] not in gone}
+        spares = [s for s in pool.spares if s.node not in gone] if pool is not None else []
+        beside = {}  # the other groups' ranks roll back in place: the steps each group's every rank holds
+        for other, other_group in others.items():
+            other_memory = self._memory(other)
+            beside[other.value] = [] if other_memory.off is not None else \
+                other_memory.staged_by(set(range(other_group.world_size)))
+        return recovery_source(enabled=None, kind=fault.kind, world_size=group.world_size, lost=lost,
+                               buddies=memory.covering(), holding=memory.holding(group),
+                               staged=memory.staged_by(set(range(group.world_size)) - lost),
                                snapshots=set(r.snapshots), peers=peers, bundled=bundled,
                                spares=frozenset(s.name for s in spares),
-                               free_bundles=len(trainers.free) if bundles else 0)
+                               free_bundles=len(group.free) if bundles else 0, beside=beside)
 
     def _kept(self, fault: Fault, alive: set[int] | None, role: RoleName = RoleName.ACTOR) -> tuple[list[int],
                                                                                                      str | None]:
@@ -555,27 +572,37 @@ class Controller:
                           extra={"step": self.runner.state.step.global_step, "phase": self.phase})
             group.kill_ranks(culprits)
 
-    def _rejoin_from_memory(self, choice: Choice, held: list[str] | None = None) -> None:
-        """Restart only the dead: their buddies take their places with their state, the survivors roll back in
-        place, the Supervisor rolls back to the same step from its own memory; engines that already hold that
-        step's weights are not resynced. Nothing is read from disk. The restored weights are checked whole at the
-        resync (gathered and hashed), but after a handoff, where every rank's digest of its part from before it
-        moved (`held`) is matched instead."""
-        r, trainers, lost = self.runner, self.fleet.trainers, choice.lost
+    def _rejoin_from_memory(self, choice: Choice, held: list[str] | None = None,
+                            role: RoleName = RoleName.ACTOR) -> None:
+        """Restart only the dead of `role`'s group: their buddies take their places with their state, its survivors
+        roll back in place, as do the other groups' ranks (PPO: the actor's beside a critic's fault, the critic's
+        beside the actor's), each from its own copy, while the new group forms; the Supervisor rolls back to the
+        same step from its own memory; engines that already hold that step's weights are not resynced. Nothing is
+        read from disk. The restored weights are checked whole at the resync (gathered and hashed), but after a
+        handoff, where every rank's digest of its part from before it moved (`held`) is matched instead."""
+        r, group, memory, spares, lost = self.runner, self._group(role), self._memory(role), self._pool(role), \
+            choice.lost
+        trainers = self.fleet.trainers
         with self.clock.part("teardown"):
             self.fleet.close_stream()
-            self.checkpoints.drop_in_flight(keep_export=0 not in lost)
-        holders = r.memory.candidates(trainers)
-        own = trainers.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
-                              choice.step, self.spares, choice.bundled)
-        r.memory.adopted(choice.step, lost, choice.adopters, choice.givers, own,
-                         gone=set(holders) - set(r.memory.candidates(trainers)))  # lost ranks, spares taken
-        for part, part_secs in trainers.timings.items():
+            self.checkpoints.drop_in_flight(keep_export=role is not RoleName.ACTOR or 0 not in lost)
+        holders = memory.candidates(group)
+        beside = [(m, g) for m, g in r.memories_of_groups() if g is not group]
+        with ThreadPoolExecutor(max_workers=max(len(beside), 1), thread_name_prefix="roll-back") as pool:
+            in_place = [pool.submit(g.rejoin, {}, {}, choice.step) for _, g in beside]
+            own = group.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
+                               choice.step, spares, choice.bundled)
+            for (m, g), rolled in zip(beside, in_place):
+                m.adopted(choice.step, [], {}, {}, rolled.result(), gone=set())
+        memory.adopted(choice.step, lost, choice.adopters, choice.givers, own,
+                       gone=set(holders) - set(memory.candidates(group)))  # lost ranks, spares taken
+        for part, part_secs in group.timings.items():
             self.clock.add(part, part_secs)
-        if self.spares is not None:
-            self.events.emit(Event.SPARES, action="taken", taken=trainers.from_spares,
-                             cold=len(lost) - trainers.from_spares, pool=len(self.spares), size=self.spares.size)
-        self.refill_due = True
+        if spares is not None:
+            self.events.emit(Event.SPARES, action="taken", taken=group.from_spares, cold=len(lost) - group.from_spares,
+                             pool=len(spares), size=spares.size,
+                             **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
+        self.refill_due = self.refill_due or role is RoleName.ACTOR  # the critic's pool refills when short
         r.restore(choice.step)
         with self.clock.part("resync"):
             proven = held is not None and trainers.shard_digests() == held
@@ -587,9 +614,12 @@ class Controller:
         if not proven:
             self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
         self.clock.loaded(choice.step, Source.MEMORY)
+        critics = self.fleet.critics
+        kept = lambda g, faulty: [rank for rank in range(g.world_size) if not faulty or rank not in lost]  # noqa: E731
         self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
-                         nodes=trainers.nodes, kept=[rank for rank in range(trainers.world_size) if rank not in lost],
-                         missing_state=[], secs=round(sum(trainers.timings.values()), 3))
+                         nodes=trainers.nodes, kept=kept(trainers, role is RoleName.ACTOR), missing_state=[],
+                         secs=round(sum(group.timings.values()), 3),
+                         **({} if critics is None else {"critic_kept": kept(critics, role is RoleName.CRITIC)}))
         self._resync()
 
     def _restart_train_group(self) -> None:
@@ -617,25 +647,26 @@ class Controller:
         self._spares_taken(len(fleet.trainers.nodes))
         if fleet.critics is not None:
             self._spares_taken(fleet.critics.world_size, RoleName.CRITIC)
-        if self.spares is not None and r.memory is not None and r.memory.off is None and not self.clock.running:
-            self._refill_pool()  # the job's start, no repair: the pool starts now, so that the memory tier holds
-            # the first steps' copies (its spares hold them before they are warm)
+        if r.memory is not None and r.memory.off is None and not self.clock.running:
+            # the job's start, no repair: the pools start now, so that the memory tier holds the first steps'
+            # copies (their spares hold them before they are warm)
+            placed = self._refill_pool() if self.spares is not None else []
+            if self.critic_spares is not None:
+                self._refill_pool(RoleName.CRITIC, placed)
         self._load(ckpt, secs, started, critic_kept=[])
-        if r.memory is not None and not self.clock.running:  # the job's start: its first step's copy is held
-            self._best_effort("linking the ranks to their memory-tier buddies", r.memory.link_first, fleet.trainers)
+        if not self.clock.running:  # the job's start: its first step's copy is held
+            for memory, group in r.memories_of_groups():
+                self._best_effort("linking the ranks to their memory-tier buddies", memory.link_first, group)
 
-    def _restart_critics(self, fault: Fault) -> None:
-        """A critic rank died or hung: its group is repaired from the last valid checkpoint like the actor's from
-        disk (the ranks that still answer keep their processes, the lost ones start again from the critic's warm
-        spares or cold, `_kept`), or else starts again whole; the actor's ranks keep their processes and load the
-        same step in place (either group may have taken the step's update before the other faulted), where they
-        can (recovery_source.can_keep: a checkpoint to load, an engine that loads in place, no KL reference, the
-        group whole); else every group starts again. Dead engines are replaced and every engine resyncs."""
+    def _restart_critics(self, fault: Fault, alive: set[int] | None) -> None:
+        """A critic rank died or hung and the memory tier could not serve: its group is repaired from the last
+        valid checkpoint like the actor's from disk (the ranks that still answer, `alive`, keep their processes,
+        the lost ones start again from the critic's warm spares or cold, `_kept`), or else starts again whole; the
+        actor's ranks keep their processes and load the same step in place (either group may have taken the step's
+        update before the other faulted), where they can (recovery_source.can_keep: a checkpoint to load, an engine
+        that loads in place, no KL reference, the group whole); else every group starts again. Dead engines are
+        replaced and every engine resyncs."""
         fleet = self.fleet
-        reason = self.memory_off or "the memory tier does not hold a critic's copies"
-        self.log.info(f"recovering from disk: {reason}",
-                      extra={"step": self.runner.state.step.global_step, "phase": self.phase})
-        self.clock.disk_because(reason)
         why_not = "the actor's group did not start" if fleet.trainers is None else self._can_keep(fault)
         if why_not is not None:
             self.log.info(f"the actor's ranks start again too: {why_not}",
@@ -646,15 +677,6 @@ class Controller:
         self._best_effort("finishing the policy's background export", self.checkpoints.collect_export,
                           fleet.trainers, True)
         kept = list(range(fleet.trainers.world_size))
-        alive = None
-        if fleet.critics is not None and self._can_keep(fault, RoleName.CRITIC) is None:
-            try:
-                if fault.kind is FaultKind.HANG:
-                    self._kill_hang_culprits(fault, fleet.critics)
-                alive = fleet.critics.answering(ANSWER_SECS)
-            except Exception as e:  # noqa: BLE001 - asking the ranks failed: the whole critic group starts again
-                self.events.emit(Event.WARNING, message=f"asking the critic's ranks failed: {type(e).__name__}: "
-                                                        f"{first_line(e)}; its every rank starts again")
         lost, why_not = self._kept(fault, alive, RoleName.CRITIC)
         if why_not is None:
             try:
@@ -762,11 +784,13 @@ class Controller:
         """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room,
         but for a handoff's (`keep`: its adopters; `reserve`: as many free spares as its ranks without one will
         take), and those holding ranks' memory copies last (a rank lost with the engine's node recovers from one)."""
-        engines, memory = self.fleet.engines, self.runner.memory
+        engines, memory, critic_memory = self.fleet.engines, self.runner.memory, self.runner.critic_memory
         holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
+        critic_holders = frozenset(critic_memory.covering().values()) if critic_memory is not None else frozenset()
         n -= engines.live_spares()
-        if self.critic_spares is not None:  # first: they hold no rank's copies
-            released = self._best_effort("making room for the engines", self.critic_spares.make_room, n) or 0
+        if self.critic_spares is not None:  # first: only the critic's ranks recover from them
+            released = self._best_effort("making room for the engines", lambda: self.critic_spares.make_room(
+                n, last=critic_holders)) or 0
             if released:
                 self.events.emit(Event.SPARES, action="released", pool=len(self.critic_spares),
                                  size=self.critic_spares.size, group=Group.CRITIC.value)

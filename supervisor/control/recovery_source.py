@@ -38,7 +38,8 @@ class Choice:
 def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lost: set[int],
                     buddies: dict[int, str], holding: dict[str, dict[int, list[int]]], staged: list[int],
                     snapshots: set[int], peers: dict[str, int] | None = None, bundled: set[int] = frozenset(),
-                    spares: frozenset[str] = frozenset(), free_bundles: int = 0) -> Choice:
+                    spares: frozenset[str] = frozenset(), free_bundles: int = 0,
+                    beside: dict[str, list[int]] | None = None) -> Choice:
     """`enabled`: None when the tier serves this job, else why not (the engine, the config). `lost`: the ranks
     that did not answer a probe (dead, or stuck); `buddies`: rank -> holder of its copies; `holding`: what
     each live holder reported holding, rank -> steps landed (a dead one is absent); `staged`: the steps every
@@ -47,7 +48,9 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     which takes the place of the rank it holds); `bundled`: the lost ranks whose bundle can start a new
     process now (its node alive, not draining); `spares`: the names of the pool's live spares on nodes that
     stay (an adopter must be one), `free_bundles`: the group's bundles no rank holds; a spare that adopts no rank,
-    or a free bundle, can take a peer-held rank's place."""
+    or a free bundle, can take a peer-held rank's place. `beside`: the job's other trained groups (PPO's actor
+    beside a faulty critic, or its critic beside a faulty actor), role -> the steps every rank of that group holds
+    in its own slots: their ranks roll back in place to the step restored, so it must be one of those."""
     def disk(reason: str) -> Choice:
         return Choice(Source.DISK, reason)
 
@@ -88,6 +91,11 @@ def recovery_source(*, enabled: str | None, kind: FaultKind, world_size: int, lo
     if not common:
         return disk(f"no step is held in memory for every rank (staged {sorted(staged)}, "
                     f"held {[holding[buddies[r]].get(r, []) for r in sorted(lost)]})")
+    for role, steps in sorted((beside or {}).items()):
+        if not common & set(steps):
+            return disk(f"the {role}'s ranks hold no step in memory that every lost rank's copy does (the {role}'s "
+                        f"{sorted(steps)}, the lost ranks' {sorted(common)})")
+        common &= set(steps)
     step = max(common)
     return Choice(Source.MEMORY, f"step {step} from memory", step, adopters, givers,
                   frozenset(r for r in givers if r in bundled))

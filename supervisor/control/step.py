@@ -77,11 +77,12 @@ class StepRunner:
 
     def __init__(self, config: Config, loader: PromptLoader, rewards: Rewards, stats: StatsLog, events: EventLog,
                  checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], fleet: Fleet,
-                 spares=None, memory=None):
+                 spares=None, memory=None, critic_memory=None):
         self.config, self.loader, self.rewards = config, loader, rewards
         self.fleet = fleet  # the groups it steps on, and the weights between them (the controller replaces them)
         self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
         self.memory = memory  # the memory tier's copies (cluster/memory_copies.py), or None: recovery from disk
+        self.critic_memory = critic_memory  # the critic's (PPO), beside the actor's; None where it has none
         self.snapshots: dict[int, RunState] = {}  # global step -> the run's state at its commit (memory tier)
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
@@ -99,6 +100,16 @@ class StepRunner:
     def weights_version(self) -> int:
         """The version of the trainer's weights: the number of updates they have taken."""
         return self.state.step.global_step + 1
+
+    @property
+    def memories(self) -> list:
+        """The memory tier's copies of every trained group (the actor's, then the critic's); empty without it."""
+        return [m for m in (self.memory, self.critic_memory) if m is not None]
+
+    def memories_of_groups(self) -> list[tuple]:
+        """(its memory copies, the group) of every trained group the tier holds."""
+        groups = (self.fleet.trainers, self.fleet.critics)
+        return [(m, g) for m, g in zip((self.memory, self.critic_memory), groups) if m is not None]
 
     @property
     def finished(self) -> bool:
@@ -124,8 +135,8 @@ class StepRunner:
         leave its actors to `TrainGroup.regroup`: what it held is dropped, its weights stream to the engines and
         the background writes, unpublished."""
         self.fleet.drop_trainers(keep)
-        if self.memory is not None:
-            self.memory.reset()
+        for memory in self.memories:  # every group loads the checkpoint: the critic's too
+            memory.reset()
         self.owed = None  # the new group's weights are the checkpoint's
         self.checkpoints.drop_in_flight()
 
@@ -163,8 +174,8 @@ class StepRunner:
         self.fault_point("step.scored", s)
         t_rollout = time.monotonic()
         self.phase = Phase.TRAIN
-        if self.memory is not None:
-            self.memory.wait_landed(self.fleet.trainers, s.global_step - 1)
+        for memory, group in self.memories_of_groups():
+            memory.wait_landed(group, s.global_step - 1)
         t_landed = time.monotonic()
         batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "response_mask")}
         critic = {}
@@ -204,7 +215,8 @@ class StepRunner:
         if self.memory is not None:
             self.snapshots = {g: st for g, st in self.snapshots.items() if g >= s.global_step - 1}
             self.snapshots[s.global_step] = copy.deepcopy(self.state)
-            self.memory.begin(self.fleet.trainers, s.global_step)
+            for memory, group in self.memories_of_groups():
+                memory.begin(group, s.global_step)
             self.owed.row["time/memory_stage"] = time.monotonic() - t_train
         self.fault_point("step.trained", s)
 

@@ -70,11 +70,18 @@ def trial_status(config: Config, n_events: int = 10) -> dict:
         "last_step": stats[-1] if stats else None,
         "last_recovery": next((e for e in reversed(events) if e["event"] == Event.RECOVERY), None),
         "recover_interval": next((e for e in reversed(this_job) if e["event"] == Event.RECOVER_INTERVAL), None),
-        "buddies": next((e["nodes"] for e in reversed(this_job) if e["event"] == Event.BUDDIES), None),
+        "buddies": _buddies(this_job),
         "events": events[-n_events:],
         "live": None,
         "memory": peak_memory_of(stats),
+        **({"critic_buddies": _buddies(this_job, "critic")} if config.critic is not None else {}),
     }
+
+
+def _buddies(events: list[dict], group: str | None = None) -> dict | None:
+    """The memory tier's last links of a group's ranks (the actor's: events without a group), or None."""
+    return next((e["nodes"] for e in reversed(events) if e["event"] == Event.BUDDIES and e.get("group") == group),
+                None)
 
 
 KINDS = ("train", "engine", "spare", "supervisor")  # the order status lists them in
@@ -121,6 +128,9 @@ def format_status(st: dict) -> str:
     if st.get("buddies") is not None:
         held = ", ".join(f"rank {rank} on node {node[:8]}" for rank, node in sorted(st["buddies"].items()))
         lines.append(f"buddies    {held or 'none'} (the memory tier: where each rank's copies were last linked)")
+    if st.get("critic_buddies") is not None:
+        held = ", ".join(f"rank {rank} on node {node[:8]}" for rank, node in sorted(st["critic_buddies"].items()))
+        lines.append(f"           the critic's: {held or 'none'}")
     if st.get("memory"):
         lines.append("memory     peak " + ", ".join(f"{kind} {gb:.2f} GB" for kind, gb in st["memory"].items()))
     if st["last_step"]:

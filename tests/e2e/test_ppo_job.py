@@ -1,8 +1,10 @@
 """PPO with a critic, end to end on the shared cluster (the suite's short job with a `critic` section, as
 configs/tiny_ppo.yaml): a critic's group trains beside the policy every step, both are checkpointed under one
-commit (default/ and critic/ recover checkpoints), and a critic rank's death restarts the critic's group alone
-while the actor's ranks keep their processes and load the same step; an actor rank's death later reloads both.
-The run ends bit-identical to an uninterrupted PPO run."""
+commit (default/ and critic/ recover checkpoints). The memory tier holds both groups' copies: a critic rank's
+death or hang is repaired from memory, the critic's spare taking its place while every other rank of both groups
+rolls back in place, and an actor rank's likewise, nothing trained again. From disk (recover.memory=off), a critic
+rank's death restarts the critic's group alone while the actor's ranks keep their processes and load the same
+step; an actor rank's death later reloads both. Each run ends bit-identical to an uninterrupted PPO run."""
 from __future__ import annotations
 
 import json
@@ -50,7 +52,41 @@ def test_a_ppo_job_trains_its_critic_beside_the_policy_and_commits_both_at_once(
     assert "@critic/.metadata" in critic_files and len(critic_files) > 2
 
 
-def test_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(
+def test_from_memory_a_critic_ranks_death_and_hang_and_an_actor_ranks_death_train_nothing_again(
+        cluster, ppo_reference, trial, tmp_path):
+    """One warm spare per group, the memory tier as shipped (each pool's spare holds its group's copies from the
+    job's start). Killed as it trains step 3, before the first checkpoint and while the spares still warm, critic
+    rank 1 is replaced by the critic's spare, which held its copy of step 2; critic rank 0 and both actor ranks roll
+    back to step 2 in place, each from its own copy. Killed as it trains step 8, actor rank 1 is replaced by the
+    actor's spare and both critic ranks roll back in place. SIGSTOPped as it trains step 13, critic rank 0 hangs the
+    critic's step: it is killed as the culprit, and a new process in its bundle loads the copy its peer (the former
+    spare) holds: the cluster's 7 CPUs have no room for a refilled spare while the taken spares' bundles stay
+    reserved. Each repair is from memory, no completed step is trained again, and the run is bit-identical to an
+    uninterrupted one."""
+    fault = ",".join(["TrainWorker.train.enter:kill:step=3:rank=1:role=critic",
+                      "TrainWorker.train.enter:kill:step=8:rank=1",
+                      "TrainWorker.train.enter:stop:step=13:rank=0:role=critic"])
+    env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=1", MEMORY_TIER, "recover.retries=3",
+                 "recover.step_timeout_secs=15", *trial.overrides, "--address", cluster.address, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [(f["cause"], f["group"], f["global_step"]) for f in trial.events("failure")] == [
+        ("worker_died", "critic", 3), ("worker_died", "train", 8), ("hang", "critic", 13)]
+    loaded = [(e["global_step"], e["source"], e["kept"], e["critic_kept"]) for e in trial.events("loaded")]
+    assert loaded == [(-1, "disk", [], []), (2, "memory", [0, 1], [0]), (7, "memory", [0], [0, 1]),
+                      (12, "memory", [0, 1], [1])], loaded
+    recoveries = trial.events("recovery")
+    assert [(e["global_step"], e["source"], e["loaded_step"], e["replayed_steps"]) for e in recoveries] == [
+        (3, "memory", 2, 0), (8, "memory", 7, 0), (13, "memory", 12, 0)], (recoveries, trial.events("warning"))
+    taken = [(e.get("group", "train"), e["taken"]) for e in trial.events("spares") if e["action"] == "taken"]
+    assert taken[-3:] == [("critic", 1), ("train", 1), ("critic", 0)], taken
+    first_commit = trial.events("commit")[0]["time"]  # the critic's ranks linked before the first step
+    assert any(set(e["nodes"]) == {"0", "1"} for e in trial.events("buddies")
+               if e.get("group") == "critic" and e["time"] < first_commit), trial.events("buddies")
+    assert_recovered_exactly(trial, ppo_reference, restarts=3)
+
+
+def test_from_disk_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(
         cluster, ppo_reference, trial, tmp_path):
     """One warm spare per group (`recover.spare_workers=1`: the shared cluster's 7 CPUs hold 2 + 2 ranks, the
     engine, and one spare each). Killed as it trains step 2, before the first checkpoint, critic rank 0 takes every
@@ -59,15 +95,15 @@ def test_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_a
     and the actor's ranks keep their processes (the actor's took step 6's update) and all load step 4. SIGSTOPped
     as it trains step 10, critic rank 0 hangs the step: it is killed as the culprit critic rank 1 waits on, the
     critic's refilled spare or a new process takes its place, and critic rank 1 keeps its process; step 9 is
-    loaded. Killed as it
-    trains step 15, actor rank 0 is replaced by the actor's warm spare; the critic's ranks load step 14 in place. The memory tier, as shipped, does not serve a job with a critic yet: every repair
-    is from disk and says so. One retry each, bit-identical."""
+    loaded. Killed as it trains step 15, actor rank 0 is replaced by the actor's warm spare; the critic's ranks load
+    step 14 in place. The memory tier is off: every repair is from disk and says so. One retry each,
+    bit-identical."""
     fault = ",".join(["TrainWorker.train.enter:kill:step=2:rank=0:role=critic", "step.begin:wait_spares:step=4",
                       "TrainWorker.train.enter:kill:step=6:rank=1:role=critic",
                       "TrainWorker.train.enter:stop:step=10:rank=0:role=critic",
                       "TrainWorker.train.enter:kill:step=15:rank=0"])
     env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=1", MEMORY_TIER, "recover.retries=4",
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=1", "recover.memory=off", "recover.retries=4",
                  "recover.step_timeout_secs=15", *trial.overrides, "--address", cluster.address, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     failures = trial.events("failure")
@@ -86,8 +122,7 @@ def test_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_a
     # step 6 from the critic's warm spare; step 10's from the refilled pool where the cluster had room, else cold
     assert taken[-3] == ("critic", 1, 0) and taken[-1] == ("train", 1, 0), taken
     assert taken[-2][0] == "critic" and taken[-2][1] + taken[-2][2] == 1, taken
-    assert [e["reason"] for e in trial.events("recovery")] == [
-        "the memory tier does not hold a critic's copies yet: a PPO job recovers from disk"] * 4
+    assert [e["reason"] for e in trial.events("recovery")] == ["recover.memory is off"] * 4
     assert "the actor's ranks start again too: no checkpoint yet" in r.stderr + r.stdout
     assert_recovered_exactly(trial, ppo_reference, restarts=4)
 
@@ -98,9 +133,9 @@ KL_IN_REWARD = ["actor.kl_coef=0.05", "critic.kl_in_reward=true", "critic.kl_tar
 def test_the_adaptive_kl_coefficient_in_the_rewards_is_restored_with_its_step(cluster, trial, tmp_path_factory):
     """critic.kl_in_reward with an adaptive controller: each step's rewards weigh the KL to the reference with the
     coefficient the previous steps moved (a short horizon, so it moves up to 13% a step), saved with each
-    checkpoint. A critic rank killed as it trains step 6 (every group starts again: a KL reference is not kept
-    in place) loads step 4 with its coefficient, and the run ends bit-identical to an uninterrupted one: every
-    stats field (`kl`, `kl_coef` among them) and the final weights."""
+    checkpoint. From disk (recover.memory=off), a critic rank killed as it trains step 6 (every group starts
+    again: a KL reference is not kept in place) loads step 4 with its coefficient, and the run ends bit-identical
+    to an uninterrupted one: every stats field (`kl`, `kl_coef` among them) and the final weights."""
     clean = Trial(tmp_path_factory.mktemp("ppo-kl-reference") / "runs")
     r = relaunch("run", str(CONFIG), *SHORT, *PPO, *KL_IN_REWARD, "recover.spare_workers=0", *clean.overrides,
                  "--address", cluster.address)
@@ -117,8 +152,8 @@ def test_the_adaptive_kl_coefficient_in_the_rewards_is_restored_with_its_step(cl
 
     env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:kill:step=6:rank=1:role=critic",
                    "RELAUNCH_FAULT_DIR": str(tmp_path_factory.mktemp("ppo-kl-faults"))})
-    r = relaunch("run", str(CONFIG), *SHORT, *PPO, *KL_IN_REWARD, "recover.spare_workers=0", *trial.overrides,
-                 "--address", cluster.address, env=env)
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, *KL_IN_REWARD, "recover.spare_workers=0", "recover.memory=off",
+                 *trial.overrides, "--address", cluster.address, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]
     assert "a survivor's KL reference may be newer" in r.stdout + r.stderr
