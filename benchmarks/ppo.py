@@ -1,16 +1,17 @@
 """PPO beside GRPO at one model size: what the critic adds to a step, and what a critic rank's kill costs against an
 actor rank's, on one local 3-node Ray cluster.
 
-    .venv/bin/python benchmarks/ppo.py [--size tiny|100m|0.5b] [--steps N] [--kill-at-step K] [--quick]
-                                       [--address ADDR] [--json FILE] [KEY=VALUE ...]
+    .venv/bin/python benchmarks/ppo.py [--size tiny|100m|0.5b] [--steps N] [--kill-at-step K] [--source memory|disk]
+                                       [--quick] [--address ADDR] [--json FILE] [KEY=VALUE ...]
 
 Five runs of one epoch over the dataset's first N batches (default: all of them), each a step at a time: GRPO
 uninterrupted, GRPO with actor rank 1 SIGKILLed as it enters the update of step K, PPO (the size's config with a
 `critic` section: a value model of the policy's shape in a group of its own, as many ranks, the actor's lr)
 uninterrupted, and PPO with actor rank 1, then critic rank 1, killed at the same moment. Every kill recovers from
-disk (a job with a critic has no memory tier yet, so GRPO's is turned off to match) with one warm spare per group
-(`recover.spare_workers=1`: the local cluster's 7 CPUs hold 2 + 2 ranks, the engine and a spare for each; step 1
-waits for them to warm, as a kill a minute into a job meets warm spares).
+`--source`: memory (the tier as shipped, which holds both groups' copies: the spare holding the dead rank's copy
+takes its place, every other rank of both groups rolls back in place), or disk (`recover.memory=off`), with one
+warm spare per group (`recover.spare_workers=1`: the local cluster's 7 CPUs hold 2 + 2 ranks, the engine and a
+spare for each; step 1 waits for them to warm, as a kill a minute into a job meets warm spares).
 Prints each run's median step period and update (the critic's values and both groups' updates, for PPO), each
 kill's time from the fault to the completion of the killed step and what it lost beyond one steady step, its
 parts, the step loaded and the steps trained again, and the ratio of a critic rank's kill to an actor rank's
@@ -31,7 +32,8 @@ from supervisor.config import load_config
 from supervisor.control.events import Event, read_jsonl
 from supervisor.testing.local_cluster import LocalCluster
 
-COMMON = ["total_train_epochs=1", "recover.memory=off"]
+COMMON = ["total_train_epochs=1"]
+SOURCES = {"memory": "recover.memory=auto", "disk": "recover.memory=off"}
 
 
 def critic_section(config: Path) -> list[str]:
@@ -97,12 +99,13 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=list(SIZES), help="the model (benchmarks/sizes.py)")
     parser.add_argument("--steps", type=int, help="one epoch of this many batches (default: the whole dataset's)")
     parser.add_argument("--kill-at-step", type=int, default=8)
+    parser.add_argument("--source", default="memory", choices=list(SOURCES), help="where every kill recovers from")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     size = "tiny" if args.quick else args.size
     config = SIZES[size].config
     fileroot = Path(tempfile.mkdtemp(prefix="relaunch-ppo-"))
-    common = [*COMMON, *(first_batches(config, fileroot, args.steps) if args.steps and not args.quick else []),
+    common = [*COMMON, SOURCES[args.source], *(first_batches(config, fileroot, args.steps) if args.steps and not args.quick else []),
               *args.overrides]
     ppo = [*critic_section(config), *common]
     cluster = None if args.address else LocalCluster(object_store=SIZES[size].object_store)
@@ -126,9 +129,9 @@ def main() -> None:
         if cluster:
             cluster.shutdown()
     print(f"model: {size} ({config.name}), one epoch of {clean['PPO']['steps'] + 1} steps, "
-          f"rank 1 killed at step {args.kill_at_step}")
+          f"rank 1 killed at step {args.kill_at_step}, recovered from {args.source}")
     report(table(clean, kills), {
-        "benchmark": "ppo", "size": size, "kill_at_step": args.kill_at_step,
+        "benchmark": "ppo", "size": size, "kill_at_step": args.kill_at_step, "source": args.source,
         "clean": {n: {k: v for k, v in f.items() if k != "layout"} for n, f in clean.items()},
         "kills": kills, "critic_over_actor": kills["PPO, critic rank"]["recovery"]["lost"]
         / kills["PPO, actor rank"]["recovery"]["lost"]}, args.json)

@@ -134,6 +134,18 @@ def test_a_step_the_supervisor_or_a_survivor_lacks_is_not_used():
     assert choose(staged=[5], holding={"s2": {1: [4]}}).source is Source.DISK
 
 
+def test_the_other_groups_ranks_roll_back_in_place_to_a_step_they_hold():
+    """PPO: beside the faulty group, the other group's every rank rolls back from its own slots, so the step
+    restored is the newest that they hold too; a group that holds none of the lost ranks' steps sends the repair to
+    disk, saying which."""
+    assert choose(beside={"actor": [4, 5]}).step == 5
+    assert choose(beside={"actor": [4]}).step == 4  # the actor's ranks had not all staged step 5
+    assert choose(lost={0, 1}, staged=[], beside={"critic": [5]}).step == 5
+    c = choose(beside={"critic": [3]})
+    assert c.source is Source.DISK and c.reason == ("the critic's ranks hold no step in memory that every lost "
+                                                    "rank's copy does (the critic's [3], the lost ranks' [4, 5])")
+
+
 @pytest.mark.parametrize("overrides, reason", [
     (dict(enabled="recover.memory is off"), "recover.memory is off"),
     (dict(kind=FaultKind.OBJECT_LOST), "object_lost"),
