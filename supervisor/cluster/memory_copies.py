@@ -187,7 +187,8 @@ class MemoryCopies:
             self._note_slots()
             ready, failed = self._note_prepared(trainers.world_size, holders)
         except NoRoom as e:
-            self._turn_off(trainers, holders, str(getattr(e, "cause", e)))
+            self.turn_off(trainers, f"a node has no room for the memory tier's copies: {getattr(e, 'cause', e)}",
+                          holders)
             return {}
         if failed:
             self._drop_holders(failed)
@@ -360,9 +361,11 @@ class MemoryCopies:
         nodes = {name: c.holder.node for name, c in holders.items()}
         self.linked({rank: nodes.get(name) for rank, name in self.buddies.items()})
 
-    def _turn_off(self, trainers: TrainGroup, holders: dict[str, Candidate], reason: str) -> None:
-        """No room for the copies: every rank and buddy gives its slots back, recovery from disk from now on."""
-        self.off = f"a node has no room for the memory tier's copies: {reason}"
+    def turn_off(self, trainers: TrainGroup, off: str, holders: dict[str, Candidate] | None = None) -> None:
+        """The tier is off for the run (`off`: why; no room for the copies, or another group's tier is off): every
+        rank and holder gives its slots back, recovery from disk from now on."""
+        holders = self.candidates(trainers) if holders is None else holders
+        self.off = off
         self.warn(f"{self.off}; recovery from disk for the rest of the run")
         refs = [m.handle.drop_memory.remote() for m in trainers.members] + \
                [s.handle.release.remote() for s in holders.values()]

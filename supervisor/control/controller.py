@@ -238,10 +238,12 @@ class Controller:
         fleet = self.fleet
         if self.drains is None or self.runner.owed is not None or fleet.trainers is None or fleet.engines is None:
             return
-        pool = self.spares.holders() if self.spares is not None else {}
-        critic_pool = self.critic_spares.holders() if self.critic_spares is not None else {}
-        used = {n for n in fleet.trainers.nodes + fleet.engines.nodes if n} | \
-            {s.node for s in (*pool.values(), *critic_pool.values())}
+        groups = [self._group(role) for role in self.config.trained]
+        if None in groups:
+            return
+        pools = [self._pool(role) for role in self.config.trained if self._pool(role) is not None]
+        used = {n for group in (*groups, fleet.engines) for n in group.nodes if n} | \
+            {s.node for pool in pools for s in pool.holders().values()}
         notices = self.drains.new(used)
         for node, deadline in notices.items():
             self.drains.done(node)
@@ -252,62 +254,71 @@ class Controller:
                 raise
 
     def _preempt(self, node: str, deadline: float | None, draining: set[str]) -> None:
-        """Move the work off a node that will go: its ranks to the spares holding their copies of the step just
-        completed, its engines to spare or new ones, its spares retired. No retry is spent; the `preemption`
-        event says what moved where, and the `recovery` event what it cost, timed as a repair is."""
+        """Move the work off a node that will go: its ranks, of every trained group, to the holders of their copies
+        of the step just completed, its engines to spare or new ones, its spares retired. No retry is spent; the
+        `preemption` event says what moved where, and the `recovery` event what it cost, timed as a repair is."""
         r, fleet, started = self.runner, self.fleet, time.monotonic()
-        trainers, engines, step = fleet.trainers, fleet.engines, r.state.step.global_step
-        if self.critic_spares is not None:  # the critic's spares there are retired, refilled elsewhere
-            retired = [name for name, s in self.critic_spares.holders().items() if s.node == node]
-            self.critic_spares.drop(retired)
-            if r.critic_memory is not None and retired:
-                r.critic_memory.retired(fleet.critics, tuple(retired))
-        lost = {rank for rank, n in enumerate(trainers.nodes) if n == node}
-        choice = None
-        if lost:
-            if r.memory is not None and r.memory.off is None:
-                r.memory.wait_landed(trainers, step)  # the copy of the step just completed, sent beside the step
-            choice = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
-                                           set(range(trainers.world_size)) - lost, bundles=False)
-        pool = self.spares.holders() if self.spares is not None else {}  # as it is now: an earlier handoff took some
-        handoff = plan_handoff(node=node, deadline=deadline, now=time.time(), rank_nodes=trainers.nodes,
-                               engine_nodes={m.name: m.node_id for m in engines.members},
-                               spare_nodes={name: s.node for name, s in pool.items()}, global_step=step,
-                               memory=choice, draining=draining)
+        engines, step = fleet.engines, r.state.step.global_step
+        groups = {role: self._group(role) for role in self.config.trained}
+        choices = {}
+        for role, group in groups.items():
+            lost = {rank for rank, n in enumerate(group.nodes) if n == node}
+            if not lost:
+                continue
+            memory = self._memory(role)
+            if memory is not None and memory.off is None:
+                memory.wait_landed(group, step)  # the copy of the step just completed, sent beside the step
+            choices[role] = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
+                                                  set(range(group.world_size)) - lost, bundles=False, role=role)
+        spares = {name: s.node for role in groups if self._pool(role) is not None  # as they are now: an earlier
+                  for name, s in self._pool(role).holders().items()}                 # handoff took some
+        handoff = plan_handoff(node=node, deadline=deadline, now=time.time(),
+                               rank_nodes={role: group.nodes for role, group in groups.items()},
+                               engine_nodes={m.name: m.node_id for m in engines.members}, spare_nodes=spares,
+                               global_step=step, memory=choices,
+                               draining=draining)
         if handoff is None:
             return
-        self.log.info(f"node {node[:8]} drains (deadline {_until(deadline)}): moving ranks {list(handoff.ranks)}, "
+        moving = ", ".join(f"{role} ranks {list(ranks)}" for role, ranks in handoff.ranks.items()) or "ranks []"
+        self.log.info(f"node {node[:8]} drains (deadline {_until(deadline)}): moving {moving}, "
                       f"engines {list(handoff.engines)}, spares {len(handoff.spares)}"
                       + (f"; {handoff.fallback}" if handoff.fallback else ""), extra={"step": step, "phase": self.phase})
         if handoff.moves:
-            self._hand_off(handoff, choice, step)
-        self.events.emit(Event.PREEMPTION, node=node, deadline=deadline, global_step=step, ranks=list(handoff.ranks),
-                         to=[trainers.nodes[rank] for rank in handoff.ranks], engines=list(handoff.engines),
-                         spares=list(handoff.spares), fallback=handoff.fallback,
-                         secs=round(time.monotonic() - started, 3))
+            self._hand_off(handoff, {role: choices[role] for role in handoff.ranks}, step)
+        moved = lambda role: list(handoff.ranks.get(role, ()))  # noqa: E731
+        to = lambda role: [groups[role].nodes[rank] for rank in moved(role)]  # noqa: E731 - where they went
+        self.events.emit(Event.PREEMPTION, node=node, deadline=deadline, global_step=step, ranks=moved(RoleName.ACTOR),
+                         to=to(RoleName.ACTOR), engines=list(handoff.engines), spares=list(handoff.spares),
+                         fallback=handoff.fallback, secs=round(time.monotonic() - started, 3),
+                         **({"critic_ranks": moved(RoleName.CRITIC), "critic_to": to(RoleName.CRITIC)}
+                            if RoleName.CRITIC in groups else {}))
 
-    def _hand_off(self, handoff: Handoff, choice: Choice | None, step: int) -> None:
+    def _hand_off(self, handoff: Handoff, choices: dict[RoleName, Choice], step: int) -> None:
+        """`choices`: where each group whose ranks move takes them from (the memory tier's adoption)."""
         fleet = self.fleet
         self.clock.start("preemption", "handoff", 0.0, step + 1)  # timed to the next step's completion
         held = None
-        if handoff.ranks:
+        if choices:
             with self.clock.part("teardown"):
                 self._finish_writes(handoff.deadline)
                 held = fleet.trainers.shard_digests()  # what the ranks hold, checked once they moved
-        if handoff.spares:
-            self.spares.drop(list(handoff.spares))  # refilled elsewhere after the next step
-            if self.runner.memory is not None:
-                self.runner.memory.retired(self.fleet.trainers, handoff.spares)
+        for role in self.config.trained:  # the spares there: refilled elsewhere after the next step
+            pool, memory = self._pool(role), self._memory(role)
+            retired = tuple(s.name for s in pool.spares if s.name in handoff.spares) if pool is not None else ()
+            if retired:
+                pool.drop(list(retired))
+                if memory is not None:
+                    memory.retired(self._group(role), retired)
         if handoff.engines:
             with self.clock.part("teardown"):
                 # the spares the moving ranks take stay (ranks move only where the memory tier chose where to)
-                keep, reserve = (frozenset(choice.adopters.values()), len(choice.givers)) if handoff.ranks else \
-                    (frozenset(), 0)
-                self._make_room_for_engines(len(handoff.engines), keep, reserve)
+                keep = frozenset(name for c in choices.values() for name in c.adopters.values())
+                self._make_room_for_engines(len(handoff.engines), keep, {role: len(c.givers)
+                                                                         for role, c in choices.items()})
                 replaced = fleet.engines.replace(handoff.engines)
             self.events.emit(Event.ENGINES_RESTARTED, replaced=replaced, from_spares=fleet.engines.from_spares)
-        if handoff.ranks:
-            self._rejoin_from_memory(choice, held)  # resyncs every engine
+        if choices:
+            self._rejoin_from_memory(choices, held)  # resyncs every engine
             return
         with self.clock.part("resync"):
             fleet.sync_engines(self.runner.weights_version, gate=True)
@@ -453,22 +464,24 @@ class Controller:
         role = RoleName.CRITIC if fault.group is Group.CRITIC else RoleName.ACTOR
         try:
             alive = self._answering(fault, role)
-            choice = self._recovery_source(fault, alive, role=role)
+            choice = self._from_memory(fault, role, alive)
         except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
             alive, choice = None, Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: "
                                                       f"{first_line(e)}")
-        self.log.info(f"recovering from {choice.source.value}: {choice.reason}",
+        choices, failed = choice if isinstance(choice, dict) else None, False
+        reason = f"step {next(iter(choices.values())).step} from memory" if choices else choice.reason
+        self.log.info(f"recovering from {'memory' if choices else 'disk'}: {reason}",
                       extra={"step": self.runner.state.step.global_step, "phase": self.phase})
-        if choice.source is Source.MEMORY:
+        if choices:
             try:
-                self._rejoin_from_memory(choice, role=role)
+                self._rejoin_from_memory(choices)
                 return
             except Exception as e:  # noqa: BLE001 - whatever broke, the disk path kills every rank and reloads
                 choice = Choice(Source.DISK, f"recovery from memory failed: {type(e).__name__}: {first_line(e)}")
                 self.events.emit(Event.WARNING, message=f"{choice.reason}; recovering from disk")
-                alive = None
+                alive, failed = None, True  # every group may have left its process group: all start again
         self.clock.disk_because(choice.reason)
-        if role is RoleName.CRITIC:
+        if role is RoleName.CRITIC and not failed:
             self._restart_critics(fault, alive)
             return
         lost, why_not = self._kept(fault, alive)
@@ -518,16 +531,44 @@ class Controller:
         """`role`'s memory-tier copies (cluster/memory_copies.py), or None where the tier does not serve the job."""
         return self.runner.memory if role is RoleName.ACTOR else self.runner.critic_memory
 
+    def _from_memory(self, fault: Fault, role: RoleName, alive: set[int] | None) -> dict[RoleName, Choice] | Choice:
+        """The repairs from memory of every group that lost ranks, all to one step (role -> its Choice), or the
+        Choice of disk saying why not. `alive`: the ranks of `role`'s group (the faulty one) that answered; the
+        other groups' ranks are asked now (a node's loss takes ranks of every group there), and where all of
+        theirs answer, they roll back in place beside it."""
+        answered = {role: alive}
+        for other in self.config.trained:
+            group = self._group(other)
+            if other is not role:
+                answered[other] = group.answering(ANSWER_SECS) if group is not None and alive is not None else None
+        choices = {}
+        for each, ranks in answered.items():
+            group = self._group(each)
+            if each is role or (group is not None and ranks is not None and len(ranks) < group.world_size):
+                others = {other: answered[other] for other in answered if other is not each}
+                choice = self._recovery_source(fault, ranks, role=each, others=others)
+                if choice.source is not Source.MEMORY:
+                    return choice if each is role else replace(choice, reason=f"the {each.value}'s lost ranks: "
+                                                                              f"{choice.reason}")
+                choices[each] = choice
+        steps = {each.value: choice.step for each, choice in choices.items()}
+        if len(set(steps.values())) > 1:
+            return Choice(Source.DISK, f"the groups' lost ranks are held at different steps ({steps})")
+        return choices
+
     def _recovery_source(self, fault: Fault, alive: set[int] | None, bundles: bool = True,
-                         role: RoleName = RoleName.ACTOR) -> Choice:
+                         role: RoleName = RoleName.ACTOR, others: dict[RoleName, set[int] | None] | None = None) \
+            -> Choice:
         """Memory or disk (recovery_source.py) for `role`'s group, from who still answers, what the buddies hold
         and the steps the other groups' ranks hold in their own slots. `bundles`: whether a lost rank may start
-        again in its bundle (not when its node drains)."""
+        again in its bundle (not when its node drains); `others`: the other groups whose ranks roll back in place
+        beside it, each with its ranks that answered (None: asked of none), or None where none do (a handoff)."""
         r, group, memory, pool = self.runner, self._group(role), self._memory(role), self._pool(role)
-        if memory is None or memory.off is not None:
-            return Choice(Source.DISK, self.memory_off if memory is None else memory.off)
-        others = {other: self._group(other) for other in self.config.trained if other is not role}
-        if group is None or None in others.values():  # a restarted Supervisor, or a start that failed
+        off = next((m.off for m in r.memories if m.off is not None), None)  # the tier serves every group or none
+        if memory is None or off is not None:
+            return Choice(Source.DISK, self.memory_off if memory is None else off)
+        others = {other: (self._group(other), ranks) for other, ranks in (others or {}).items()}
+        if group is None or any(g is None for g, _ in others.values()):  # a restarted Supervisor, or a failed start
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
         lost = set() if alive is None else set(range(group.world_size)) - alive
@@ -536,11 +577,8 @@ class Controller:
         bundles = bundles and not fault.node_lost  # a node Ray has not marked dead yet may still hold a bundle
         bundled = {rank for rank in lost if bundles and rank in group.bundles and group.nodes[rank] not in gone}
         spares = [s for s in pool.spares if s.node not in gone] if pool is not None else []
-        beside = {}  # the other groups' ranks roll back in place: the steps each group's every rank holds
-        for other, other_group in others.items():
-            other_memory = self._memory(other)
-            beside[other.value] = [] if other_memory.off is not None else \
-                other_memory.staged_by(set(range(other_group.world_size)))
+        beside = {other.value: self._memory(other).staged_by(set(range(g.world_size)) if ranks is None else ranks)
+                  for other, (g, ranks) in others.items()}  # the steps their ranks that answered hold
         return recovery_source(enabled=None, kind=fault.kind, world_size=group.world_size, lost=lost,
                                buddies=memory.covering(), holding=memory.holding(group),
                                staged=memory.staged_by(set(range(group.world_size)) - lost),
@@ -572,54 +610,70 @@ class Controller:
                           extra={"step": self.runner.state.step.global_step, "phase": self.phase})
             group.kill_ranks(culprits)
 
-    def _rejoin_from_memory(self, choice: Choice, held: list[str] | None = None,
-                            role: RoleName = RoleName.ACTOR) -> None:
-        """Restart only the dead of `role`'s group: their buddies take their places with their state, its survivors
-        roll back in place, as do the other groups' ranks (PPO: the actor's beside a critic's fault, the critic's
-        beside the actor's), each from its own copy, while the new group forms; the Supervisor rolls back to the
-        same step from its own memory; engines that already hold that step's weights are not resynced. Nothing is
-        read from disk. The restored weights are checked whole at the resync (gathered and hashed), but after a
-        handoff, where every rank's digest of its part from before it moved (`held`) is matched instead."""
-        r, group, memory, spares, lost = self.runner, self._group(role), self._memory(role), self._pool(role), \
-            choice.lost
-        trainers = self.fleet.trainers
+    def _rejoin_from_memory(self, choices: dict[RoleName, Choice], held: list[str] | None = None) -> None:
+        """Restart only the dead: in each group of `choices` (role -> its repair from memory, all to one step), the
+        holders of the lost ranks' copies take their places with their state and the other ranks roll back in
+        place from their own copies; after a fault (not a handoff, `held`), so does every rank of the other
+        groups (PPO: the critic's beside an actor's fault, the actor's beside a critic's), the groups' rendezvous
+        running together; the Supervisor rolls back to the same step from its own memory; engines that already
+        hold that step's weights are not resynced. Nothing is read from disk. The restored weights are checked
+        whole at the resync (gathered and hashed), but after a handoff, where every rank's digest of its part from
+        before it moved (`held`) is matched instead: a handoff moves ranks at a step boundary, where the other
+        groups are at the step already and stay as they are."""
+        r, fleet, started = self.runner, self.fleet, time.monotonic()
+        step, = {c.step for c in choices.values()}
+        if held is None:
+            in_place = Choice(Source.MEMORY, "rolled back in place", step)
+            choices = {role: choices.get(role, in_place) for role in self.config.trained}
         with self.clock.part("teardown"):
-            self.fleet.close_stream()
-            self.checkpoints.drop_in_flight(keep_export=role is not RoleName.ACTOR or 0 not in lost)
-        holders = memory.candidates(group)
-        beside = [(m, g) for m, g in r.memories_of_groups() if g is not group]
-        with ThreadPoolExecutor(max_workers=max(len(beside), 1), thread_name_prefix="roll-back") as pool:
-            in_place = [pool.submit(g.rejoin, {}, {}, choice.step) for _, g in beside]
-            own = group.rejoin(choice.adopters, {rank: holders[name].handle for rank, name in choice.givers.items()},
-                               choice.step, spares, choice.bundled)
-            for (m, g), rolled in zip(beside, in_place):
-                m.adopted(choice.step, [], {}, {}, rolled.result(), gone=set())
-        memory.adopted(choice.step, lost, choice.adopters, choice.givers, own,
-                       gone=set(holders) - set(memory.candidates(group)))  # lost ranks, spares taken
-        for part, part_secs in group.timings.items():
-            self.clock.add(part, part_secs)
-        if spares is not None:
-            self.events.emit(Event.SPARES, action="taken", taken=group.from_spares, cold=len(lost) - group.from_spares,
-                             pool=len(spares), size=spares.size,
-                             **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
-        self.refill_due = self.refill_due or role is RoleName.ACTOR  # the critic's pool refills when short
-        r.restore(choice.step)
+            fleet.close_stream()
+            self.checkpoints.drop_in_flight(keep_export=RoleName.ACTOR not in choices or
+                                            0 not in choices[RoleName.ACTOR].lost)
+        holders = {role: self._memory(role).candidates(self._group(role)) for role in choices}
+        with ThreadPoolExecutor(max_workers=len(choices), thread_name_prefix="rejoin") as pool:
+            rejoins = {role: pool.submit(self._group(role).rejoin, c.adopters,
+                                         {rank: holders[role][name].handle for rank, name in c.givers.items()},
+                                         step, self._pool(role), c.bundled) for role, c in choices.items()}
+            own = {role: rejoined.result() for role, rejoined in rejoins.items()}
+        rejoined = time.monotonic() - started
+        for role, c in choices.items():  # gone: the lost ranks' processes, the spares taken
+            group, memory = self._group(role), self._memory(role)
+            memory.adopted(step, c.lost, c.adopters, c.givers, own[role],
+                           gone=set(holders[role]) - set(memory.candidates(group)))
+        repaired = [self._group(role) for role, c in choices.items() if c.lost] or [fleet.trainers]
+        parts = {part: max(group.timings.get(part, 0.0) for group in repaired)  # the groups rejoined together
+                 for part in {part for group in repaired for part in group.timings}}
+        # a group rolled back in place beside them that took longer: its wait is the rendezvous'
+        parts["rendezvous"] = parts.get("rendezvous", 0.0) + max(0.0, rejoined - sum(parts.values()))
+        for part, secs in parts.items():
+            self.clock.add(part, secs)
+        for role, c in choices.items():
+            spares = self._pool(role)
+            if c.lost and spares is not None:
+                taken = self._group(role).from_spares
+                self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(c.lost) - taken,
+                                 pool=len(spares), size=spares.size,
+                                 **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
+        self.refill_due = self.refill_due or RoleName.ACTOR in choices and bool(choices[RoleName.ACTOR].lost)
+        r.restore(step)
+        trainers, critics = fleet.trainers, fleet.critics
         with self.clock.part("resync"):
             proven = held is not None and trainers.shard_digests() == held
         if held is not None:
             self.log.info("the moved ranks hold what they held: every rank's digest of its part matches; engines "
                           "already holding these weights keep them" if proven else "a moved rank's part of the "
                           "weights differs from before it moved: the weights are checked whole at the resync",
-                          extra={"step": choice.step, "phase": self.phase})
+                          extra={"step": step, "phase": self.phase})
         if not proven:
             self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
-        self.clock.loaded(choice.step, Source.MEMORY)
-        critics = self.fleet.critics
-        kept = lambda g, faulty: [rank for rank in range(g.world_size) if not faulty or rank not in lost]  # noqa: E731
-        self.events.emit(Event.LOADED, global_step=choice.step, path=None, source=Source.MEMORY.value,
-                         nodes=trainers.nodes, kept=kept(trainers, role is RoleName.ACTOR), missing_state=[],
-                         secs=round(sum(group.timings.values()), 3),
-                         **({} if critics is None else {"critic_kept": kept(critics, role is RoleName.CRITIC)}))
+        self.clock.loaded(step, Source.MEMORY)
+        kept = lambda role: [rank for rank in range(self._group(role).world_size)  # noqa: E731
+                             if role not in choices or rank not in choices[role].lost]
+        self.events.emit(Event.LOADED, global_step=step, path=None, source=Source.MEMORY.value,
+                         nodes=trainers.nodes, kept=kept(RoleName.ACTOR), missing_state=[],
+                         secs=round(sum(parts.values()), 3),
+                         **({} if critics is None else {"critic_kept": kept(RoleName.CRITIC),
+                                                        "critic_nodes": critics.nodes}))
         self._resync()
 
     def _restart_train_group(self) -> None:
@@ -747,7 +801,8 @@ class Controller:
                          source=Source.DISK.value, nodes=fleet.trainers.nodes, kept=list(kept), missing_state=missing,
                          secs=round(time.monotonic() - started, 3),
                          **({} if fleet.critics is None else {"critic_kept": list(
-                             range(fleet.critics.world_size) if critic_kept is None else critic_kept)}))
+                             range(fleet.critics.world_size) if critic_kept is None else critic_kept),
+                             "critic_nodes": fleet.critics.nodes}))
         if missing:
             self.events.emit(Event.WARNING,
                              message=f"the checkpoint lacks {', '.join(missing)}; that state starts fresh")
@@ -780,26 +835,31 @@ class Controller:
             self.fleet.sync_engines(self.runner.weights_version, gate=True)  # a new engine starts in its sync
         self.clock.resumed()
 
-    def _make_room_for_engines(self, n: int, keep: frozenset[str] = frozenset(), reserve: int = 0) -> None:
-        """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room,
-        but for a handoff's (`keep`: its adopters; `reserve`: as many free spares as its ranks without one will
-        take), and those holding ranks' memory copies last (a rank lost with the engine's node recovers from one)."""
-        engines, memory, critic_memory = self.fleet.engines, self.runner.memory, self.runner.critic_memory
-        holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
-        critic_holders = frozenset(critic_memory.covering().values()) if critic_memory is not None else frozenset()
-        n -= engines.live_spares()
-        if self.critic_spares is not None:  # first: only the critic's ranks recover from them
-            released = self._best_effort("making room for the engines", lambda: self.critic_spares.make_room(
-                n, last=critic_holders)) or 0
-            if released:
-                self.events.emit(Event.SPARES, action="released", pool=len(self.critic_spares),
-                                 size=self.critic_spares.size, group=Group.CRITIC.value)
-            n -= released  # freed, though Ray may not show it yet
-        if self.spares is not None and self._best_effort(
-                "making room for the engines",
-                lambda: self.spares.make_room(n, keep, reserve, last=holders)):
-            self.events.emit(Event.SPARES, action="released", pool=len(self.spares), size=self.spares.size)
-            self.refill_due = True
+    def _make_room_for_engines(self, n: int, keep: frozenset[str] = frozenset(),
+                               reserve: dict[RoleName, int] | None = None) -> None:
+        """Replacements of `n` engines must not wait behind warm spares: spares go until the cluster has room, but
+        for a handoff's (`keep`: its adopters; `reserve`: role -> as many free spares of its pool as its ranks
+        without one will take), and those holding ranks' memory copies (a rank lost with the engine's node
+        recovers from one) only once no other spare of any pool is left."""
+        n -= self.fleet.engines.live_spares()
+        pools = [(role, self._pool(role), self._memory(role)) for role in self.config.trained
+                 if self._pool(role) is not None]
+        failed = set()  # a pool whose upkeep failed is left alone (tried again later)
+        for holders_too in (False, True):
+            for role, spares, memory in pools:
+                if role in failed or (holders_too and n <= 0):
+                    continue
+                holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
+                spared = keep if holders_too else keep | holders
+                released = self._best_effort("making room for the engines", lambda: spares.make_room(
+                    n, spared, (reserve or {}).get(role, 0), last=holders))
+                if released is None:
+                    failed.add(role)
+                elif released:
+                    self.events.emit(Event.SPARES, action="released", pool=len(spares), size=spares.size,
+                                     **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
+                    self.refill_due = self.refill_due or role is RoleName.ACTOR
+                n -= released or 0  # freed, though Ray may not show it yet
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and

@@ -217,6 +217,10 @@ class StepRunner:
             self.snapshots[s.global_step] = copy.deepcopy(self.state)
             for memory, group in self.memories_of_groups():
                 memory.begin(group, s.global_step)
+            off = next((m.off for m in self.memories if m.off is not None), None)
+            for memory, group in self.memories_of_groups():  # the tier serves every group or none
+                if memory.off is None and off is not None:
+                    memory.turn_off(group, f"another group's copies are off ({off})")
             self.owed.row["time/memory_stage"] = time.monotonic() - t_train
         self.fault_point("step.trained", s)
 

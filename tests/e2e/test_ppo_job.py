@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import CONFIG, MEMORY_TIER, SHORT, Trial, job_env, metrics, relaunch
-from test_faults import assert_recovered_exactly
+import time
+
+from harness import CONFIG, MEMORY_TIER, SHORT, Trial, job_env, log_tail, metrics, relaunch, start_relaunch
+from test_faults import assert_recovered_exactly, drain_while_paused, restore_workers, wait_paused
 
 from workers.ppo import KLCoefficient
 
@@ -61,29 +63,77 @@ def test_from_memory_a_critic_ranks_death_and_hang_and_an_actor_ranks_death_trai
     actor's spare and both critic ranks roll back in place. SIGSTOPped as it trains step 13, critic rank 0 hangs the
     critic's step: it is killed as the culprit, and a new process in its bundle loads the copy its peer (the former
     spare) holds: the cluster's 7 CPUs have no room for a refilled spare while the taken spares' bundles stay
-    reserved. Each repair is from memory, no completed step is trained again, and the run is bit-identical to an
-    uninterrupted one."""
+    reserved. Killed together as they train step 17, actor rank 1 and critic rank 0 (a node's loss would take a rank
+    of each) are one repair: the actor's failure is seen, the critic's ranks are asked too, and each group's lost
+    rank takes its copy of step 16 from its peer, in a free bundle or its own. Each repair is from memory, no
+    completed step is trained again, and the run is bit-identical to an uninterrupted one."""
     fault = ",".join(["TrainWorker.train.enter:kill:step=3:rank=1:role=critic",
                       "TrainWorker.train.enter:kill:step=8:rank=1",
-                      "TrainWorker.train.enter:stop:step=13:rank=0:role=critic"])
+                      "TrainWorker.train.enter:stop:step=13:rank=0:role=critic",
+                      "TrainWorker.train.enter:kill:step=17:rank=1",
+                      "TrainWorker.train.enter:kill:step=17:rank=0:role=critic"])
     env = job_env({"RELAUNCH_FAULT": fault, "RELAUNCH_FAULT_DIR": str(tmp_path)})
-    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=1", MEMORY_TIER, "recover.retries=3",
+    r = relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=1", MEMORY_TIER, "recover.retries=4",
                  "recover.step_timeout_secs=15", *trial.overrides, "--address", cluster.address, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [(f["cause"], f["group"], f["global_step"]) for f in trial.events("failure")] == [
-        ("worker_died", "critic", 3), ("worker_died", "train", 8), ("hang", "critic", 13)]
+        ("worker_died", "critic", 3), ("worker_died", "train", 8), ("hang", "critic", 13), ("worker_died", "train", 17)]
     loaded = [(e["global_step"], e["source"], e["kept"], e["critic_kept"]) for e in trial.events("loaded")]
     assert loaded == [(-1, "disk", [], []), (2, "memory", [0, 1], [0]), (7, "memory", [0], [0, 1]),
-                      (12, "memory", [0, 1], [1])], loaded
+                      (12, "memory", [0, 1], [1]), (16, "memory", [0], [1])], loaded
     recoveries = trial.events("recovery")
     assert [(e["global_step"], e["source"], e["loaded_step"], e["replayed_steps"]) for e in recoveries] == [
-        (3, "memory", 2, 0), (8, "memory", 7, 0), (13, "memory", 12, 0)], (recoveries, trial.events("warning"))
+        (3, "memory", 2, 0), (8, "memory", 7, 0), (13, "memory", 12, 0), (17, "memory", 16, 0)], \
+        (recoveries, trial.events("warning"))
     taken = [(e.get("group", "train"), e["taken"]) for e in trial.events("spares") if e["action"] == "taken"]
-    assert taken[-3:] == [("critic", 1), ("train", 1), ("critic", 0)], taken
+    assert taken[-5:] == [("critic", 1), ("train", 1), ("critic", 0), ("train", 0), ("critic", 0)], taken
     first_commit = trial.events("commit")[0]["time"]  # the critic's ranks linked before the first step
     assert any(set(e["nodes"]) == {"0", "1"} for e in trial.events("buddies")
                if e.get("group") == "critic" and e["time"] < first_commit), trial.events("buddies")
-    assert_recovered_exactly(trial, ppo_reference, restarts=3)
+    assert_recovered_exactly(trial, ppo_reference, restarts=4)
+
+
+def test_a_drained_node_with_critic_ranks_hands_them_to_the_critics_spares_and_costs_nothing(
+        cluster, ppo_reference, trial, tmp_path):
+    """Two warm spares per group, on a worker node added for them (the pools are full and warm as step 2 begins).
+    Paused as step 6 begins, the node of critic rank 0 gets a preemption notice (`ray drain-node`, 30 s): at the
+    boundary after step 6 each rank there, the critic's and any actor's, hands its place to the spare holding its
+    copy of that step, the spares there are retired, and the node is killed once the job says so. Nothing fails, no
+    retry is spent, nothing is trained again, bit-identical."""
+    env = job_env({"RELAUNCH_FAULT": "step.begin:wait_spares:step=2,step.begin:pause:step=6",
+                   "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    proc = start_relaunch("run", str(CONFIG), *SHORT, *PPO, "recover.spare_workers=2", MEMORY_TIER,
+                          *trial.overrides, "--address", cluster.address, env=env, log=tmp_path / "job.log")
+    workers, drained = {n.node_id for n in cluster.workers}, []
+    try:
+        deadline = time.time() + 300
+        while not trial.events("loaded"):
+            assert time.time() < deadline and proc.poll() is None, log_tail(tmp_path / "job.log")
+            time.sleep(0.2)
+        cluster.add_node()  # the room for the spares (wait_spares, as step 2 begins)
+        wait_paused(tmp_path, proc, 1)  # as step 6 begins
+        loaded = trial.events("loaded")[-1]
+        node = loaded["critic_nodes"][0]
+        drained.append(node)
+        drain_while_paused(cluster, trial, tmp_path, proc, 1, node)
+        cluster.kill_node(cluster.node_of(node))
+        assert proc.wait(timeout=300) == 0, log_tail(tmp_path / "job.log")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        restore_workers(cluster, workers, drained)
+    preemption, = trial.events("preemption")
+    moved = lambda nodes: [rank for rank, n in enumerate(nodes) if n == node]  # noqa: E731
+    assert (preemption["node"], preemption["global_step"], preemption["fallback"]) == (node, 6, None), preemption
+    assert (preemption["ranks"], preemption["critic_ranks"]) == (moved(loaded["nodes"]), moved(loaded["critic_nodes"]))
+    assert node not in preemption["critic_to"] + preemption["to"]
+    after = trial.events("loaded")[-1]
+    assert node not in after["nodes"] + after["critic_nodes"] and after["source"] == "memory", after
+    assert not trial.events("failure") and not trial.events("restart")
+    recovery, = trial.events("recovery")
+    assert (recovery["cause"], recovery["source"], recovery["replayed_steps"], recovery["global_step"]) == \
+        ("preemption", "memory", 0, 7)
+    assert_recovered_exactly(trial, ppo_reference, restarts=0)
 
 
 def test_from_disk_a_critic_ranks_fault_repairs_the_critic_alone_and_an_actor_ranks_both_and_the_run_is_exact(

@@ -14,15 +14,17 @@ NOW = 1_000_000.0
 MEMORY = Choice(Source.MEMORY, "step 7 from memory", 7, {1: "spare-a"})
 
 
-def plan(node="b", deadline=NOW + 30, ranks=("a", "b"), engines=None, spares=None, step=7, memory=MEMORY):
-    return plan_handoff(node=node, deadline=deadline, now=NOW, rank_nodes=list(ranks),
+def plan(node="b", deadline=NOW + 30, ranks=("a", "b"), engines=None, spares=None, step=7, memory=MEMORY,
+         critic=None):
+    return plan_handoff(node=node, deadline=deadline, now=NOW,
+                        rank_nodes={"actor": list(ranks), **({"critic": list(critic[0])} if critic else {})},
                         engine_nodes=engines or {"RolloutWorker[0]": "head"}, spare_nodes=spares or {},
-                        global_step=step, memory=memory)
+                        global_step=step, memory={"actor": memory, **({"critic": critic[1]} if critic else {})})
 
 
 def test_a_node_with_a_rank_an_engine_and_a_spare_hands_all_three_off():
     assert plan(engines={"RolloutWorker[0]": "b", "RolloutWorker[1]": "head"}, spares={"spare-c": "b"}) == \
-        Handoff("b", NOW + 30, (1,), ("RolloutWorker[0]",), ("spare-c",))
+        Handoff("b", NOW + 30, {"actor": (1,)}, ("RolloutWorker[0]",), ("spare-c",))
 
 
 def test_a_node_the_job_does_not_use_changes_nothing():
@@ -30,7 +32,7 @@ def test_a_node_the_job_does_not_use_changes_nothing():
 
 
 def test_a_notice_without_a_deadline_is_handed_off():
-    assert plan(deadline=None).ranks == (1,)
+    assert plan(deadline=None).ranks == {"actor": (1,)}
 
 
 @pytest.mark.parametrize("left", [HANDOFF_SECS - 0.1, 0.0, -3.0])
@@ -46,8 +48,19 @@ def test_a_deadline_too_close_moves_nothing_and_says_why(left):
 ])
 def test_ranks_the_memory_tier_cannot_hand_off_stay_while_the_engines_and_spares_move(memory, why):
     h = plan(memory=memory, engines={"RolloutWorker[0]": "b"}, spares={"spare-c": "b"})
-    assert (h.ranks, h.engines, h.spares) == ((), ("RolloutWorker[0]",), ("spare-c",))
+    assert (h.ranks, h.engines, h.spares) == ({}, ("RolloutWorker[0]",), ("spare-c",))
     assert why in h.fallback and h.fallback.startswith("ranks [1] stay until the node goes")
+
+
+def test_a_critics_ranks_there_move_with_the_actors_or_all_stay():
+    """PPO: the critic's ranks on the node hand off beside the actor's, each group to its own holders; where the
+    critic's cannot (their copies not held, say), no rank of either group moves: they roll back as one step."""
+    critic = Choice(Source.MEMORY, "step 7 from memory", 7, {0: "spare-critic-a"})
+    h = plan(critic=(("b", "a"), critic), spares={"spare-critic-a": "c"})
+    assert h.ranks == {"actor": (1,), "critic": (0,)} and h.fallback is None
+    assert plan(ranks=("a", "a"), critic=(("b", "a"), critic)).ranks == {"critic": (0,)}  # the critic's alone
+    h = plan(critic=(("b", "a"), Choice(Source.DISK, "rank 0 had no buddy holding its state")))
+    assert h.ranks == {} and h.fallback.startswith("the critic's ranks [0] stay until the node goes (rank 0 had")
 
 
 def test_a_notice_is_acted_on_once_and_again_after_a_cancelled_drain():
@@ -70,9 +83,9 @@ def test_a_notice_is_acted_on_once_and_again_after_a_cancelled_drain():
 
 
 def test_a_rank_is_not_handed_to_a_buddy_whose_node_drains_too():
-    h = plan_handoff(node="b", deadline=NOW + 30, now=NOW, rank_nodes=["a", "b"], engine_nodes={},
-                     spare_nodes={"spare-a": "c"}, global_step=7, memory=MEMORY, draining={"b", "c"})
-    assert h.ranks == () and "a buddy holding their state is on a node that drains too" in h.fallback
+    h = plan_handoff(node="b", deadline=NOW + 30, now=NOW, rank_nodes={"actor": ["a", "b"]}, engine_nodes={},
+                     spare_nodes={"spare-a": "c"}, global_step=7, memory={"actor": MEMORY}, draining={"b", "c"})
+    assert h.ranks == {} and "a buddy holding their state is on a node that drains too" in h.fallback
 
 
 def test_a_notice_not_known_this_time_is_no_cancelled_drain():
