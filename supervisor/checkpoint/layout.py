@@ -142,7 +142,16 @@ class TrialLayout:
 
     @property
     def export_root(self) -> Path:
-        return self.checkpoint_root / ROLE_DIRS[ACTOR]
+        return self.export_root_of(ACTOR)
+
+    def export_root_of(self, role: str) -> StoragePath:
+        """Where `role`'s HF exports live: the actor's in default/, a critic's in critic/ (as AReaL's)."""
+        return self.checkpoint_root / ROLE_DIRS[role]
+
+    @property
+    def export_roots(self) -> list[StoragePath]:
+        """Every role's export directory, where a cleanup looks for exports never published."""
+        return [self.export_root_of(role) for role in ROLE_DIRS]
 
     @property
     def recover_checkpoint(self) -> Path:
@@ -181,8 +190,8 @@ class TrialLayout:
     def step_dir(self, global_step: int, role: str = ACTOR) -> Path:
         return self.recover_checkpoint_of(role) / f"globalstep{global_step}"
 
-    def export_dir(self, epoch: int, epoch_step: int, global_step: int) -> Path:
-        return self.export_root / f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+    def export_dir(self, epoch: int, epoch_step: int, global_step: int, role: str = ACTOR) -> StoragePath:
+        return self.export_root_of(role) / f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
 
     def recover_state_paths(self) -> list[Path]:
         """What clean-restart removes: recover_info/ and each role's recover_checkpoint/ of this trial, nothing more."""

@@ -478,7 +478,8 @@ class RecoverStore:
         """Temporary directories of interrupted saves and HF exports (and, on an object store, step directories
         an upload left without a manifest and exports without their marker; another role's step directories that
         no published actor step goes with): never published, so never loaded."""
-        found = self._partial_steps() + export_temporaries(self.fs, self.layout.export_root)
+        found = self._partial_steps()
+        found += [p for root in self.layout.export_roots for p in export_temporaries(self.fs, root)]
         reference = self.layout.recover_checkpoint / REFERENCE_PREFIX.split("/")[1]
         for root in (*self._recover_roots(), self.layout.checkpoint_root, reference, self.layout.recover_info):
             found += [p for p in self.fs.iterdir(root) if p.name.startswith(TMP_PREFIX)]
@@ -488,7 +489,8 @@ class RecoverStore:
         """Delete the temporaries but for `spare` (directories of background saves and exports still being
         written). Touches no published step, whatever the pointer says: what a failed save leaves behind. An
         export whose replacement was cut short is restored first (exports.restore_cut_short)."""
-        restore_cut_short(self.fs, self.layout.export_root)
+        for root in self.layout.export_roots:
+            restore_cut_short(self.fs, root)
         removed = [p for p in self.temporaries() if p not in spare]
         for p in removed:
             self.fs.remove(p)

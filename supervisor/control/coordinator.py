@@ -266,12 +266,20 @@ class CheckpointCoordinator:
                          blocked_secs=round(staged.secs, 3), background=staged.background,
                          mbps=round(staged.nbytes / max(secs, 1e-9) / 1e6, 3))
 
-    def export_hf(self, trainers, s: StepInfo, background: bool = False) -> None:
+    def export_hf(self, trainers, s: StepInfo, background: bool = False, critics=None) -> None:
         """A HuggingFace directory for this step, appearing complete or not at all; old ones pruned. With
         `background`, returns once rank 0 holds the full weights: `collect_export` publishes it when written.
         One export in flight: the previous one is waited for first. A replayed step is exported again: its
-        weights may differ from the abandoned timeline's (checkpoint/exports.py)."""
+        weights may differ from the abandoned timeline's (checkpoint/exports.py). `critics` (PPO): the critic's
+        value model is exported too, first and in the step, into critic/ beside the policy's default/ (a
+        token-classification model of one label), published and pruned as the policy's are."""
         self.collect_export(trainers, block=True)
+        if critics is not None:
+            final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step, RoleName.CRITIC)
+            self.fs.mkdir(final.parent)
+            pending = PendingExport(tmp_name(final), final, s.global_step)
+            critics.export_hf(str(pending.path), s.global_step)
+            self._publish_export(pending, RoleName.CRITIC)
         final = self.layout.export_dir(s.epoch, s.epoch_step, s.global_step)
         self.fs.mkdir(final.parent)
         pending = PendingExport(tmp_name(final), final, s.global_step)
@@ -282,12 +290,12 @@ class CheckpointCoordinator:
         trainers.export_hf(str(pending.path), s.global_step)
         self._publish_export(pending)
 
-    def _publish_export(self, pending: "PendingExport") -> None:
+    def _publish_export(self, pending: "PendingExport", role: RoleName = RoleName.ACTOR) -> None:
         with self.waits.on(f"the publication of step {pending.global_step}'s export",
                            self.config.recover.step_timeout_secs):
             outcome = publish_export(self.fs, pending.path, pending.final)
         self.events.emit(Event.EXPORT, global_step=pending.global_step, path=str(pending.final),
-                         outcome=outcome.value)
+                         outcome=outcome.value, **({"group": role.value} if role is not RoleName.ACTOR else {}))
         if self.config.saver.keep_last:
             prune_exports(self.fs, pending.final.parent, self.config.saver.keep_last)
 
@@ -312,8 +320,9 @@ class CheckpointCoordinator:
         try:
             if self.store is not None:
                 return RecoverStore(self.layout, self.config.recover.keep_last, fs).remove_temporaries(spare=live)
-            restore_cut_short(fs, self.layout.export_root)
-            removed = [p for p in export_temporaries(fs, self.layout.export_root) if p not in live]
+            for root in self.layout.export_roots:
+                restore_cut_short(fs, root)
+            removed = [p for root in self.layout.export_roots for p in export_temporaries(fs, root) if p not in live]
             for p in removed:
                 fs.remove(p)
             return removed

@@ -277,7 +277,7 @@ class StepRunner:
             self.fault_point("step.pushed", s)
         if o.export:
             self.phase, t = Phase.EXPORT, time.monotonic()
-            self.checkpoints.export_hf(self.fleet.trainers, s, self.config.async_export)
+            self.checkpoints.export_hf(self.fleet.trainers, s, self.config.async_export, self.fleet.critics)
             o.export, o.paid_secs["export"] = False, time.monotonic() - t
             self.fault_point("step.exported", s)
         if o.evaluate:

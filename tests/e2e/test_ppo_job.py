@@ -52,6 +52,15 @@ def test_a_ppo_job_trains_its_critic_beside_the_policy_and_commits_both_at_once(
     assert manifest["roles"]["critic"]["world_size"] == 2
     critic_files = [name for name in manifest["files"] if name.startswith("@critic/")]
     assert "@critic/.metadata" in critic_files and len(critic_files) > 2
+    # the critic's HF export beside the policy's, on the same steps (saver.freq_epochs 1: the end of each epoch)
+    exports = ppo_reference.events("export")
+    assert [e["global_step"] for e in exports if e.get("group") == "critic"] == \
+        [e["global_step"] for e in exports if "group" not in e] == [11, 23]
+    from transformers import AutoModelForTokenClassification
+
+    value_model = AutoModelForTokenClassification.from_pretrained(ppo_reference.root / "critic" /
+                                                                  "epoch1epochstep11globalstep23")
+    assert value_model.config.num_labels == 1
 
 
 def test_from_memory_a_critic_ranks_death_and_hang_and_an_actor_ranks_death_train_nothing_again(

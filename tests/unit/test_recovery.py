@@ -230,10 +230,13 @@ def test_sigkill_during_prune_keeps_the_new_checkpoint(tmp_path):
 
 
 def test_an_interrupted_hf_export_is_a_leftover(store):
+    """The policy's, and a critic's (PPO: its value model's export, in critic/ beside default/)."""
     commit(store, 4)
-    torn = store.layout.export_root / ".tmp.epoch0epochstep4globalstep4.abcd1234"
-    torn.mkdir(parents=True)
-    assert store.remove_leftovers(4) == ([torn], []) and not torn.exists()
+    torn = [store.layout.export_root_of(role) / ".tmp.epoch0epochstep4globalstep4.abcd1234"
+            for role in ("actor", "critic")]
+    for directory in torn:
+        directory.mkdir(parents=True)
+    assert store.remove_leftovers(4) == (torn, []) and not any(d.exists() for d in torn)
     assert store.published_steps() == [4]
 
 
