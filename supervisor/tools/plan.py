@@ -154,9 +154,11 @@ def _memory_tier(config: Config, shape: dict | None) -> str:
         holder = ("a holder's, after every step: a warm spare on another node, else a peer rank there, else a spare "
                   "or peer on its own node (a process death only); a dead rank's place is taken by the spare "
                   "holding its state, or by a new process given the peer's copy")
+    critic = (" (the critic's ranks likewise, with holders of their own: the critic's spares, else its ranks; the "
+              "other group's ranks roll back in place beside a repair)" if config.critic else "")
     return (f"{config.recover.memory.value}: each rank's state, {state}, is kept twice in its own memory and twice "
-            f"in {holder}, and the others roll back in place, nothing read from disk; a node without the room for "
-            f"its copies (15% of its memory left free) turns it off for the run")
+            f"in {holder}, and the others roll back in place, nothing read from disk{critic}; a node without the "
+            f"room for its copies (15% of its memory left free) turns it off for the run")
 
 
 def _rank_peak(config: Config, shape: dict | None) -> str:
