@@ -844,22 +844,24 @@ class Controller:
         n -= self.fleet.engines.live_spares()
         pools = [(role, self._pool(role), self._memory(role)) for role in self.config.trained
                  if self._pool(role) is not None]
-        failed = set()  # a pool whose upkeep failed is left alone (tried again later)
+        failed, released = set(), {}  # a pool whose upkeep failed is left alone (tried again later)
         for holders_too in (False, True):
             for role, spares, memory in pools:
                 if role in failed or (holders_too and n <= 0):
                     continue
                 holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
                 spared = keep if holders_too else keep | holders
-                released = self._best_effort("making room for the engines", lambda: spares.make_room(
+                killed = self._best_effort("making room for the engines", lambda: spares.make_room(
                     n, spared, (reserve or {}).get(role, 0), last=holders))
-                if released is None:
+                if killed is None:
                     failed.add(role)
-                elif released:
-                    self.events.emit(Event.SPARES, action="released", pool=len(spares), size=spares.size,
-                                     **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
-                    self.refill_due = self.refill_due or role is RoleName.ACTOR
-                n -= released or 0  # freed, though Ray may not show it yet
+                released[role] = released.get(role, 0) + (killed or 0)
+                n -= killed or 0  # freed, though Ray may not show it yet
+        for role, spares, _ in pools:
+            if released.get(role):
+                self.events.emit(Event.SPARES, action="released", pool=len(spares), size=spares.size,
+                                 **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
+                self.refill_due = self.refill_due or role is RoleName.ACTOR
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and
