@@ -722,6 +722,12 @@ class Controller:
         replaced and every engine resyncs."""
         fleet = self.fleet
         why_not = "the actor's group did not start" if fleet.trainers is None else self._can_keep(fault)
+        if why_not is None:  # a node's loss may have taken an actor rank with the critic's
+            try:
+                if len(fleet.trainers.answering(ANSWER_SECS)) < fleet.trainers.world_size:
+                    why_not = "an actor rank was lost too"
+            except Exception as e:  # noqa: BLE001 - asking failed: nothing is kept
+                why_not = f"asking the actor's ranks failed: {type(e).__name__}: {first_line(e)}"
         if why_not is not None:
             self.log.info(f"the actor's ranks start again too: {why_not}",
                           extra={"step": self.runner.state.step.global_step, "phase": self.phase})
