@@ -104,7 +104,7 @@ class StepRunner:
     @property
     def memories(self) -> list:
         """The memory tier's copies of every trained group (the actor's, then the critic's); empty without it."""
-        return [m for m in (self.memory, self.critic_memory) if m is not None]
+        return [m for m, _ in self.memories_of_groups()]
 
     def memories_of_groups(self) -> list[tuple]:
         """(its memory copies, the group) of every trained group the tier holds."""

@@ -125,12 +125,13 @@ def format_status(st: dict) -> str:
         cost = f"{ri['save_cost_secs']:.3f}s" if ri["save_cost_secs"] is not None else "not measured yet"
         lines.append(f"interval   recover save every {ri['secs']:.1f}s (auto: save stall {cost}, "
                      f"MTBF {ri['mtbf_secs']:.0f}s after {ri['failures']} failures)")
+    def held(nodes: dict) -> str:
+        return ", ".join(f"rank {rank} on node {node[:8]}" for rank, node in sorted(nodes.items())) or "none"
+
     if st.get("buddies") is not None:
-        held = ", ".join(f"rank {rank} on node {node[:8]}" for rank, node in sorted(st["buddies"].items()))
-        lines.append(f"buddies    {held or 'none'} (the memory tier: where each rank's copies were last linked)")
+        lines.append(f"buddies    {held(st['buddies'])} (the memory tier: where each rank's copies were last linked)")
     if st.get("critic_buddies") is not None:
-        held = ", ".join(f"rank {rank} on node {node[:8]}" for rank, node in sorted(st["critic_buddies"].items()))
-        lines.append(f"           the critic's: {held or 'none'}")
+        lines.append(f"           the critic's: {held(st['critic_buddies'])}")
     if st.get("memory"):
         lines.append("memory     peak " + ", ".join(f"{kind} {gb:.2f} GB" for kind, gb in st["memory"].items()))
     if st["last_step"]:
