@@ -494,10 +494,10 @@ class Config(_Strict):
             raise ValueError(f"cluster.user {self.cluster.user!r} is not a plain name")
         return self
 
-    def memory_tier_off(self, spares: int | None = None, critic_spares: int | None = None) -> str | None:
-        """Why the memory tier cannot serve this job (`spares`, `critic_spares`: the actor's and the critic's pool
-        sizes, once known), or None. It serves every trained group or none: a repair from memory rolls the other
-        groups back in place to the same step, from their own copies."""
+    def memory_tier_off(self, pools: dict[RoleName, int] | None = None) -> str | None:
+        """Why the memory tier cannot serve this job (`pools`: each trained group's pool size, once known), or None.
+        It serves every trained group or none: a repair from memory rolls the other groups back in place to the
+        same step, from their own copies."""
         if self.recover.memory is MemoryTier.OFF:
             return "recover.memory is off"
         for role, section in self.trained.items():
@@ -510,9 +510,9 @@ class Config(_Strict):
                     "the initial policy as the reference (null) a new rank rebuilds from the config")
         if not self.recover.mode.enabled:
             return "recover.mode is off: no repair at all"
-        for role, pool in ((RoleName.ACTOR, spares), (RoleName.CRITIC, critic_spares)):
-            if role in self.trained and self.workers_of(role) == 1 and (pool == 0 or self.recover.spare_workers == 0):
-                group = "" if role is RoleName.ACTOR else "the critic's group: "
+        for role in self.trained:
+            if self.workers_of(role) == 1 and (self.recover.spare_workers == 0 or (pools or {}).get(role) == 0):
+                group = "" if role is RoleName.ACTOR else f"the {role.value}'s group: "
                 return f"{group}one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
         return None
 

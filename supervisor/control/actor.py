@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import ray
 
@@ -19,10 +19,9 @@ from supervisor.checkpoint.layout import TrialLayout
 from supervisor.checkpoint.storage import retry_budget
 from supervisor.checkpoint.trial_lock import trial_lock
 from supervisor.cluster.drains import DrainWatch
-from supervisor.cluster.errors import Group
 from supervisor.cluster.spare_placement import spare_count
 from supervisor.config import Config, RoleName
-from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
+from supervisor.control.events import Event, EventLog, StatsLog, group_of, read_jsonl
 from supervisor.control.fleet import Fleet
 from supervisor.control.log_mirror import LogMirror
 from supervisor.control.policy import RestartPolicy
@@ -138,29 +137,24 @@ class Supervisor:
             removed, spares = remove_leftover_placement_groups(cfg), remove_leftover_spares(cfg)
             if removed or spares:
                 self.events.emit(Event.CLEANUP, placement_groups=removed, spares=spares)
-        critic_ranks = cfg.train_ranks - cfg.cluster.n_train_workers
-        size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster, cfg.rollout.spare_engines,
-                           critic_ranks)
-        pool = SparePool(cfg, size) if size else None
-        critic_size = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster,
-                                  cfg.rollout.spare_engines, cfg.cluster.n_train_workers + size,
-                                  critic_ranks) if critic_ranks else 0  # the room the actor's pool left
-        critic_pool = SparePool(cfg, critic_size, RoleName.CRITIC) if critic_size else None
-        memory_off = cfg.memory_tier_off(size, critic_size)
+        sizes: dict[RoleName, int] = {}
+        for role in cfg.trained:  # the actor's pool first; each next one gets the room the ones before it left
+            ranks = cfg.workers_of(role)
+            sizes[role] = spare_count(cfg.recover.spare_workers, ray.cluster_resources(), cfg.cluster,
+                                      cfg.rollout.spare_engines, cfg.train_ranks - ranks + sum(sizes.values()), ranks)
+        pools = {role: SparePool(cfg, n, role) for role, n in sizes.items() if n}
+        memory_off = cfg.memory_tier_off(sizes)
         warn = lambda message: self.events.emit(Event.WARNING, message=message)  # noqa: E731
-        linked = lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes)  # noqa: E731
-        memory = MemoryCopies(pool, warn, linked) if memory_off is None else None
-        critic_memory = MemoryCopies(critic_pool, warn, lambda nodes: self.events.emit(
-            Event.BUDDIES, nodes=nodes, group=Group.CRITIC.value)) if memory_off is None and cfg.critic else None
+        memories = {role: MemoryCopies(pools.get(role), warn, self._linked(role))
+                    for role in cfg.trained} if memory_off is None else {}
         runner = StepRunner(cfg, self.loader, rewards, self.stats, self.events, self.checkpoints, self._fault_point,
-                            Fleet(self.events), pool, memory, critic_memory)
+                            Fleet(self.events), pools, memories)
         self.controller = Controller(
             cfg, runner, self.checkpoints, self.policy, self.events, self.stats,
             make_train_group=lambda size, role=RoleName.ACTOR: TrainGroup(
-                cfg, size, cfg.recover.step_timeout_secs, pool if role is RoleName.ACTOR else critic_pool, role),
+                cfg, size, cfg.recover.step_timeout_secs, pools.get(role), role),
             make_rollout_group=lambda: RolloutGroup(cfg, cfg.recover.step_timeout_secs),
-            supervisor_restarted=self.attempt > 0, spares=pool, memory_off=memory_off, drains=DrainWatch(),
-            critic_spares=critic_pool)
+            supervisor_restarted=self.attempt > 0, pools=pools, memory_off=memory_off, drains=DrainWatch())
         self.controller.stop_requested = self.stop_requested
         try:
             result = self.controller.run()
@@ -172,10 +166,13 @@ class Supervisor:
             rewards.close()
         return result.__dict__
 
+    def _linked(self, role: RoleName) -> Callable[[dict], None]:
+        """What `role`'s memory copies say when its ranks are linked to their holders: a `buddies` event."""
+        return lambda nodes: self.events.emit(Event.BUDDIES, nodes=nodes, **group_of(role))
+
     def _wait_spares(self, point: str, bound: float = 300.0) -> None:
         ctl, deadline = self.controller, time.monotonic() + bound
-        pools = [(pool, group) for pool, group in ((ctl.spares, ctl.fleet.trainers),
-                                                   (ctl.critic_spares, ctl.fleet.critics)) if pool is not None]
+        pools = [(pool, ctl.fleet.group(role)) for role, pool in ctl.pools.items()]
         engines = ctl.fleet.engines
         while any(len(pool.warm()) < pool.size for pool, _ in pools) or \
                 engines.warm_spares() < self.config.rollout.spare_engines:

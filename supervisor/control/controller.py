@@ -28,7 +28,7 @@ from supervisor.cluster.errors import CapacityError, Group, first_line
 from supervisor.config import MEMORY_TIER_BACKENDS, Config, RoleName
 from supervisor.control.classify import Fault, FaultKind, classify
 from supervisor.control.coordinator import CheckpointCoordinator
-from supervisor.control.events import Event, EventLog, StatsLog, read_jsonl
+from supervisor.control.events import Event, EventLog, StatsLog, group_of, read_jsonl
 from supervisor.control.log import run_log
 from supervisor.control.policy import Action, Decision, RestartPolicy, engines_to_replace, train_group_sizes
 from supervisor.control.preemption import HANDOFF_SECS, Handoff, plan_handoff
@@ -116,8 +116,8 @@ class JobResult:
 class Controller:
     def __init__(self, config: Config, runner: StepRunner, checkpoints: CheckpointCoordinator, policy: RestartPolicy,
                  events: EventLog, stats: StatsLog, make_train_group: Callable, make_rollout_group: Callable,
-                 sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False, spares=None,
-                 memory_off: str | None = None, drains=None, critic_spares=None):
+                 sleep: Callable[[float], None] = time.sleep, supervisor_restarted: bool = False,
+                 pools: dict | None = None, memory_off: str | None = None, drains=None):
         self.config, self.runner, self.checkpoints, self.policy = config, runner, checkpoints, policy
         self.fleet = runner.fleet  # the groups it replaces, the ones the runner steps on
         self.events, self.stats, self.sleep = events, stats, sleep
@@ -126,12 +126,11 @@ class Controller:
         self.current = Current(State.STARTING)
         self.log = run_log(events.attempt)
         self.clock = RepairClock()          # where the time of the repair in progress goes
-        self.spares = spares                # the warm spare pool (cluster/spares.py), or None
-        self.critic_spares = critic_spares  # the critic's (PPO), or None
+        self.pools = pools or {}            # role -> its group's warm spare pool (cluster/spares.py), if it keeps one
         self.memory_off = memory_off        # why the memory tier does not serve this job (recover.memory), or None
         self.drains = drains                # Ray's drain notices not acted on yet (cluster/drains.py), or None
         self.stop_requested: str | None = None  # why the run is to stop at the next step boundary (SIGTERM)
-        self.refill_due = False             # refill the pool once the new TrainGroup has completed a step
+        self.refill_due: set[RoleName] = set()  # the pools to refill once their new groups have completed a step
         self.transitioned = time.monotonic()  # when the last transition was applied (the driver's watchdog)
 
     @property
@@ -238,10 +237,10 @@ class Controller:
         fleet = self.fleet
         if self.drains is None or self.runner.owed is not None or fleet.trainers is None or fleet.engines is None:
             return
-        groups = [self._group(role) for role in self.config.trained]
+        groups = [self.fleet.group(role) for role in self.config.trained]
         if None in groups:
             return
-        pools = [self._pool(role) for role in self.config.trained if self._pool(role) is not None]
+        pools = list(self.pools.values())
         used = {n for group in (*groups, fleet.engines) for n in group.nodes if n} | \
             {s.node for pool in pools for s in pool.holders().values()}
         notices = self.drains.new(used)
@@ -259,19 +258,19 @@ class Controller:
         `preemption` event says what moved where, and the `recovery` event what it cost, timed as a repair is."""
         r, fleet, started = self.runner, self.fleet, time.monotonic()
         engines, step = fleet.engines, r.state.step.global_step
-        groups = {role: self._group(role) for role in self.config.trained}
+        groups = {role: self.fleet.group(role) for role in self.config.trained}
         choices = {}
         for role, group in groups.items():
             lost = {rank for rank, n in enumerate(group.nodes) if n == node}
             if not lost:
                 continue
-            memory = self._memory(role)
+            memory = self.runner.memories.get(role)
             if memory is not None and memory.off is None:
                 memory.wait_landed(group, step)  # the copy of the step just completed, sent beside the step
             choices[role] = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
                                                   set(range(group.world_size)) - lost, bundles=False, role=role)
-        spares = {name: s.node for role in groups if self._pool(role) is not None  # as they are now: an earlier
-                  for name, s in self._pool(role).holders().items()}                 # handoff took some
+        spares = {name: s.node for role in groups if self.pools.get(role) is not None  # as they are now: an earlier
+                  for name, s in self.pools.get(role).holders().items()}                 # handoff took some
         handoff = plan_handoff(node=node, deadline=deadline, now=time.time(),
                                rank_nodes={role: group.nodes for role, group in groups.items()},
                                engine_nodes={m.name: m.node_id for m in engines.members}, spare_nodes=spares,
@@ -303,12 +302,12 @@ class Controller:
                 self._finish_writes(handoff.deadline)
                 held = fleet.trainers.shard_digests()  # what the ranks hold, checked once they moved
         for role in self.config.trained:  # the spares there: refilled elsewhere after the next step
-            pool, memory = self._pool(role), self._memory(role)
+            pool, memory = self.pools.get(role), self.runner.memories.get(role)
             retired = tuple(s.name for s in pool.spares if s.name in handoff.spares) if pool is not None else ()
             if retired:
                 pool.drop(list(retired))
                 if memory is not None:
-                    memory.retired(self._group(role), retired)
+                    memory.retired(self.fleet.group(role), retired)
         if handoff.engines:
             with self.clock.part("teardown"):
                 # the spares the moving ranks take stay (ranks move only where the memory tier chose where to)
@@ -408,27 +407,27 @@ class Controller:
             if started:
                 self.events.emit(Event.SPARES, action="refilled", kind="engine", started=started,
                                  pool=len(engines.spares), size=self.config.rollout.spare_engines)
-        placed = []
-        if self.spares is not None and (self.refill_due or self.spares.dropped):
-            placed = self._refill_pool()  # also the holders the memory tier dropped (memory_copies.py)
-        if self.critic_spares is not None and self.fleet.critics is not None and \
-                len(self.critic_spares) < self.critic_spares.size:
-            self._refill_pool(RoleName.CRITIC, placed)
+        placed: list[str] = []
+        for role, pool in self.pools.items():  # also the holders the memory tier dropped (memory_copies.py)
+            if self.fleet.group(role) is not None and (role in self.refill_due or pool.dropped):
+                placed += self._refill_pool(role, placed)
 
     def _refill_pool(self, role: RoleName = RoleName.ACTOR, placed: list[str] = ()) -> list[str]:
         """Start spares up to `role`'s pool's size, away from its ranks (and counting the room the spares just
         `placed` by another pool take); due again while the cluster lacks the room. Returns their nodes."""
-        spares, group = self._pool(role), self._group(role)
+        spares, group = self.pools.get(role), self.fleet.group(role)
         nodes = []
         if len(spares) < spares.size:
             nodes = self._best_effort("refilling the spare pool", spares.refill, group.nodes, placed) or []
             if nodes:
                 self.events.emit(Event.SPARES, action="refilled", started=len(nodes), nodes=nodes,
                                  pool=len(spares), size=spares.size,
-                                 **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
-        if role is RoleName.ACTOR:
-            self.refill_due = len(spares) < spares.size
-            spares.dropped = 0
+                                 **group_of(role))
+        if len(spares) < spares.size:
+            self.refill_due.add(role)
+        else:
+            self.refill_due.discard(role)
+        spares.dropped = 0
         return nodes
 
     def _best_effort(self, what: str, work: Callable, *args):
@@ -466,8 +465,8 @@ class Controller:
             alive = self._answering(fault, role)
             choice = self._from_memory(fault, role, alive)
         except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
-            alive, choice = None, Choice(Source.DISK, f"the memory tier could not be asked: {type(e).__name__}: "
-                                                      f"{first_line(e)}")
+            alive, choice = None, Choice(Source.DISK, self.memory_off or f"the memory tier could not be asked: "
+                                                                         f"{type(e).__name__}: {first_line(e)}")
         choices, failed = choice if isinstance(choice, dict) else None, False
         reason = f"step {next(iter(choices.values())).step} from memory" if choices else choice.reason
         self.log.info(f"recovering from {'memory' if choices else 'disk'}: {reason}",
@@ -503,7 +502,7 @@ class Controller:
         """The ranks of `role`'s group alive and settled after `fault` (a hang's culprits killed first), or None
         where no repair would keep them: no group running, or neither the memory tier nor a regroup could
         (recovery_source)."""
-        group, memory = self._group(role), self._memory(role)
+        group, memory = self.fleet.group(role), self.runner.memories.get(role)
         tier = memory is not None and memory.off is None
         if group is None or fault.kind not in MEMORY_FAULTS or not (tier or self._can_keep(fault, role) is None):
             return None
@@ -513,23 +512,11 @@ class Controller:
 
     def _can_keep(self, fault: Fault, role: RoleName = RoleName.ACTOR) -> str | None:
         """recovery_source.can_keep, for this job and `role`'s group (only the actor's holds a KL reference)."""
-        cfg, group = self.config, self._group(role)
+        cfg, group = self.config, self.fleet.group(role)
         return can_keep(rejoins=cfg.trained[role].backend in MEMORY_TIER_BACKENDS, kind=fault.kind,
                         committed=self.checkpoints.last_commit is not None,
                         reference=role is RoleName.ACTOR and cfg.actor.kl_coef > 0,
                         shrunk=group is not None and group.world_size < cfg.workers_of(role))
-
-    def _group(self, role: RoleName):
-        """`role`'s TrainGroup, or None while it is not running."""
-        return self.fleet.trainers if role is RoleName.ACTOR else self.fleet.critics
-
-    def _pool(self, role: RoleName):
-        """`role`'s warm spare pool, or None where it keeps none."""
-        return self.spares if role is RoleName.ACTOR else self.critic_spares
-
-    def _memory(self, role: RoleName):
-        """`role`'s memory-tier copies (cluster/memory_copies.py), or None where the tier does not serve the job."""
-        return self.runner.memory if role is RoleName.ACTOR else self.runner.critic_memory
 
     def _from_memory(self, fault: Fault, role: RoleName, alive: set[int] | None) -> dict[RoleName, Choice] | Choice:
         """The repairs from memory of every group that lost ranks, all to one step (role -> its Choice), or the
@@ -538,12 +525,12 @@ class Controller:
         theirs answer, they roll back in place beside it."""
         answered = {role: alive}
         for other in self.config.trained:
-            group = self._group(other)
+            group = self.fleet.group(other)
             if other is not role:
                 answered[other] = group.answering(ANSWER_SECS) if group is not None and alive is not None else None
         choices = {}
         for each, ranks in answered.items():
-            group = self._group(each)
+            group = self.fleet.group(each)
             if each is role or (group is not None and ranks is not None and len(ranks) < group.world_size):
                 others = {other: answered[other] for other in answered if other is not each}
                 choice = self._recovery_source(fault, ranks, role=each, others=others)
@@ -563,11 +550,11 @@ class Controller:
         and the steps the other groups' ranks hold in their own slots. `bundles`: whether a lost rank may start
         again in its bundle (not when its node drains); `others`: the other groups whose ranks roll back in place
         beside it, each with its ranks that answered (None: asked of none), or None where none do (a handoff)."""
-        r, group, memory, pool = self.runner, self._group(role), self._memory(role), self._pool(role)
-        off = next((m.off for m in r.memories if m.off is not None), None)  # the tier serves every group or none
+        r, group, memory, pool = self.runner, self.fleet.group(role), self.runner.memories.get(role), self.pools.get(role)
+        off = next((m.off for m in r.memories.values() if m.off is not None), None)  # the tier serves every group or none
         if memory is None or off is not None:
             return Choice(Source.DISK, self.memory_off if memory is None else off)
-        others = {other: (self._group(other), ranks) for other, ranks in (others or {}).items()}
+        others = {other: (self.fleet.group(other), ranks) for other, ranks in (others or {}).items()}
         if group is None or any(g is None for g, _ in others.values()):  # a restarted Supervisor, or a failed start
             return recovery_source(enabled=None, kind=fault.kind, world_size=0, lost=set(), buddies={}, holding={},
                                    staged=[], snapshots=set())
@@ -577,7 +564,7 @@ class Controller:
         bundles = bundles and not fault.node_lost  # a node Ray has not marked dead yet may still hold a bundle
         bundled = {rank for rank in lost if bundles and rank in group.bundles and group.nodes[rank] not in gone}
         spares = [s for s in pool.spares if s.node not in gone] if pool is not None else []
-        beside = {other.value: self._memory(other).staged_by(set(range(g.world_size)) if ranks is None else ranks)
+        beside = {other.value: self.runner.memories.get(other).staged_by(set(range(g.world_size)) if ranks is None else ranks)
                   for other, (g, ranks) in others.items()}  # the steps their ranks that answered hold
         return recovery_source(enabled=None, kind=fault.kind, world_size=group.world_size, lost=lost,
                                buddies=memory.covering(), holding=memory.holding(group),
@@ -590,7 +577,7 @@ class Controller:
                                                                                                      str | None]:
         """For a repair from disk of `role`'s group: its lost ranks, and None when the others keep their processes
         (recovery_source.keep_survivors), else why every rank of it starts again."""
-        group, spares = self._group(role), self._pool(role)
+        group, spares = self.fleet.group(role), self.pools.get(role)
         if group is None or alive is None:
             return [], "no rank was asked whether it still answers"
         lost = set(range(group.world_size)) - alive
@@ -629,18 +616,18 @@ class Controller:
             fleet.close_stream()
             self.checkpoints.drop_in_flight(keep_export=RoleName.ACTOR not in choices or
                                             0 not in choices[RoleName.ACTOR].lost)
-        holders = {role: self._memory(role).candidates(self._group(role)) for role in choices}
+        holders = {role: self.runner.memories.get(role).candidates(self.fleet.group(role)) for role in choices}
         with ThreadPoolExecutor(max_workers=len(choices), thread_name_prefix="rejoin") as pool:
-            rejoins = {role: pool.submit(self._group(role).rejoin, c.adopters,
+            rejoins = {role: pool.submit(self.fleet.group(role).rejoin, c.adopters,
                                          {rank: holders[role][name].handle for rank, name in c.givers.items()},
-                                         step, self._pool(role), c.bundled) for role, c in choices.items()}
+                                         step, self.pools.get(role), c.bundled) for role, c in choices.items()}
             own = {role: rejoined.result() for role, rejoined in rejoins.items()}
         rejoined = time.monotonic() - started
         for role, c in choices.items():  # gone: the lost ranks' processes, the spares taken
-            group, memory = self._group(role), self._memory(role)
+            group, memory = self.fleet.group(role), self.runner.memories.get(role)
             memory.adopted(step, c.lost, c.adopters, c.givers, own[role],
                            gone=set(holders[role]) - set(memory.candidates(group)))
-        repaired = [self._group(role) for role, c in choices.items() if c.lost] or [fleet.trainers]
+        repaired = [self.fleet.group(role) for role, c in choices.items() if c.lost] or [fleet.trainers]
         parts = {part: max(group.timings.get(part, 0.0) for group in repaired)  # the groups rejoined together
                  for part in {part for group in repaired for part in group.timings}}
         # a group rolled back in place beside them that took longer: its wait is the rendezvous'
@@ -648,13 +635,13 @@ class Controller:
         for part, secs in parts.items():
             self.clock.add(part, secs)
         for role, c in choices.items():
-            spares = self._pool(role)
+            spares = self.pools.get(role)
             if c.lost and spares is not None:
-                taken = self._group(role).from_spares
+                taken = self.fleet.group(role).from_spares
                 self.events.emit(Event.SPARES, action="taken", taken=taken, cold=len(c.lost) - taken,
                                  pool=len(spares), size=spares.size,
-                                 **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
-        self.refill_due = self.refill_due or RoleName.ACTOR in choices and bool(choices[RoleName.ACTOR].lost)
+                                 **group_of(role))
+        self.refill_due |= {role for role, c in choices.items() if c.lost}
         r.restore(step)
         trainers, critics = fleet.trainers, fleet.critics
         with self.clock.part("resync"):
@@ -667,7 +654,7 @@ class Controller:
         if not proven:
             self.fleet.restored_from_memory(r.weights_version)  # checked at the resync: a mismatch goes to disk
         self.clock.loaded(step, Source.MEMORY)
-        kept = lambda role: [rank for rank in range(self._group(role).world_size)  # noqa: E731
+        kept = lambda role: [rank for rank in range(self.fleet.group(role).world_size)  # noqa: E731
                              if role not in choices or rank not in choices[role].lost]
         self.events.emit(Event.LOADED, global_step=step, path=None, source=Source.MEMORY.value,
                          nodes=trainers.nodes, kept=kept(RoleName.ACTOR), missing_state=[],
@@ -701,12 +688,12 @@ class Controller:
         self._spares_taken(len(fleet.trainers.nodes))
         if fleet.critics is not None:
             self._spares_taken(fleet.critics.world_size, RoleName.CRITIC)
-        if r.memory is not None and r.memory.off is None and not self.clock.running:
+        if r.memories and all(m.off is None for m in r.memories.values()) and not self.clock.running:
             # the job's start, no repair: the pools start now, so that the memory tier holds the first steps'
             # copies (their spares hold them before they are warm)
-            placed = self._refill_pool() if self.spares is not None else []
-            if self.critic_spares is not None:
-                self._refill_pool(RoleName.CRITIC, placed)
+            placed: list[str] = []
+            for role in self.pools:
+                placed += self._refill_pool(role, placed)
         self._load(ckpt, secs, started, critic_kept=[])
         if not self.clock.running:  # the job's start: its first step's copy is held
             for memory, group in r.memories_of_groups():
@@ -771,7 +758,7 @@ class Controller:
         with self.clock.part("teardown"):
             self.runner.drop_group(keep=True)
         started = time.monotonic()
-        self._group(role).regroup(lost, self._pool(role))
+        self.fleet.group(role).regroup(lost, self.pools.get(role))
         ckpt, secs = self._validate()  # after: it cleans up interrupted saves, which the survivors have left now
         if ckpt is None:
             raise CheckpointError("no valid checkpoint is left to load")
@@ -779,12 +766,12 @@ class Controller:
 
     def _spares_taken(self, started: int, role: RoleName = RoleName.ACTOR) -> None:
         """The `spares` event of a (re)started group of `role`: of the `started` ranks, how many its pool gave."""
-        spares = self._pool(role)
+        spares = self.pools.get(role)
         if spares is not None:
-            taken = self._group(role).from_spares
+            taken = self.fleet.group(role).from_spares
             self.events.emit(Event.SPARES, action="taken", taken=taken, cold=started - taken, pool=len(spares),
-                             size=spares.size, **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
-            self.refill_due = self.refill_due or role is RoleName.ACTOR  # the critic's pool refills when short
+                             size=spares.size, **group_of(role))
+            self.refill_due.add(role)
 
     def _load(self, ckpt: Checkpoint | None, validate_secs: float, started: float, kept: list[int] = (),
               started_group=None, critic_kept: list[int] | None = None) -> None:
@@ -848,8 +835,7 @@ class Controller:
         without one will take), and those holding ranks' memory copies (a rank lost with the engine's node
         recovers from one) only once no other spare of any pool is left."""
         n -= self.fleet.engines.live_spares()
-        pools = [(role, self._pool(role), self._memory(role)) for role in self.config.trained
-                 if self._pool(role) is not None]
+        pools = [(role, pool, self.runner.memories.get(role)) for role, pool in self.pools.items()]
         failed, released = set(), {}  # a pool whose upkeep failed is left alone (tried again later)
         for holders_too in (False, True):
             for role, spares, memory in pools:
@@ -866,8 +852,8 @@ class Controller:
         for role, spares, _ in pools:
             if released.get(role):
                 self.events.emit(Event.SPARES, action="released", pool=len(spares), size=spares.size,
-                                 **({"group": Group.CRITIC.value} if role is RoleName.CRITIC else {}))
-                self.refill_due = self.refill_due or role is RoleName.ACTOR
+                                 **group_of(role))
+                self.refill_due.add(role)
 
     def _new_train_group(self):
         """All of cluster.n_train_workers ranks or, when the cluster cannot offer them and
@@ -908,12 +894,11 @@ class Controller:
 
     def _shutdown(self) -> None:
         self.fleet.shutdown()
-        for spares in (self.spares, self.critic_spares):
-            if spares is not None:
-                try:
-                    spares.shutdown()
-                except Exception:  # noqa: BLE001 - best effort at the end of the run
-                    pass
+        for spares in self.pools.values():
+            try:
+                spares.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at the end of the run
+                pass
 
 
 def _shut_down(start: Future) -> None:

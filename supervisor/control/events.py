@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from supervisor.checkpoint.durable import write_atomic
+from supervisor.config import RoleName
 
 
 class Event(str, enum.Enum):
@@ -46,6 +47,12 @@ class Event(str, enum.Enum):
 
 
 ENDED = (Event.DONE, Event.GAVE_UP, Event.FAILED, Event.INTERRUPTED)  # the events that end a job
+
+
+def group_of(role: RoleName) -> dict:
+    """The `group` key of an event about a trained group's ranks, spares or copies: none for the actor's, so that
+    a GRPO job's events are what they always were."""
+    return {} if role is RoleName.ACTOR else {"group": role.value}
 
 
 def _append(path: Path, obj: dict) -> None:

@@ -9,6 +9,7 @@ RolloutGroup (cluster/groups.py) and the workers' sync (workers/weight_sync.py):
 from __future__ import annotations
 
 from supervisor.cluster.errors import Group, GroupError
+from supervisor.config import RoleName
 from supervisor.control.events import Event, EventLog
 from workers.errors import StaleWeights
 
@@ -29,6 +30,10 @@ class Fleet:
         self.digest: tuple[int, str] | None = None  # (version, digest) of the trainer's weights, from a sync
         self.digests: dict[int, str] = {}  # version -> the digest the trainers had at it, for the last few versions
         self.engine_version: int | None = None      # the version every engine holds, when known
+
+    def group(self, role: RoleName):
+        """`role`'s TrainGroup, or None while it is not running."""
+        return self.trainers if role is RoleName.ACTOR else self.critics
 
     def weights_checksum(self, version: int) -> str:
         """The digest of the trainer's weights at `version`: the one its last sync computed, or (after a repair

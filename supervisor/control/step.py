@@ -77,12 +77,13 @@ class StepRunner:
 
     def __init__(self, config: Config, loader: PromptLoader, rewards: Rewards, stats: StatsLog, events: EventLog,
                  checkpoints: CheckpointCoordinator, fault_point: Callable[[str, StepInfo], None], fleet: Fleet,
-                 spares=None, memory=None, critic_memory=None):
+                 pools: dict | None = None, memories: dict | None = None):
         self.config, self.loader, self.rewards = config, loader, rewards
         self.fleet = fleet  # the groups it steps on, and the weights between them (the controller replaces them)
-        self.spares = spares  # the warm spare pool, or None: only asked for its peak memory
-        self.memory = memory  # the memory tier's copies (cluster/memory_copies.py), or None: recovery from disk
-        self.critic_memory = critic_memory  # the critic's (PPO), beside the actor's; None where it has none
+        self.pools = pools or {}  # role -> its warm spare pool (cluster/spares.py): only asked for their peak memory
+        # role -> its group's memory-tier copies (cluster/memory_copies.py), every trained group's or none: empty,
+        # the tier does not serve the job (recovery from disk)
+        self.memories = memories or {}
         self.snapshots: dict[int, RunState] = {}  # global step -> the run's state at its commit (memory tier)
         self.stats, self.events, self.checkpoints, self.fault_point = stats, events, checkpoints, fault_point
         self.total_steps = loader.steps_per_epoch * config.total_train_epochs
@@ -101,15 +102,9 @@ class StepRunner:
         """The version of the trainer's weights: the number of updates they have taken."""
         return self.state.step.global_step + 1
 
-    @property
-    def memories(self) -> list:
-        """The memory tier's copies of every trained group (the actor's, then the critic's); empty without it."""
-        return [m for m, _ in self.memories_of_groups()]
-
     def memories_of_groups(self) -> list[tuple]:
         """(its memory copies, the group) of every trained group the tier holds."""
-        groups = (self.fleet.trainers, self.fleet.critics)
-        return [(m, g) for m, g in zip((self.memory, self.critic_memory), groups) if m is not None]
+        return [(m, self.fleet.group(role)) for role, m in self.memories.items()]
 
     @property
     def finished(self) -> bool:
@@ -135,7 +130,7 @@ class StepRunner:
         leave its actors to `TrainGroup.regroup`: what it held is dropped, its weights stream to the engines and
         the background writes, unpublished."""
         self.fleet.drop_trainers(keep)
-        for memory in self.memories:  # every group loads the checkpoint: the critic's too
+        for memory in self.memories.values():  # every group loads the checkpoint: the critic's too
             memory.reset()
         self.owed = None  # the new group's weights are the checkpoint's
         self.checkpoints.drop_in_flight()
@@ -200,24 +195,24 @@ class StepRunner:
                  "reward": self.last_reward, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                  "lr": metrics["lr"], "weights_version": s.global_step + 1,
                  "time/rollout": t_rollout - t0, "time/train": t_train - t_landed,
-                 **({"time/memory_wait": t_landed - t_rollout} if self.memory is not None else {}),
+                 **({"time/memory_wait": t_landed - t_rollout} if self.memories else {}),
                  **({"kl": metrics["kl"]} if "kl" in metrics else {}),  # with actor.kl_coef
                  **({"kl_coef": metrics["kl_coef"]} if "kl_coef" in metrics else {}),  # critic.kl_in_reward
                  **({"clip_frac": metrics["clip_frac"]} if "clip_frac" in metrics else {}),  # several updates
                  **{f"critic/{k}": v for k, v in critic.items()},  # PPO: the critic's loss, grad_norm, ...
                  **memory_fields([r["memory"] for r in results], rollout["memory"],
-                                 self.spares.peak_memory() if self.spares else [])},
+                                 [m for pool in self.pools.values() for m in pool.peak_memory()])},
             export=self.state.saver.check(s.is_epoch_end, elapsed),
             evaluate=self.state.evaluator.check(s.is_epoch_end, elapsed),
             save=self.checkpoints.enabled and (self.state.recover.check(s.is_epoch_end, elapsed) or last)
             and not self.checkpoints.committed_already(s.global_step),
         )  # from here on, a fault never replays the update: `settle` pays what is owed
-        if self.memory is not None:
+        if self.memories:
             self.snapshots = {g: st for g, st in self.snapshots.items() if g >= s.global_step - 1}
             self.snapshots[s.global_step] = copy.deepcopy(self.state)
             for memory, group in self.memories_of_groups():
                 memory.begin(group, s.global_step)
-            off = next((m.off for m in self.memories if m.off is not None), None)
+            off = next((m.off for m in self.memories.values() if m.off is not None), None)
             for memory, group in self.memories_of_groups():  # the tier serves every group or none
                 if memory.off is None and off is not None:
                     memory.turn_off(group, f"another group's copies are off ({off})")

@@ -141,7 +141,7 @@ def _spares(config: Config, shape: dict | None) -> str:
 def _memory_tier(config: Config, shape: dict | None) -> str:
     """What the memory tier holds, where (docs/failures.md#recovery-from-memory), or why it is off."""
     keeps_none = config.recover.spare_workers == AUTO and config.cluster.gpus_per_worker  # auto idles no GPU
-    off = config.memory_tier_off(0 if keeps_none else None)
+    off = config.memory_tier_off({role: 0 for role in config.trained} if keeps_none else None)
     if off is not None:
         return f"off: {off}; a lost rank recovers from disk"
     n = config.cluster.n_train_workers

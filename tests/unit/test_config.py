@@ -197,9 +197,9 @@ def test_a_critic_section_is_validated_on_its_own_keys():
     assert config.workers_of("critic") == 4 and Config(critic=CriticConfig()).workers_of("critic") == 2
     assert config.memory_tier_off() is None and not config.async_recover  # the tier holds both groups' copies
     lone = Config(critic=CriticConfig(n_workers=1))
-    assert lone.memory_tier_off(spares=2, critic_spares=1) is None
-    assert lone.memory_tier_off(spares=2, critic_spares=0) == ("the critic's group: one rank and no warm spare: "
-                                                               "nothing holds its copies (recover.spare_workers)")
+    assert lone.memory_tier_off({"actor": 2, "critic": 1}) is None
+    assert lone.memory_tier_off({"actor": 2, "critic": 0}) == ("the critic's group: one rank and no warm spare: "
+                                                         "nothing holds its copies (recover.spare_workers)")
     shipped = load_config("configs/tiny_ppo.yaml")
     assert shipped.critic.lr == 2e-3 and list(shipped.trained) == ["actor", "critic"]
     assert config.resume_hash() != Config().resume_hash()

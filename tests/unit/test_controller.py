@@ -21,7 +21,7 @@ from ray import exceptions as rex
 from supervisor.checkpoint.layout import TMP_PREFIX, TrialLayout
 from supervisor.cluster.drains import DrainWatch
 from supervisor.cluster.errors import Group, GroupError
-from supervisor.config import load_config
+from supervisor.config import RoleName, load_config
 from supervisor.control.controller import Controller, Outcome, Result, State, UnexpectedState, transition
 from supervisor.control.coordinator import CheckpointCoordinator
 from supervisor.control.events import EventLog, StatsLog, read_jsonl
@@ -645,7 +645,7 @@ def use_pool(controller, world: World, pool) -> None:
         group.from_spares = pool.take(n)
         return group
 
-    controller.make_train_group, controller.spares = make_train_group, pool
+    controller.make_train_group, controller.pools = make_train_group, {RoleName.ACTOR: pool}
 
 
 def test_a_restart_takes_spares_first_and_the_pool_is_refilled_after_the_next_step(tmp_path, clean):

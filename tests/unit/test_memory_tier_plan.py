@@ -171,11 +171,12 @@ def test_the_default_job_is_served_by_the_memory_tier_with_spares_or_without():
     from supervisor.config import load_config
 
     c = load_config()
-    assert c.memory_tier_off(spares=2) is None and c.memory_tier_off(spares=0) is None  # without: peers hold
+    # without spares the peers hold each other's copies
+    assert c.memory_tier_off({"actor": 2}) is None and c.memory_tier_off({"actor": 0}) is None
     one = load_config(None, ["cluster.n_train_workers=1", "recover.spare_workers=0"])
     assert one.memory_tier_off() == "one rank and no warm spare: nothing holds its copies (recover.spare_workers)"
     # GRPO's KL term against the initial policy: a new rank rebuilds that reference from the config
-    assert load_config(None, ["actor.kl_coef=0.1"]).memory_tier_off(spares=2) is None
+    assert load_config(None, ["actor.kl_coef=0.1"]).memory_tier_off({"actor": 2}) is None
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -186,7 +187,7 @@ def test_the_default_job_is_served_by_the_memory_tier_with_spares_or_without():
 def test_auto_falls_back_to_disk_and_says_why(overrides, reason):
     from supervisor.config import load_config
 
-    assert reason in load_config(None, overrides).memory_tier_off(spares=2)
+    assert reason in load_config(None, overrides).memory_tier_off({"actor": 2})
 
 
 def test_memory_on_for_a_job_it_cannot_serve_is_an_error_naming_the_key():
