@@ -209,10 +209,11 @@ def test_hang_of_a_rank_or_an_engine_at_every_method_and_phase(points, cluster, 
 
 
 def signal_monkey(progress, proc, rng: random.Random, signals: int, targets, pause: tuple[float, float],
-                  stopped: list[int]) -> list[tuple]:
+                  stopped: list[int], before_step: int | None = None) -> list[tuple]:
     """Up to `signals` SIGKILLs or SIGSTOPs (as likely, drawn from `rng`) of processes drawn from
     `targets(progress())` (the live Supervisor's answer), each after a pause drawn from `pause`, while the job
-    runs; the pids it stopped go to `stopped`. Returns what it did."""
+    runs (and, with `before_step`, until it reaches that step); the pids it stopped go to `stopped`. Returns what
+    it did."""
     done = []
     while len(done) < signals and proc.poll() is None:
         time.sleep(rng.uniform(*pause))
@@ -220,6 +221,8 @@ def signal_monkey(progress, proc, rng: random.Random, signals: int, targets, pau
             p = progress()
         except Exception:  # noqa: BLE001 - the Supervisor is being restarted, or the job is ending
             continue
+        if before_step is not None and p["global_step"] >= before_step:
+            break
         candidates = targets(p)
         if not candidates:  # being replaced
             continue

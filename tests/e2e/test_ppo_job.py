@@ -7,12 +7,17 @@ rank's death restarts the critic's group alone while the actor's ranks keep thei
 step; an actor rank's death later reloads both. Each run ends bit-identical to an uninterrupted PPO run."""
 from __future__ import annotations
 
+import importlib.util
 import json
-
-import pytest
+import os
+import random
 import time
 
-from harness import CONFIG, MEMORY_TIER, SHORT, Trial, job_env, log_tail, metrics, relaunch, start_relaunch
+import pytest
+
+from harness import (CONFIG, MEMORY_TIER, REPO, SHORT, Trial, job_env, kill_session, log_tail, metrics, relaunch,
+                     start_relaunch)
+from test_any_moment import assert_exact, end, signal_monkey
 from test_faults import assert_recovered_exactly, drain_while_paused, restore_workers, wait_paused
 
 from workers.ppo import KLCoefficient
@@ -217,3 +222,81 @@ def test_the_adaptive_kl_coefficient_in_the_rewards_is_restored_with_its_step(cl
     assert [e["global_step"] for e in trial.events("loaded")] == [-1, 4]
     assert "a survivor's KL reference may be newer" in r.stdout + r.stderr
     assert_recovered_exactly(trial, clean, restarts=1)
+
+
+# The chaos job: two engines (so that one dies alone), commits every 5 steps and every epoch (4, 9, 11, 14, 19, 23),
+# no spares (on fsdp each group's two ranks hold each other's copies; DeepSpeed recovers from disk), a hang seen
+# within 15 s. Its node is lost as step 14 begins, the whole job killed as step 19 begins.
+CHAOS = [*SHORT, *PPO, "cluster.n_rollout_workers=2", "recover.spare_workers=0", "recover.freq_epochs=1",
+         "recover.backoff_secs=0", "recover.step_timeout_secs=15", "recover.start_timeout_secs=60"]
+CHAOS_BACKENDS = {"fsdp": [MEMORY_TIER], "deepspeed": ["actor.backend=deepspeed", "critic.backend=deepspeed"]}
+NODE_LOST_STEP, JOB_KILLED_STEP = 14, 19
+
+
+def critic_export(trial: Trial, step: int = 23) -> bytes:
+    return next((trial.root / "critic").glob(f"epoch*globalstep{step}")).joinpath("model.safetensors").read_bytes()
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("backend", [
+    "fsdp", pytest.param("deepspeed", marks=pytest.mark.skipif(not importlib.util.find_spec("deepspeed"),
+                                                               reason="deepspeed is not installed"))])
+def test_seeded_random_chaos_in_both_groups_a_lost_node_and_a_killed_job_end_bit_identical(
+        backend, cluster, ppo_reference, trial, tmp_path):
+    """Issue 40's exactness at moments nobody chose: three SIGKILLs or SIGSTOPs (two on DeepSpeed) of random actor
+    ranks, critic ranks, engines and the Supervisor, drawn by a seeded monkey in the job's first 12 steps; then, as step 14
+    begins, the worker node of a random rank is lost (its raylet and every process on it) and a new node joins in
+    its place; then, as step 19 begins, the whole job is killed (its driver, and with it the Supervisor and every
+    actor it owns) and the same command run again, which resumes from the last commit. The run ends bit-identical
+    to an uninterrupted PPO run on the same backend: every stats field of both groups, the policy's and the
+    critic's final weights. RELAUNCH_CHAOS_SEED=N reproduces a schedule."""
+    import ray
+
+    seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
+    print(f"chaos seed {seed} (rerun with RELAUNCH_CHAOS_SEED={seed})")
+    rng = random.Random(seed)
+    reference = ppo_reference
+    if backend == "deepspeed":
+        reference = Trial(tmp_path / "reference")
+        r = relaunch("run", str(CONFIG), *SHORT, *PPO, *CHAOS_BACKENDS[backend], "recover.spare_workers=0",
+                     *reference.overrides, "--address", cluster.address)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    pauses = [f"step.begin:pause:step={NODE_LOST_STEP}", f"step.begin:pause:step={JOB_KILLED_STEP}"]
+    env = job_env({"RELAUNCH_FAULT": ",".join(pauses), "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    signals = 3 if backend == "fsdp" else 2  # a DeepSpeed repair is from disk, each a cold start of its group
+    args = ["run", str(CONFIG), *CHAOS, *CHAOS_BACKENDS[backend], f"recover.retries={signals + 1}", *trial.overrides,
+            "--address", cluster.address]
+    proc = start_relaunch(*args, env=env, log=tmp_path / "job.log")
+    workers, stopped, done, lost = {n.node_id for n in cluster.workers}, [], [], None
+    ray.init(address=cluster.address, namespace="relaunch", logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        trial.wait_for_step(0, proc)
+        supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
+        done = signal_monkey(lambda: ray.get(supervisor.progress.remote(), timeout=10), proc, rng, signals,
+                             lambda p: [w for w in p["workers"] if w["pid"]] +
+                             [{"name": "Supervisor", "pid": p["supervisor_pid"]}], (0.5, 3.0), stopped,
+                             before_step=NODE_LOST_STEP - 2)
+        wait_paused(tmp_path, proc, 0)
+        loaded = trial.events("loaded")[-1]
+        lost = rng.choice(sorted({*loaded["nodes"], *loaded["critic_nodes"]} & workers))
+        cluster.kill_node(cluster.node_of(lost))
+        cluster.add_node()  # its replacement, as a cluster's autoscaler would bring
+        (tmp_path / "go").touch()
+        wait_paused(tmp_path, proc, 1)
+        kill_session(proc.pid)  # the whole job
+        proc.wait()
+    finally:
+        ray.shutdown()
+        end(proc, stopped)
+        restore_workers(cluster, workers, [])
+    r = relaunch(*args, env=env)  # every fault has fired: the same command runs to the end
+    assert r.returncode == 0, f"seed {seed}, faults {done}\n" + r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(done) >= 2, f"seed {seed}: the monkey had no time for {done}"
+    node_failures = [e for e in trial.events("failure") if e.get("node") == lost]
+    assert node_failures and node_failures[0]["global_step"] == NODE_LOST_STEP, (lost, trial.events("failure"))
+    # the rerun starts from the last commit before step 19: step 14's
+    assert trial.events("loaded")[-1]["global_step"] == NODE_LOST_STEP, trial.events("loaded")
+    assert_exact(trial, reference, len(done) + 1)
+    assert trial.final_weights() == reference.final_weights()
+    assert critic_export(trial) == critic_export(reference)
