@@ -273,9 +273,11 @@ def test_seeded_random_chaos_in_both_groups_a_lost_node_and_a_killed_job_end_bit
     try:
         trial.wait_for_step(0, proc)
         supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
+        # a tiny step takes ~0.5 s: a pause of 0.2-1.5 s lands in any phase of one, or of a repair, and the next
+        # signal comes a step or two after a repair, within the 12 steps
         done = signal_monkey(lambda: ray.get(supervisor.progress.remote(), timeout=10), proc, rng, signals,
                              lambda p: [w for w in p["workers"] if w["pid"]] +
-                             [{"name": "Supervisor", "pid": p["supervisor_pid"]}], (0.5, 3.0), stopped,
+                             [{"name": "Supervisor", "pid": p["supervisor_pid"]}], (0.2, 1.5), stopped,
                              before_step=NODE_LOST_STEP - 2)
         wait_paused(tmp_path, proc, 0)
         loaded = trial.events("loaded")[-1]

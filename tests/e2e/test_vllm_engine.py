@@ -1,7 +1,7 @@
 """vLLM as the rollout engine: in a spawned process (no Ray), its weights in place and read back and its seeded
 sampling (one engine serves those tests: vLLM's import and start cost ~20 s); then a job on the shared cluster
-with bf16 engines whose vLLM engine is killed, loses its node and hangs, whose ranks and engines are SIGKILLed
-or SIGSTOPped at seeded random moments, and which ends bit-identical to an uninterrupted bf16 vLLM run."""
+whose vLLM engine is killed, loses its node and hangs, whose ranks and engines are SIGKILLed or SIGSTOPped at
+seeded random moments, and which ends bit-identical to an uninterrupted vLLM run."""
 from __future__ import annotations
 
 import importlib.util
@@ -157,6 +157,29 @@ def test_an_engine_core_that_died_ends_the_process_and_nothing_else_does():
     assert exits == [1] and _or_exit(lambda: 7, exit=exits.append) == 7
 
 
+@pytest.mark.timeout(600)
+def test_bf16_engines_serve_the_trainers_weights_rounded_and_a_replayed_run_is_exact(cluster, trial, tmp_path):
+    """rollout.dtype bf16 (vLLM's dtype; the sync casts the trainer's fp32 weights): a rank SIGSTOPped in step 7
+    is a hang, the TrainGroup restarts from step 4's save, the engines are resynced in bf16 and the steps replayed
+    give the uninterrupted bf16 run's figures and weights."""
+    job = [*VLLM, "rollout.dtype=bf16", "total_train_epochs=1", "recover.step_timeout_secs=10"]
+    reference = Trial(tmp_path / "reference")
+    r = relaunch("run", str(CONFIG), *job, *reference.overrides, "--address", cluster.address)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    env = job_env({"RELAUNCH_FAULT": "TrainWorker.train.enter:stop:step=7:rank=1", "RELAUNCH_FAULT_DIR": str(tmp_path)})
+    r = relaunch("run", str(CONFIG), *job, *trial.overrides, "--address", cluster.address, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_exact(trial, reference, 1, steps=12)
+    (recovery,) = trial.events("recovery")
+    assert (recovery["cause"], recovery["source"], recovery["loaded_step"]) == ("hang", "disk", 4)
+    # what the engines held after the first sync: the initial weights rounded to bf16, by the engines' own digest
+    config = load_config(CONFIG, job)
+    initial = build_model(config.model, build_tokenizer(config.model), config.seed)
+    bf16 = local_digest([p.detach().to(torch.bfloat16) for p in initial.parameters()], torch.bfloat16,
+                        config.rollout.weight_bucket_mb * 2**20)
+    assert [e["checksum"] for e in trial.events("resync")][0] == bf16
+
+
 def engine_processes(cluster) -> int:
     """How many RolloutWorker processes (engines and spare engines) the worker nodes run (Ray titles an actor's
     process ray::{class})."""
@@ -173,18 +196,16 @@ def serving_workers(progress: dict) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_the_run_is_exact(cluster, trial,
                                                                                                tmp_path):
-    """Two bf16 engines (rollout.dtype bf16, vLLM's dtype: the sync casts the trainer's fp32 weights; the first
-    takes the head node's one CPU, the second a worker node's) and a warm spare engine. Engine 1's actor killed at
-    step 3 (replaced by the spare, on engine 1's cores), the worker node that runs an engine killed after step 8
-    (a node joins again after the job, as in test_faults), a generate hung at step 14, then, from step 16, two
-    seeded random SIGKILLs or SIGSTOPs of ranks or engines at random moments: each time the engines lost are
-    replaced, alone or with the ranks lost beside them, refitted in bf16 and checked before they serve, the steps
-    replayed give the uninterrupted bf16 run's figures and weights, and no engine process is left.
-    RELAUNCH_CHAOS_SEED=N reproduces the random part."""
+    """Two engines (the first takes the head node's one CPU, the second a worker node's) and a warm spare engine.
+    Engine 1's actor killed at step 3 (replaced by the spare, on engine 1's cores), the worker node that runs an engine killed after
+    step 8 (a node joins again after the job, as in test_faults), a generate hung at step 14, then, from step 16,
+    two seeded random SIGKILLs or SIGSTOPs of ranks or engines at random moments: each time the engines lost are
+    replaced, alone or with the ranks lost beside them, refitted and checked before they serve, the run ends
+    bit-identical, and no engine process is left. RELAUNCH_CHAOS_SEED=N reproduces the random part."""
     seed = int(os.environ.get("RELAUNCH_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos seed {seed} (rerun with RELAUNCH_CHAOS_SEED={seed})")
     # three epochs (36 steps): after the hang at 14, room for the monkey's faults to land mid-run
-    job = [*VLLM, "rollout.dtype=bf16", "total_train_epochs=3", "cluster.n_rollout_workers=2",
+    job = [*VLLM, "total_train_epochs=3", "cluster.n_rollout_workers=2",
            "recover.step_timeout_secs=10"]  # a hang is seen after 10 s
     reference = Trial(tmp_path / "reference")
     r = relaunch("run", str(CONFIG), *job, "recover.spare_workers=0", *reference.overrides,
@@ -244,12 +265,6 @@ def test_a_killed_a_hung_and_a_lost_vllm_engine_are_replaced_and_refitted_and_th
     assert replaced[0]["event"] == "engines_restarted" and len(replaced[0]["replaced"]) == engines
     # pushed to: every replaced engine, and the survivor too when a rank lost with the node rolled the weights back
     assert (replaced[1]["event"], replaced[1]["engines"]) == ("resync", 2) and engines <= replaced[1]["pushed"] <= 2
-    # what the engines held after the first sync: the initial weights rounded to bf16, by the engines' own digest
-    config = load_config(CONFIG, job)
-    initial = build_model(config.model, build_tokenizer(config.model), config.seed)
-    bf16 = local_digest([p.detach().to(torch.bfloat16) for p in initial.parameters()], torch.bfloat16,
-                        config.rollout.weight_bucket_mb * 2**20)
-    assert [e["checksum"] for e in trial.events("resync")][0] == bf16
     deadline = time.monotonic() + 10  # the engines and the spare are killed as the job ends; their processes exit
     while engine_processes(cluster) and time.monotonic() < deadline:
         time.sleep(0.5)
