@@ -465,8 +465,9 @@ class Controller:
             alive = self._answering(fault, role)
             choice = self._from_memory(fault, role, alive)
         except Exception as e:  # noqa: BLE001 - asking the ranks and buddies failed: disk needs none of them
-            alive, choice = None, Choice(Source.DISK, self.memory_off or f"the memory tier could not be asked: "
-                                                                         f"{type(e).__name__}: {first_line(e)}")
+            why = f"{type(e).__name__}: {first_line(e)}"
+            alive, choice = None, Choice(Source.DISK, f"{self.memory_off}; asking the ranks failed: {why}"
+                                         if self.memory_off else f"the memory tier could not be asked: {why}")
         choices, failed = choice if isinstance(choice, dict) else None, False
         reason = f"step {next(iter(choices.values())).step} from memory" if choices else choice.reason
         self.log.info(f"recovering from {'memory' if choices else 'disk'}: {reason}",

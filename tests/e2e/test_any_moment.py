@@ -238,6 +238,20 @@ def signal_monkey(progress, proc, rng: random.Random, signals: int, targets, pau
     return done
 
 
+def supervisor_monkey(trial: Trial, proc, rng: random.Random, signals: int, pause: tuple[float, float],
+                      stopped: list[int], before_step: int | None = None) -> list[tuple]:
+    """signal_monkey on a job of trial0 from its first step, this process connected to the job's cluster: the live
+    Supervisor's ranks and engines (as its `progress()` lists them: the critic's ranks too) and the Supervisor
+    itself are the targets."""
+    import ray
+
+    trial.wait_for_step(0, proc)
+    supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
+    return signal_monkey(lambda: ray.get(supervisor.progress.remote(), timeout=10), proc, rng, signals,
+                         lambda p: [w for w in p["workers"] if w["pid"]] +
+                         [{"name": "Supervisor", "pid": p["supervisor_pid"]}], pause, stopped, before_step)
+
+
 def end(proc, stopped: list[int]) -> None:
     """The job's process, if still running, and the processes a monkey stopped that the Supervisor has not
     killed yet: ours to end."""
@@ -277,11 +291,7 @@ def test_seeded_random_chaos_on_a_bucket_ends_bit_identical(cluster, s3_server, 
     ray.init(address=cluster.address, namespace="relaunch", logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
-        trial.wait_for_step(0, proc)
-        supervisor = ray.get_actor("tiny-grpo/trial0", namespace="relaunch")
-        done = signal_monkey(lambda: ray.get(supervisor.progress.remote(), timeout=10), proc, rng, signals,
-                             lambda p: [w for w in p["workers"] if w["pid"]] +
-                             [{"name": "Supervisor", "pid": p["supervisor_pid"]}], (0.5, 3.0), stopped)
+        done = supervisor_monkey(trial, proc, rng, signals, (0.5, 3.0), stopped)
         code = proc.wait(timeout=1100)
     finally:
         ray.shutdown()
