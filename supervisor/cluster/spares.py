@@ -180,15 +180,16 @@ class SparePool:
         return nodes
 
     def make_room(self, n: int, keep: frozenset[str] = frozenset(), reserve: int = 0,
-                  last: frozenset[str] = frozenset()) -> int:
+                  last: frozenset[str] = frozenset(), freed: int = 0) -> int:
         """Kill spares until the cluster has free CPUs for `n` more workers (replacements of engines lost with
         a node must not wait behind spares); returns how many were killed. Never those in `keep` (by name: the
         spares about to take moving ranks' places), nor the first `reserve` of the others (free spares that
         moving ranks will take); those in `last` (holding ranks' memory copies) only once no other is left.
-        The pool refills when there is room."""
+        `freed`: the workers' room that spares killed for the same engines already freed, which Ray may show
+        free by now or not yet (counted once either way). The pool refills when there is room."""
         free = sum(r.get("CPU", 0.0) for r in room_per_node().values()) // self.config.cluster.cpus_per_worker
         others = [s for s in self.spares if s.name not in keep][reserve:]
-        victims = sorted(others, key=lambda s: s.name in last)[:max(0, n - int(free))]
+        victims = sorted(others, key=lambda s: s.name in last)[:max(0, n - max(int(free), freed))]
         gone = {s.name for s in victims}
         self.spares = [s for s in self.spares if s.name not in gone]
         self._kill(victims)

@@ -840,16 +840,16 @@ class Controller:
         failed, released = set(), {}  # a pool whose upkeep failed is left alone (tried again later)
         for holders_too in (False, True):
             for role, spares, memory in pools:
-                if role in failed or (holders_too and n <= 0):
+                freed = sum(released.values())  # by the kills before, which Ray may not show yet
+                if role in failed or (holders_too and n <= freed):
                     continue
                 holders = frozenset(memory.covering().values()) if memory is not None else frozenset()
                 spared = keep if holders_too else keep | holders
                 killed = self._best_effort("making room for the engines", lambda: spares.make_room(
-                    n, spared, (reserve or {}).get(role, 0), last=holders))
+                    n, spared, (reserve or {}).get(role, 0), last=holders, freed=freed))
                 if killed is None:
                     failed.add(role)
                 released[role] = released.get(role, 0) + (killed or 0)
-                n -= killed or 0  # freed, though Ray may not show it yet
         for role, spares, _ in pools:
             if released.get(role):
                 self.events.emit(Event.SPARES, action="released", pool=len(spares), size=spares.size,

@@ -631,7 +631,7 @@ class FakePool:
         self.ready = self.size
         return started
 
-    def make_room(self, n: int, keep=frozenset(), reserve=0, last=frozenset()) -> int:
+    def make_room(self, n: int, keep=frozenset(), reserve=0, last=frozenset(), freed=0) -> int:
         return 0  # the stand-in cluster always has room for a replaced engine
 
     def shutdown(self):
@@ -701,7 +701,7 @@ class FlakyPool(FakePool):
             raise rex.RaySystemError("GCS unavailable: failed to get cluster resources")
         return super().refill(avoid)
 
-    def make_room(self, n: int, keep=frozenset(), reserve=0, last=frozenset()) -> int:
+    def make_room(self, n: int, keep=frozenset(), reserve=0, last=frozenset(), freed=0) -> int:
         raise rex.RaySystemError("GCS unavailable: failed to get available resources")
 
 

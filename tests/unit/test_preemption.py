@@ -129,3 +129,13 @@ def test_room_made_for_engines_costs_the_spares_holding_ranks_copies_last(monkey
     assert pool.make_room(2, last=frozenset({"spare-a"})) == 1 and killed == ["spare-b"]
     assert pool.make_room(3, last=frozenset({"spare-a"})) == 2 and killed == ["spare-b", "spare-c", "spare-a"]
     assert pool.spares == []
+
+
+def test_room_made_in_two_passes_counts_the_first_passes_kills_once(monkeypatch):
+    """A second pass after a first that killed spares for the same engines: Ray shows one CPU free, which may be
+    one of those the first pass freed; each freed CPU is counted once (counted twice, the free one and the freed
+    one, it left a drain's second engine with no room, waiting out its start-up bound)."""
+    killed = []
+    pool = pool_of(monkeypatch, ["spare-a", "spare-b", "spare-c"], killed)
+    assert pool.make_room(2, freed=1) == 1 and killed == ["spare-a"]  # the free CPU is the one freed: one more
+    assert pool.make_room(4, freed=2) == 2 and killed == ["spare-a", "spare-b", "spare-c"]  # 4 - 2, not 4 - 3
