@@ -269,8 +269,8 @@ class Controller:
                 memory.wait_landed(group, step)  # the copy of the step just completed, sent beside the step
             choices[role] = self._recovery_source(Fault(FaultKind.WORKER_DIED, "the node drains"),
                                                   set(range(group.world_size)) - lost, bundles=False, role=role)
-        spares = {name: s.node for role in groups if self.pools.get(role) is not None  # as they are now: an earlier
-                  for name, s in self.pools.get(role).holders().items()}                 # handoff took some
+        spares = {name: s.node for pool in self.pools.values()  # as they are now: an earlier handoff took some
+                  for name, s in pool.holders().items()}
         handoff = plan_handoff(node=node, deadline=deadline, now=time.time(),
                                rank_nodes={role: group.nodes for role, group in groups.items()},
                                engine_nodes={m.name: m.node_id for m in engines.members}, spare_nodes=spares,
